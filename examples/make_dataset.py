@@ -1,0 +1,113 @@
+"""Generate examples/dataset: a small kohya-style dataset of synthetic images with captions.
+
+    python examples/make_dataset.py [--out examples/dataset]
+
+Three concept folders with kohya repeat prefixes, 36 images of varied aspect ratios
+(portrait, landscape, square, a panorama), PNG and JPEG, a few with transparency and one
+JPEG stored sideways with an EXIF orientation tag, captions as tag lists (.txt), a few
+natural-language captions (.caption) and one JSON sidecar. Deterministic: the same script
+gives the same images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+SIZES = [(192, 256), (256, 192), (224, 224), (160, 288), (288, 160), (320, 128), (128, 320),
+         (240, 180), (180, 240), (256, 256), (384, 128), (200, 150)]
+PALETTE = {"red": (220, 50, 47), "blue": (38, 139, 210), "green": (133, 153, 0),
+           "yellow": (181, 137, 0), "purple": (108, 113, 196), "orange": (203, 75, 22)}
+FOLDERS = {"10_kohaku shapes": "shapes", "5_kohaku stripes": "stripes", "2_gradients": "gradients"}
+
+
+def draw(kind: str, size: tuple[int, int], rng: np.random.Generator, alpha: bool):
+    w, h = size
+    names = list(PALETTE)
+    bg_name, fg_name = rng.choice(names, 2, replace=False)
+    bg, fg = PALETTE[bg_name], PALETTE[fg_name]
+    tags: list[str] = []
+    if kind == "gradients":
+        t = np.linspace(0, 1, w)[None, :, None]
+        arr = (np.array(bg) * (1 - t) + np.array(fg) * t).repeat(h, 0).astype(np.uint8)
+        img = Image.fromarray(arr, "RGB")
+        tags = [f"{bg_name} to {fg_name} gradient", "horizontal", "smooth"]
+    else:
+        img = Image.new("RGB", size, bg)
+        d = ImageDraw.Draw(img)
+        if kind == "shapes":
+            n = int(rng.integers(1, 4))
+            shape = str(rng.choice(["circle", "square", "triangle"]))
+            for _ in range(n):
+                r = int(rng.integers(min(w, h) // 8, min(w, h) // 3))
+                cx, cy = int(rng.integers(r, w - r)), int(rng.integers(r, h - r))
+                if shape == "circle":
+                    d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fg)
+                elif shape == "square":
+                    d.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fg)
+                else:
+                    d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fg)
+            tags = [f"{n} {fg_name} {shape}{'s' if n > 1 else ''}", f"{bg_name} background", "flat colors"]
+        else:
+            step = int(rng.integers(12, 40))
+            vertical = bool(rng.integers(2))
+            for x in range(0, w if vertical else h, 2 * step):
+                box = (x, 0, x + step, h) if vertical else (0, x, w, x + step)
+                d.rectangle(box, fill=fg)
+            tags = [f"{fg_name} and {bg_name} stripes", "vertical" if vertical else "horizontal",
+                    "pattern"]
+    if alpha:
+        a = Image.new("L", size, 0)
+        ImageDraw.Draw(a).ellipse((w // 10, h // 10, w - w // 10, h - h // 10), fill=255)
+        img = img.convert("RGBA")
+        img.putalpha(a)
+        tags.append("transparent background")
+    return img, tags
+
+
+def make(out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    rng = np.random.default_rng(2026)
+    count = 0
+    for folder, kind in FOLDERS.items():
+        (out / folder).mkdir(parents=True)
+        for i in range(12):
+            size = SIZES[(i + count) % len(SIZES)]
+            alpha = kind == "shapes" and i % 5 == 4
+            img, tags = draw(kind, size, rng, alpha)
+            stem = out / folder / f"{kind}_{i:02d}"
+            if alpha or i % 3 == 0:
+                img.save(stem.with_suffix(".png"), optimize=False)
+            elif i == 7:  # stored sideways; EXIF orientation 6 turns it upright when decoded
+                exif = Image.Exif()
+                exif[0x0112] = 6
+                img.transpose(Image.Transpose.ROTATE_90).save(stem.with_suffix(".jpg"),
+                                                              quality=90, exif=exif)
+                tags.append("exif rotated")
+            else:
+                img.convert("RGB").save(stem.with_suffix(".jpg"), quality=90)
+            stem.with_suffix(".txt").write_text(", ".join(["kohaku", *tags]) + "\n", encoding="utf-8")
+            if i % 4 == 1:
+                stem.with_suffix(".caption").write_text(
+                    f"A synthetic picture of {tags[0]} ({kind}).\n", encoding="utf-8")
+            if i == 2:
+                stem.with_suffix(".json").write_text(json.dumps(
+                    {"rating": "general", "source": "examples/make_dataset.py"}) + "\n",
+                    encoding="utf-8")
+            count += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "dataset")
+    make(ap.parse_args().out)
+
+
+if __name__ == "__main__":
+    main()

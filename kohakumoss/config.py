@@ -1,0 +1,228 @@
+"""``params.yaml`` sections as frozen dataclasses, loaded strictly.
+
+Each top-level section maps to one dataclass below; ``load_params`` builds them all and
+fails on the first unknown key, wrong type or bad value with a message that names the key,
+the value and what is allowed. Stages read only the sections (and keys) they declare in
+``dvc.yaml``; ``stage_params`` gives the exact dict a stage's manifest hashes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kohakumoss.configlib import ConfigError, build, coerce, fail, knob, to_plain
+
+Background = Literal["white", "black", "gray"]
+
+
+def _positive(v: Any) -> bool:
+    return v > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = knob("default", check=lambda v: v.replace("-", "").replace("_", "").isalnum(),
+                     allowed="letters, digits, '-' and '_' (it names runs/<name>/)")
+    seed: int = knob(0, check=lambda v: v >= 0, allowed="an integer >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetEntry:
+    """One dataset: a source (``source`` name + its own arguments) and dataset-level keys."""
+
+    source: str
+    args: Any  # the source's own frozen dataclass
+    weight: float = 1.0
+    loss_weight: float = 1.0
+    caption: Any = None  # a caption TemplateSpec overriding caption.template, or None
+
+
+DATASET_KEYS = ("weight", "loss_weight", "caption")
+
+
+def parse_dataset(mapping: Any, where: str) -> DatasetEntry:
+    from kohakumoss.data.captions import parse_template
+    from kohakumoss.data.sources import SOURCES
+
+    if not isinstance(mapping, dict) or "source" not in mapping:
+        raise ConfigError(f"{where} must be a mapping with a 'source' key "
+                          f"(one of {', '.join(sorted(SOURCES))}), got {mapping!r}")
+    name = mapping["source"]
+    if name not in SOURCES:
+        fail(f"{where}.source", name, "one of " + ", ".join(sorted(SOURCES)))
+    own = {k: v for k, v in mapping.items() if k != "source" and k not in DATASET_KEYS}
+    args = build(SOURCES[name], own, where)
+    weight = coerce(float, mapping.get("weight", 1.0), f"{where}.weight")
+    if weight < 0:
+        fail(f"{where}.weight", weight, "a number >= 0")
+    loss_weight = coerce(float, mapping.get("loss_weight", 1.0), f"{where}.loss_weight")
+    caption = mapping.get("caption")
+    if caption is not None:
+        caption = parse_template(caption, f"{where}.caption")
+    return DatasetEntry(source=name, args=args, weight=weight, loss_weight=loss_weight,
+                        caption=caption)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    datasets: tuple = ()
+    rescan: bool | Literal["never"] = knob(False, help="false: re-probe new and changed items; "
+                                           "true: re-probe everything; never: trust the catalog")
+    scan_workers: int = knob(2, check=lambda v: v >= 0, allowed="an integer >= 0")
+    num_workers: int = knob(2, check=lambda v: v >= 0, allowed="an integer >= 0")
+    prefetch: int = knob(2, check=lambda v: v >= 1, allowed="an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolutionConfig:
+    mode: Literal["resize", "bucket", "crop", "keep", "square"] = "bucket"
+    target_area: int = knob(1024 * 1024, check=lambda v: v >= 256, allowed="an integer >= 256 (pixels)")
+    size_step: int = knob(16, check=lambda v: v >= 16 and v % 16 == 0,
+                          allowed="a positive multiple of 16 (one latent token is 16x16 pixels)")
+    aspect_range: tuple[float, float] = knob(
+        (0.33, 3.0), check=lambda v: 0 < v[0] <= 1 <= v[1],
+        allowed="[min_w_over_h, max_w_over_h] with 0 < min <= 1 <= max")
+    upscale: Literal["never", "to_area"] = "never"
+    crop: Literal["center", "random"] = "center"
+    flip: bool = False
+    background: Background | tuple[int, int, int] = knob(
+        "white", check=lambda v: isinstance(v, str) or all(0 <= c <= 255 for c in v),
+        allowed="white, black, gray or [r, g, b] with 0..255")
+    resample: Literal["lanczos", "bicubic", "bilinear", "box"] = "lanczos"
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptionConfig:
+    template: Any = None  # TemplateSpec; None -> the default tags template
+    variants: int = knob(4, check=lambda v: v >= 1, allowed="an integer >= 1")
+    text_drop: float = knob(0.1, check=lambda v: 0.0 <= v <= 1.0, allowed="a probability in [0, 1]")
+    chars_per_token: float = knob(3.5, check=_positive, allowed="a number > 0")
+    overhead_tokens: int = knob(12, check=lambda v: v >= 0, allowed="an integer >= 0")
+    max_text_tokens: int = knob(4096, check=lambda v: v >= 1, allowed="an integer >= 1")
+    tokenizer: str = knob("", help="a tokenizer folder for exact text token counts; '' = estimate")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingConfig:
+    mode: Literal["tokens", "tokens_ffd", "count"] = "tokens"
+    max_tokens: int = knob(16384, check=lambda v: v >= 2, allowed="an integer >= 2")
+    max_samples: int = knob(0, check=lambda v: v >= 0, allowed="an integer >= 0 (0 = no cap)")
+    batch_size: int = knob(4, check=lambda v: v >= 1, allowed="an integer >= 1")
+    window: int = knob(256, check=lambda v: v >= 1, allowed="an integer >= 1")
+    drop_last: bool = True
+    overlong: Literal["drop", "truncate_text", "drop_tokens"] = "drop"
+    token_budget: Literal["auto", "estimate", "render", "exact"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = knob(100, check=lambda v: v >= 1, allowed="an integer >= 1")
+    grad_accum: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    world_size: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (data-parallel ranks)")
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "data": DataConfig,
+    "resolution": ResolutionConfig,
+    "caption": CaptionConfig,
+    "batching": BatchingConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    run: RunConfig
+    data: DataConfig
+    resolution: ResolutionConfig
+    caption: CaptionConfig
+    batching: BatchingConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    path: str = "params.yaml"
+
+
+def parse_params(raw: Any, path: str = "params.yaml") -> Params:
+    from kohakumoss.data.captions import parse_template
+
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    unknown = [k for k in raw if k not in SECTIONS]
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(str(unknown[0]), list(SECTIONS), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"{path}: unknown section {unknown[0]!r}{hint} "
+                          f"(sections: {', '.join(SECTIONS)})")
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        body = dict(raw.get(name) or {})
+        where = f"{path}: {name}"
+        if name == "data":
+            datasets = body.pop("datasets", None)
+            if not isinstance(datasets, list) or not datasets:
+                raise ConfigError(f"{where}.datasets must be a non-empty list of dataset entries "
+                                  f"(e.g. - {{source: kohya, path: my_dataset}}), got {datasets!r}")
+            parsed = tuple(parse_dataset(d, f"{where}.datasets[{i}]") for i, d in enumerate(datasets))
+            sections[name] = dataclasses.replace(build(cls, body, where), datasets=parsed)
+        elif name == "caption":
+            template = body.pop("template", None)
+            spec = parse_template(template if template is not None else {"template": "tags"},
+                                  f"{where}.template")
+            sections[name] = dataclasses.replace(build(cls, body, where), template=spec)
+        else:
+            sections[name] = build(cls, body, where)
+    params = Params(**sections, path=path)
+    validate(params)
+    return params
+
+
+def validate(p: Params) -> None:
+    """Cross-section rules (``spec/data.md`` section 11)."""
+    where = f"{p.path}: batching.token_budget"
+    if p.batching.token_budget == "exact" and not p.caption.tokenizer:
+        fail(where, "exact", "'exact' needs caption.tokenizer set to a tokenizer folder; "
+             "use 'auto' or 'estimate' without one")
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"params file {path} does not exist; run from the project root or pass "
+                          f"--params PATH")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    return parse_params(raw, str(path))
+
+
+def section_plain(params: Params, name: str) -> dict[str, Any]:
+    return to_plain(getattr(params, name))
+
+
+def stage_params(params: Params, keys: list[str]) -> dict[str, Any]:
+    """The params a stage reads, as plain data: ``keys`` are ``section`` or ``section.key``.
+
+    This is what the stage's manifest hashes, and it must list the same keys as the
+    stage's ``params:`` in dvc.yaml (a test checks that).
+    """
+    out: dict[str, Any] = {}
+    for key in keys:
+        section, _, field = key.partition(".")
+        plain = section_plain(params, section)
+        out[key] = plain[field] if field else plain
+    return out

@@ -1,0 +1,1 @@
+"""The data half of the pipeline: sources, catalog, captions, resolution, plan, loader."""

@@ -1,0 +1,208 @@
+"""Materialise planned batches into host batches, in plan order, on worker processes.
+
+``spec/data.md`` section 10. A host batch holds, per sample, the decoded pixels (EXIF
+orientation, crop box, alpha over the background colour, RGB, resample to the target,
+flip) as float32 ``[3, H, W]`` in the VAE's input range ``[-1, 1]``, the caption to encode
+(``""`` when the plan dropped the text) and the plan's bookkeeping. The batch stream is a
+pure function of the plan: worker ``w`` of ``W`` materialises local indices
+``start + w, start + w + W, ...`` and the DataLoader's round-robin collection returns them
+in index order, so any worker count, and any resume position ``start``, yields exactly the
+batches an uninterrupted run would have.
+
+A sample whose image cannot be decoded is left out of its batch with a warning and listed
+in ``HostBatch.skipped``; it never stops the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import multiprocessing
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from PIL import Image, ImageOps
+
+from kohakumoss.config import DatasetEntry, ResolutionConfig
+
+log = logging.getLogger(__name__)
+
+BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0), "gray": (127, 127, 127)}
+RESAMPLE = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.BICUBIC,
+            "bilinear": Image.Resampling.BILINEAR, "box": Image.Resampling.BOX}
+ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
+
+
+def background_rgb(bg: str | tuple[int, int, int]) -> tuple[int, int, int]:
+    return BACKGROUNDS[bg] if isinstance(bg, str) else tuple(bg)
+
+
+def decode_image(data: bytes, box: tuple[int, int, int, int], target_hw: tuple[int, int],
+                 flip: bool, background: str | tuple[int, int, int] = "white",
+                 resample: str = "lanczos") -> np.ndarray:
+    """Decode one planned sample to uint8 ``[H, W, 3]`` (``spec/data.md`` 7.5)."""
+    with Image.open(io.BytesIO(data)) as im:
+        im = ImageOps.exif_transpose(im)
+        im = im.crop(box)
+        if im.mode in ALPHA_MODES or (im.mode == "P" and "transparency" in im.info):
+            rgba = im.convert("RGBA")
+            canvas = Image.new("RGBA", rgba.size, (*background_rgb(background), 255))
+            im = Image.alpha_composite(canvas, rgba)
+        im = im.convert("RGB")
+        th, tw = target_hw
+        if im.size != (tw, th):
+            im = im.resize((tw, th), RESAMPLE[resample], reducing_gap=3.0)
+        if flip:
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return np.asarray(im, dtype=np.uint8).copy()
+
+
+def to_model_range(pixels_hwc: np.ndarray) -> torch.Tensor:
+    """uint8 ``[H, W, 3]`` -> float32 ``[3, H, W]`` with ``x / 127.5 - 1``."""
+    return torch.from_numpy(pixels_hwc).permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+@dataclasses.dataclass
+class HostBatch:
+    index: int
+    rank: int
+    step: int
+    micro: int
+    uids: torch.Tensor  # int64 [B]
+    hw: torch.Tensor  # int32 [B, 2] latent grid (h/16, w/16)
+    pixels: list[torch.Tensor]  # float32 [3, H, W] in [-1, 1]
+    captions: list[str]  # "" where text_drop
+    text_drop: torch.Tensor  # bool [B]
+    loss_weight: torch.Tensor  # float32 [B]
+    text_limit: list[int]  # -1 = none
+    img_keep: list[int]  # -1 = none
+    keep_seed: list[int]
+    crops: list[tuple[int, int, int, int]]
+    flips: list[bool]
+    skipped: list[tuple[int, str]]
+
+
+class PlanBatches:
+    """Random access to the plan's batches of one rank; picklable, opens files lazily."""
+
+    def __init__(self, plan_dir: str | Path, datasets: tuple[DatasetEntry, ...],
+                 resolution: ResolutionConfig, catalog_dir: str | Path, rank: int = 0,
+                 world: int = 1):
+        self.plan_dir = Path(plan_dir)
+        self.catalog_dir = Path(catalog_dir)
+        self.datasets = datasets
+        self.resolution = resolution
+        self.rank, self.world = rank, world
+        self._cols: dict[str, np.ndarray] | None = None
+        self._locators: list[list[str]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cols": None, "_locators": None}
+
+    def _load(self) -> dict[str, np.ndarray]:
+        if self._cols is None:
+            table = pq.read_table(self.plan_dir / "plan.parquet")
+            cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
+            starts = np.searchsorted(cols["batch"], np.arange(int(cols["batch"][-1]) + 2))
+            cols["_starts"] = starts
+            self._cols = cols
+        return self._cols
+
+    def _locator(self, dataset: int, row: int) -> str:
+        if self._locators is None:
+            import json
+
+            from kohakumoss.data.catalog import read_catalog
+
+            index = json.loads((self.catalog_dir / "index.json").read_text(encoding="utf-8"))
+            self._locators = [read_catalog(self.catalog_dir / e["catalog"]).column("locator")
+                              .to_pylist() for e in index]
+        return self._locators[dataset][row]
+
+    def __len__(self) -> int:
+        n_global = len(self._load()["_starts"]) - 1
+        return max(0, (n_global - self.rank + self.world - 1) // self.world)
+
+    def batch(self, index: int) -> HostBatch:
+        cols = self._load()
+        g = index * self.world + self.rank
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch {index} is outside the plan ({len(self)} batches for rank "
+                             f"{self.rank}); the run is longer than its plan: re-run `kmoss plan`")
+        lo, hi = int(cols["_starts"][g]), int(cols["_starts"][g + 1])
+        res = self.resolution
+        out: dict[str, list] = {k: [] for k in ("uids", "hw", "pixels", "captions", "text_drop",
+                                                "loss_weight", "text_limit", "img_keep",
+                                                "keep_seed", "crops", "flips")}
+        skipped = []
+        for i in range(lo, hi):
+            d, row, uid = int(cols["dataset"][i]), int(cols["row"][i]), int(cols["uid"][i])
+            box = tuple(int(cols[k][i]) for k in ("crop_l", "crop_t", "crop_r", "crop_b"))
+            th, tw = int(cols["target_h"][i]), int(cols["target_w"][i])
+            flip = bool(cols["flip"][i])
+            locator = self._locator(d, row)
+            try:
+                data = self.datasets[d].args.open(locator)
+                pix = decode_image(data, box, (th, tw), flip, res.background, res.resample)
+            except Exception as e:  # a broken file is reported and skipped, never fatal
+                reason = f"{type(e).__name__}: {e}"
+                log.warning("batch %d: skipping dataset %d image %s (%s)", index, d, locator, reason)
+                skipped.append((uid, f"{locator}: {reason}"))
+                continue
+            drop = bool(cols["text_drop"][i])
+            out["uids"].append(uid)
+            out["hw"].append((th // 16, tw // 16))
+            out["pixels"].append(to_model_range(pix))
+            out["captions"].append("" if drop else str(cols["caption"][i]))
+            out["text_drop"].append(drop)
+            out["loss_weight"].append(float(cols["loss_weight"][i]))
+            out["text_limit"].append(int(cols["text_limit"][i]))
+            out["img_keep"].append(int(cols["img_keep"][i]))
+            out["keep_seed"].append(int(cols["keep_seed"][i]))
+            out["crops"].append(box)
+            out["flips"].append(flip)
+        return HostBatch(
+            index=index, rank=self.rank, step=int(cols["step"][lo]), micro=int(cols["micro"][lo]),
+            uids=torch.tensor(out["uids"], dtype=torch.int64),
+            hw=torch.tensor(out["hw"], dtype=torch.int32).reshape(-1, 2),
+            pixels=out["pixels"], captions=out["captions"],
+            text_drop=torch.tensor(out["text_drop"], dtype=torch.bool),
+            loss_weight=torch.tensor(out["loss_weight"], dtype=torch.float32),
+            text_limit=out["text_limit"], img_keep=out["img_keep"], keep_seed=out["keep_seed"],
+            crops=out["crops"], flips=out["flips"], skipped=skipped)
+
+
+class PlanStream(torch.utils.data.IterableDataset):
+    """Local batches ``start .. end-1`` of one rank, split round-robin over workers."""
+
+    def __init__(self, batches: PlanBatches, start: int = 0, end: int | None = None):
+        super().__init__()
+        self.batches, self.start = batches, start
+        self.end = len(batches) if end is None else min(end, len(batches))
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for index in range(self.start + wid, self.end, nw):
+            yield self.batches.batch(index)
+
+
+def make_loader(batches: PlanBatches, start: int = 0, end: int | None = None,
+                num_workers: int = 2, prefetch: int = 2) -> torch.utils.data.DataLoader:
+    """A DataLoader yielding ``HostBatch``es in plan order from local index ``start``."""
+    kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        method = "spawn" if sys.platform == "win32" else "forkserver"
+        kwargs = {"multiprocessing_context": multiprocessing.get_context(method),
+                  "prefetch_factor": prefetch}
+    return torch.utils.data.DataLoader(PlanStream(batches, start, end), batch_size=None,
+                                       num_workers=num_workers, collate_fn=_identity, **kwargs)
+
+
+def _identity(x):
+    return x

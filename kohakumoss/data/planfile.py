@@ -1,0 +1,161 @@
+"""The plan artifact: one Parquet row per batch slot, a summary, and a manifest.
+
+Directory layout (a DVC output)::
+
+    <out>/plan.parquet    columns below, sorted by (batch, slot)
+    <out>/summary.json    statistics a person can read (spec/data.md section 8)
+    <out>/manifest.json   kind "plan"; its content_hash names the run's data order
+
+Columns: ``batch`` global batch g; ``index``/``rank`` (g // world, g % world); ``step`` and
+``micro`` (index // grad_accum, index % grad_accum); ``slot``; ``epoch``/``position`` in the
+epoch order; ``dataset``/``row``/``uid`` catalog identity; ``src_w``/``src_h``; ``target_h``/
+``target_w``; ``crop_l``/``crop_t``/``crop_r``/``crop_b``; ``flip``; ``variant``; ``caption``
+(rendered, undropped); ``text_drop``; ``image_tokens``/``text_tokens`` planned;
+``text_limit``/``img_keep`` (-1 = none); ``keep_seed``; ``loss_weight``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kohakumoss.artifacts import (Manifest, atomic_path, atomic_write_json, code_version,
+                                  make_manifest, read_manifest, write_manifest)
+from kohakumoss.config import Params, stage_params
+from kohakumoss.data.captions import text_dropped
+from kohakumoss.data.catalogset import CatalogSet, load_catalogs
+from kohakumoss.data.plan import EpochResult, Occurrence, Planner, budget_mode, total_batches
+
+KIND = "plan"
+SCHEMA = 1
+PARAMS = ["run.seed", "data.datasets", "resolution", "caption", "batching", "train.steps",
+          "train.grad_accum", "parallel.world_size"]
+CODE = ("kohakumoss.data.plan", "kohakumoss.data.planfile", "kohakumoss.data.captions",
+        "kohakumoss.data.resolution", "kohakumoss.data.batching", "kohakumoss.data.seeding",
+        "kohakumoss.data.catalogset", "kohakumoss.data.tokens")
+
+I32, I64 = pa.int32(), pa.int64()
+PLAN_SCHEMA = pa.schema([
+    ("batch", I64), ("index", I64), ("rank", I32), ("step", I64), ("micro", I32), ("slot", I32),
+    ("epoch", I32), ("position", I64), ("dataset", I32), ("row", I64), ("uid", I64),
+    ("src_w", I32), ("src_h", I32), ("target_h", I32), ("target_w", I32),
+    ("crop_l", I32), ("crop_t", I32), ("crop_r", I32), ("crop_b", I32), ("flip", pa.bool_()),
+    ("variant", I32), ("caption", pa.string()), ("text_drop", pa.bool_()),
+    ("image_tokens", I32), ("text_tokens", I32), ("text_limit", I32), ("img_keep", I32),
+    ("keep_seed", pa.uint64()), ("loss_weight", pa.float32()),
+])
+
+
+def plan_table(p: Params, cs: CatalogSet, batches: list[list[Occurrence]]) -> pa.Table:
+    world, acc, seed = p.parallel.world_size, p.train.grad_accum, p.run.seed
+    cols: dict[str, list[Any]] = {f.name: [] for f in PLAN_SCHEMA}
+    for g, batch in enumerate(batches):
+        index, rank = divmod(g, world)
+        for slot, o in enumerate(batch):
+            d = int(cs.dataset[o.row])
+            vals = {
+                "batch": g, "index": index, "rank": rank, "step": index // acc, "micro": index % acc,
+                "slot": slot, "epoch": o.epoch, "position": o.position, "dataset": d,
+                "row": int(cs.local[o.row]), "uid": int(cs.uid[o.row]),
+                "src_w": int(cs.w[o.row]), "src_h": int(cs.h[o.row]),
+                "target_h": o.target[0], "target_w": o.target[1],
+                "crop_l": o.box[0], "crop_t": o.box[1], "crop_r": o.box[2], "crop_b": o.box[3],
+                "flip": o.flip, "variant": o.variant, "caption": o.caption,
+                "text_drop": text_dropped(seed, index, rank, slot, p.caption.text_drop),
+                "image_tokens": o.image_tokens, "text_tokens": o.text_tokens,
+                "text_limit": o.text_limit, "img_keep": o.img_keep, "keep_seed": o.keep_seed,
+                "loss_weight": cs.datasets[d].loss_weight,
+            }
+            for k, v in vals.items():
+                cols[k].append(v)
+    return pa.table(cols, schema=PLAN_SCHEMA)
+
+
+def _quantiles(x: np.ndarray) -> dict[str, float]:
+    if not len(x):
+        return {}
+    return {f"p{q}": float(np.percentile(x, q)) for q in (5, 25, 50, 75, 95)}
+
+
+def summarize(p: Params, cs: CatalogSet, table: pa.Table, epochs: list[EpochResult]) -> dict[str, Any]:
+    batch = table.column("batch").to_numpy()
+    img = table.column("image_tokens").to_numpy().astype(np.int64)
+    txt = table.column("text_tokens").to_numpy().astype(np.int64)
+    n_batches = int(batch.max()) + 1 if len(batch) else 0
+    joint = np.bincount(batch, weights=img + txt, minlength=n_batches)
+    per_batch = np.bincount(batch, minlength=n_batches)
+    sizes = Counter(zip(table.column("target_h").to_pylist(), table.column("target_w").to_pylist()))
+    src_area = (table.column("crop_r").to_numpy() - table.column("crop_l").to_numpy()) * \
+               (table.column("crop_b").to_numpy() - table.column("crop_t").to_numpy())
+    tgt_area = table.column("target_h").to_numpy() * table.column("target_w").to_numpy()
+    live = cs.live
+    return {
+        "rows": int(len(cs)), "live_rows": int(live.sum()),
+        "expected_epoch_items": float(cs.weight.astype(np.float64).sum()),
+        "epochs_planned": len(epochs),
+        "epoch_items": [e.items for e in epochs],
+        "overlong_dropped": [e.dropped for e in epochs],
+        "overlong_fitted": [e.fitted for e in epochs],
+        "unbatched": [e.unbatched for e in epochs],
+        "batches": n_batches, "samples": int(len(batch)),
+        "steps": p.train.steps, "grad_accum": p.train.grad_accum, "world_size": p.parallel.world_size,
+        "token_budget": budget_mode(p), "max_tokens": p.batching.max_tokens,
+        "mean_samples_per_batch": float(per_batch.mean()) if n_batches else 0.0,
+        "mean_image_tokens_per_batch": float(img.sum() / max(n_batches, 1)),
+        "mean_text_tokens_per_batch": float(txt.sum() / max(n_batches, 1)),
+        "joint_tokens_per_batch": _quantiles(joint),
+        "max_joint_tokens": int(joint.max()) if n_batches else 0,
+        "budget_fill": float(joint.mean() / p.batching.max_tokens) if n_batches else 0.0,
+        "text_dropped": int(np.sum(table.column("text_drop").to_numpy(zero_copy_only=False))),
+        "upscaled_share": float(np.mean(tgt_area > src_area)) if len(batch) else 0.0,
+        "distinct_sizes": len(sizes),
+        "top_sizes": [{"h": h, "w": w, "samples": n} for (h, w), n in sizes.most_common(8)],
+    }
+
+
+def make_plan(params: Params, catalog_dir: str | Path, out: str | Path) -> tuple[Manifest, dict]:
+    """Plan the whole run from the scan's catalogs into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cs = load_catalogs(catalog_dir, params.data.datasets)
+    counter = None
+    inputs: dict[str, Manifest] = {"catalog": cs.manifest}
+    if budget_mode(params) == "exact":
+        from kohakumoss.data.tokens import TokenCounter
+
+        counter = TokenCounter(params.caption.tokenizer, params.caption.max_text_tokens).count_many
+    batches, epochs = Planner(params, cs, counter).plan_batches(total_batches(params))
+    table = plan_table(params, cs, batches)
+    with atomic_path(out / "plan.parquet") as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    summary = summarize(params, cs, table, epochs)
+    atomic_write_json(out / "summary.json", summary)
+    extra_params = {}
+    if counter is not None:
+        extra_params["tokenizer_files"] = _tokenizer_identity(params.caption.tokenizer)
+    manifest = make_manifest(
+        KIND, SCHEMA, params={**stage_params(params, PARAMS), **extra_params}, inputs=inputs,
+        code=code_version(*CODE), directory=out, files=["plan.parquet", "summary.json"],
+        info={"batches": summary["batches"], "samples": summary["samples"],
+              "epochs": summary["epochs_planned"]})
+    write_manifest(out, manifest)
+    return manifest, summary
+
+
+def _tokenizer_identity(folder: str) -> dict[str, str]:
+    from kohakumoss.artifacts import hash_file
+
+    root = Path(folder)
+    return {f.name: hash_file(f) for f in sorted(root.iterdir())
+            if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja")}
+
+
+def read_plan(directory: str | Path) -> tuple[pa.Table, Manifest]:
+    directory = Path(directory)
+    manifest = read_manifest(directory, KIND, made_by="plan")
+    return pq.read_table(directory / "plan.parquet"), manifest

@@ -1,0 +1,62 @@
+"""The ``folder`` source: every image under a plain tree (``spec/data.md`` 3.2).
+
+Depth-first, top-down: a directory's image files (sorted) come before its subdirectories
+(sorted); symlinked directories are not entered. ``group`` is the relative directory
+(``""`` for the root), the locator the relative path with ``/``. Sidecars and stamps are
+those of the kohya source (2.1, 3.1); weight is 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from kohakumoss.data.rows import WalkItem
+from kohakumoss.data.sources.base import (
+    SourceError,
+    check_args,
+    list_dir,
+    register_source,
+    sidecar_file_item,
+)
+
+
+@register_source("folder")
+@dataclasses.dataclass(frozen=True)
+class FolderSource:
+    path: str
+    recursive: bool = True
+    txt_as: Literal["tags", "nl"] = "tags"
+    hash_content: bool = False
+
+    def __post_init__(self) -> None:
+        check_args(self)
+
+    def walk(self) -> list[WalkItem]:
+        root = Path(self.path)
+        if not root.is_dir():
+            raise SourceError(f"folder source: folder {str(root)!r} does not exist "
+                              f"(resolved to {str(root.absolute())!r}); set path to a "
+                              "directory of images (with optional img.txt / img.caption / "
+                              "img.json sidecars)")
+        items: list[WalkItem] = []
+        self._walk_dir(root, "", items)
+        return items
+
+    def _walk_dir(self, folder: Path, rel: str, items: list[WalkItem]) -> None:
+        listing = list_dir(folder, follow_dir_links=False)
+        for entry in listing.images:
+            locator = f"{rel}/{entry.name}" if rel else entry.name
+            items.append(sidecar_file_item(entry, listing.present, locator, group=rel,
+                                           txt_as=self.txt_as,
+                                           hash_content=self.hash_content))
+        if self.recursive:
+            for sub in listing.dirs:
+                self._walk_dir(Path(sub.path), f"{rel}/{sub.name}" if rel else sub.name, items)
+
+    def open(self, locator: str) -> bytes:
+        return (Path(self.path) / locator).read_bytes()
+
+    def own_catalog(self) -> Path | None:
+        return None

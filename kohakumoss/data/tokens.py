@@ -1,0 +1,61 @@
+"""Text token counts for planning: exact from a tokenizer, or the documented estimate.
+
+Exact counts wrap each caption the way the text encoder will (``spec/encoders.md`` 1.4:
+the tokenizer's own chat template, one user message, generation prompt, thinking on),
+truncated at ``max_text_tokens``. Without a tokenizer the planner uses
+``captions.estimate_text_tokens`` (``spec/data.md`` 4.3).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from kohakumoss.configlib import ConfigError
+
+
+def chat_messages(caption: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": caption}]
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(path: str):
+    """A Hugging Face tokenizer from a folder (``tokenizer.json`` / ``tokenizer_config.json``)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"caption.tokenizer = {path!r} is not a folder; point it at a tokenizer "
+                          f"folder (tokenizer.json + tokenizer_config.json with a chat template, "
+                          f"e.g. MOSS-Image's tokenizer/ folder) or set it to '' to estimate")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ConfigError("caption.tokenizer needs the transformers package: "
+                          "pip install 'kohakumoss[tokenizer]'") from e
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"the tokenizer in {path} has no chat template; MOSS-Image wraps every "
+                          f"caption in one (use the pipeline's tokenizer/ folder)")
+    return tok
+
+
+class TokenCounter:
+    """Counts the templated token length of captions, memoised per caption string."""
+
+    def __init__(self, path: str, max_tokens: int = 4096):
+        self.tokenizer = load_tokenizer(path)
+        self.max_tokens = max_tokens
+        self._memo: dict[str, int] = {}
+
+    def render(self, caption: str) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_messages(caption), tokenize=False, add_generation_prompt=True,
+            enable_thinking=True)
+
+    def count_many(self, captions: list[str]) -> list[int]:
+        todo = sorted({c for c in captions if c not in self._memo})
+        if todo:
+            texts = [self.render(c) for c in todo]
+            ids = self.tokenizer(texts, add_special_tokens=False, truncation=True,
+                                 max_length=self.max_tokens)["input_ids"]
+            self._memo.update((c, len(i)) for c, i in zip(todo, ids))
+        return [self._memo[c] for c in captions]

@@ -1,0 +1,21 @@
+"""The `kmoss` command: every pipeline stage as a subcommand."""
+
+from __future__ import annotations
+
+import typer
+
+from stages import plan, scan
+
+app = typer.Typer(
+    name="kmoss",
+    help="kohakumoss: finetune MOSS-Image as a DVC pipeline (scan -> plan -> ...). "
+         "Every stage reads params.yaml; `dvc repro` runs them in order.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+app.command("scan")(scan.main)
+app.command("plan")(plan.main)
+
+
+if __name__ == "__main__":
+    app()
