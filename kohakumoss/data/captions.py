@@ -331,7 +331,8 @@ def estimate_caption_chars(template: Any, cols: Mapping[str, Any]) -> np.ndarray
 
 def char_columns(rows: Sequence[Row]) -> dict[str, np.ndarray]:
     """The catalog's caption character columns for ``rows`` (int64 arrays)."""
-    counts = np.array([caption_char_counts(r) for r in rows], dtype=np.int64).reshape(-1, len(COLUMNS))
+    counts = np.array([caption_char_counts(r) for r in rows], dtype=np.int64)
+    counts = counts.reshape(-1, len(COLUMNS))
     return {name: counts[:, i] for i, name in enumerate(COLUMNS)}
 
 

@@ -28,11 +28,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kohakumoss.config import Params
-from kohakumoss.data.batching import fit_overlong, pack_count, pack_ffd, pack_greedy
-from kohakumoss.data.captions import estimate_text_tokens, render_caption, text_dropped
+from kohakumoss.data.batching import fit_overlong, keep_seed, pack_count, pack_ffd, pack_greedy
+from kohakumoss.data.captions import estimate_text_tokens, render_caption
 from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.resolution import Resolver
-from kohakumoss.data.seeding import rng_of, seed_of
+from kohakumoss.data.seeding import rng_of
 
 
 class PlanError(RuntimeError):
@@ -165,7 +165,7 @@ class Planner:
                 o.text_limit = fit.text_limit
             if fit.img_keep is not None:
                 o.img_keep = fit.img_keep
-                o.keep_seed = seed_of("img-keep", self.seed, epoch, o.position, int(self.cs.uid[o.row]))
+                o.keep_seed = keep_seed(self.seed, epoch, o.position, int(self.cs.uid[o.row]))
             kept.append(o)
         if self.p.resolution.mode == "bucket":
             streams: dict[tuple[int, int], list[Occurrence]] = {}
@@ -204,8 +204,9 @@ class Planner:
                         f"epoch {len(epochs)} yields no batch: {ep.items} samples, {ep.dropped} "
                         f"dropped as over-long (batching.max_tokens = {self.p.batching.max_tokens}, "
                         f"overlong = {self.p.batching.overlong!r}), {ep.unbatched} left unbatched; "
-                        f"raise max_tokens, lower resolution.target_area, or use overlong "
-                        f"'drop_tokens'")
+                        f"raise batching.max_tokens or lower resolution.target_area"
+                        + ("" if self.p.batching.overlong != "drop" else
+                           ", or set batching.overlong to 'drop_tokens' or 'truncate_text'"))
                 epochs.append(ep)
                 take = ep.batches[: total - len(batches)]
                 batches += take

@@ -289,7 +289,8 @@ def probe_file(path: str, locator: str, *, group: str = "", weight: float = 1.0,
             apply_sidecars(row, image_stem(Path(path)), txt_as)
         if meta:
             apply_json_meta(row, meta)
-        row.extra["hash"] = file_content_hash(path) if hash_content else stat_identity(Path(path), st)
+        identity = file_content_hash(path) if hash_content else stat_identity(Path(path), st)
+        row.extra["hash"] = identity
     except (ValueError, TypeError, OSError) as e:
         return [Row(locator, group=group, weight=weight, error=str(e))]
     return [row]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,12 @@ def _non_null(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if v is not None}
 
 
+def _json_safe(meta: dict[str, Any]) -> dict[str, Any]:
+    """Metadata as plain JSON values (dates, decimals, bytes become strings) so catalogs
+    can store it."""
+    return json.loads(json.dumps(meta, default=str))
+
+
 def probe_parquet_bytes(path: str, bytes_col: str, image_col: str) -> list[Row]:
     """All rows of a bytes-mode table (header probes of the in-memory bytes)."""
     rows: list[Row] = []
@@ -69,7 +76,7 @@ def probe_parquet_bytes(path: str, bytes_col: str, image_col: str) -> list[Row]:
                 row = probe_bytes(data, locator, group=group, weight=weight)
                 if row.error is None:
                     try:
-                        apply_json_meta(row, _non_null(record))
+                        apply_json_meta(row, _json_safe(_non_null(record)))
                     except (TypeError, ValueError) as e:
                         row = Row(locator, group=group, weight=weight, error=str(e))
                 rows.append(row)
@@ -167,7 +174,8 @@ class ParquetSource:
                 fields = _non_null(record)
                 fields_hash = line_hash(repr(sorted(fields.items())) + f"|{weight}|{group}")
                 items.append(manifest_item(abs_root, relative_locator(value), seen, fields_hash,
-                                           weight, group, fields, self.hash_content))
+                                           weight, group, _json_safe(fields),
+                                           self.hash_content))
         return items
 
     def open(self, locator: str) -> bytes:

@@ -1,0 +1,64 @@
+"""Shared fixtures: small generated datasets and params built from plain dicts."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from kohakumoss.config import Params, parse_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_image(path: Path, w: int, h: int, seed: int = 0, mode: str = "RGB") -> Path:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4}[mode]
+    arr = rng.integers(0, 256, (h, w, channels), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr, mode).save(path)
+    return path
+
+
+def make_kohya(root: Path, folders: dict[str, list[tuple[int, int]]], tags: bool = True) -> Path:
+    """``folders``: folder name -> list of (w, h); writes PNGs with .txt tag sidecars."""
+    n = 0
+    for folder, sizes in folders.items():
+        for i, (w, h) in enumerate(sizes):
+            p = write_image(root / folder / f"img_{i:03d}.png", w, h, seed=n)
+            if tags:
+                p.with_suffix(".txt").write_text(f"tag{n}, shared, colour {n % 3}, extra_{i}")
+            n += 1
+    return root
+
+
+BASE: dict[str, Any] = {
+    "run": {"seed": 0},
+    "data": {"datasets": [], "scan_workers": 0, "num_workers": 0},
+    "resolution": {"mode": "bucket", "target_area": 64 * 64, "aspect_range": [0.33, 3.0]},
+    "caption": {"template": {"template": "tags", "shuffle": True, "tag_dropout": 0.1},
+                "variants": 4, "text_drop": 0.2},
+    "batching": {"mode": "tokens", "max_tokens": 96, "overlong": "drop_tokens"},
+    "train": {"steps": 40, "grad_accum": 1},
+    "parallel": {"world_size": 1},
+}
+
+
+def make_params(datasets: list[dict], **overrides: dict[str, Any]) -> Params:
+    raw = copy.deepcopy(BASE)
+    raw["data"]["datasets"] = datasets
+    for section, values in overrides.items():
+        raw.setdefault(section, {}).update(values)
+    return parse_params(raw, "test-params.yaml")
+
+
+@pytest.fixture
+def kohya_dataset(tmp_path: Path) -> Path:
+    return make_kohya(tmp_path / "ds", {
+        "3_alpha": [(64, 64), (96, 48), (48, 96), (80, 60)],
+        "1_beta": [(128, 32), (40, 40), (70, 90)],
+    })

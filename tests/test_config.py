@@ -1,0 +1,86 @@
+"""params.yaml loading: strict sections, clear errors, the shipped file loads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from kohakumoss.config import load_params, parse_params, stage_params
+from kohakumoss.configlib import ConfigError
+
+from conftest import BASE, ROOT, make_params
+
+
+def test_shipped_params_load():
+    p = load_params(ROOT / "params.yaml")
+    assert p.data.datasets[0].source == "kohya"
+    assert p.resolution.size_step % 16 == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.batching.max_tokens = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("section, body, needle", [
+    ("batching", {"max_tokenz": 10}, "batching.max_tokenz: unknown key; did you mean 'max_tokens'"),
+    ("batching", {"max_tokens": 1}, "batching.max_tokens = 1 is not allowed: an integer >= 2"),
+    ("batching", {"max_tokens": "lots"}, "batching.max_tokens = 'lots' is not allowed: an integer"),
+    ("batching", {"mode": "greedy"}, "one of 'tokens', 'tokens_ffd', 'count'"),
+    ("resolution", {"size_step": 24}, "resolution.size_step = 24 is not allowed: a positive multiple of 16"),
+    ("resolution", {"aspect_range": [2.0, 3.0]}, "0 < min <= 1 <= max"),
+    ("resolution", {"background": [300, 0, 0]}, "resolution.background"),
+    ("resolution", {"flip": "yes"}, "resolution.flip = 'yes' is not allowed: true or false"),
+    ("caption", {"text_drop": 1.5}, "caption.text_drop = 1.5 is not allowed: a probability in [0, 1]"),
+    ("caption", {"template": {"template": "tagz"}}, "caption.template"),
+    ("data", {"rescan": "sometimes"}, "data.rescan = 'sometimes'"),
+])
+def test_bad_values_name_key_value_and_allowed(section, body, needle):
+    raw = {k: dict(v) for k, v in BASE.items()}
+    raw["data"] = {**BASE["data"], "datasets": [{"source": "kohya", "path": "x"}]}
+    raw[section] = {**raw.get(section, {}), **body}
+    with pytest.raises(ConfigError) as e:
+        parse_params(raw, "p.yaml")
+    assert needle in str(e.value)
+    assert "p.yaml" in str(e.value)
+
+
+def test_unknown_section_and_dataset_errors():
+    with pytest.raises(ConfigError, match="unknown section 'batchin'; did you mean 'batching'"):
+        parse_params({"batchin": {}, "data": {"datasets": [{"source": "kohya", "path": "x"}]}})
+    with pytest.raises(ConfigError, match="datasets must be a non-empty list"):
+        parse_params({"data": {"datasets": []}})
+    with pytest.raises(ConfigError, match=r"datasets\[0\].source = 'kohyaa' is not allowed: one of"):
+        parse_params({"data": {"datasets": [{"source": "kohyaa", "path": "x"}]}})
+    with pytest.raises(ConfigError, match=r"datasets\[0\].repeat_prefx: unknown key"):
+        parse_params({"data": {"datasets": [{"source": "kohya", "path": "x", "repeat_prefx": "first"}]}})
+    with pytest.raises(ConfigError, match=r"datasets\[0\].path is required"):
+        parse_params({"data": {"datasets": [{"source": "kohya"}]}})
+
+
+def test_exact_budget_needs_tokenizer():
+    with pytest.raises(ConfigError, match="needs caption.tokenizer"):
+        make_params([{"source": "kohya", "path": "x"}], batching={"token_budget": "exact"})
+
+
+def test_load_params_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_params(bad)
+
+
+def test_dataset_level_keys_and_caption_override():
+    p = make_params([{"source": "kohya", "path": "x", "weight": 2, "loss_weight": 0.5,
+                      "caption": {"template": "nl"}}])
+    d = p.data.datasets[0]
+    assert (d.weight, d.loss_weight) == (2.0, 0.5)
+    assert type(d.caption).__name__.lower().startswith("nl")
+
+
+def test_stage_params_selects_declared_keys():
+    p = make_params([{"source": "kohya", "path": "x"}])
+    sp = stage_params(p, ["run.seed", "batching"])
+    assert sp["run.seed"] == 0 and sp["batching"]["max_tokens"] == 96
+    yaml.safe_dump(sp)  # plain data only
