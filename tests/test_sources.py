@@ -59,10 +59,6 @@ def exif_jpeg(path: Path, size: tuple[int, int], orientation: int | None) -> Non
     Image.new("RGB", size).save(path, "JPEG", exif=exif)
 
 
-def le(raw: bytes) -> int:
-    return int.from_bytes(raw, "little")
-
-
 def touch_later(path: Path) -> None:
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
@@ -74,8 +70,7 @@ def kohya_dir(tmp_path: Path) -> Path:
     put_all(root, {"10_alice/b.png": png((10, 4)), "10_alice/a.png": png((4, 10)),
                    "10_alice/deeper/x.png": png(),  # second level: not read
                    "2_5_bob_style/c.jpg": png(),  # PIL reads by content, not by name
-                   "plain/d.webp": png(), "plain/notes.txt": "orphan sidecar",
-                   "root.png": png()})
+                   "plain/d.webp": png(), "plain/notes.txt": "orphan", "root.png": png()})
     return root
 
 
@@ -142,8 +137,7 @@ def test_exif_orientation_swaps(tmp_path: Path) -> None:
     exif_jpeg(tmp_path / "rot.jpg", (40, 20), 6)
     exif_jpeg(tmp_path / "flat.jpg", (40, 20), None)
     rows = by_loc(FolderSource(str(tmp_path)))
-    assert (rows["rot.jpg"].w, rows["rot.jpg"].h) == (20, 40)
-    assert (rows["flat.jpg"].w, rows["flat.jpg"].h) == (40, 20)
+    assert [(rows[n].w, rows[n].h) for n in ("rot.jpg", "flat.jpg")] == [(20, 40), (40, 20)]
 
 
 def test_alpha_detection(tmp_path: Path) -> None:
@@ -212,10 +206,8 @@ def test_config_errors_name_the_path(tmp_path: Path) -> None:
         KohyaSource(str(tmp_path / "empty")).walk()
     with pytest.raises(SourceError, match="somewhere.*txt_as"):
         KohyaSource("somewhere", txt_as="words")
-    with pytest.raises(ConfigError, match="txt_as"):
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.txt_as"):
         build(SOURCES["folder"], {"path": "p", "txt_as": "words"}, "data.datasets[0]")
-    with pytest.raises(ConfigError, match="unknown key"):
-        build(SOURCES["kohya"], {"path": "p", "repeats": 3}, "data.datasets[0]")
 
 
 def test_jsonl_records_keys_and_stamps(tmp_path: Path) -> None:
@@ -244,16 +236,17 @@ def test_jsonl_records_keys_and_stamps(tmp_path: Path) -> None:
     assert rows_of(JsonlSource(str(elsewhere), root=str(tmp_path / "img")))[0].error is None
 
 
-def _write_table(path: Path, columns: dict, row_group_size: int | None = None) -> Path:
-    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
-    return path
+def table_bytes(columns: dict, row_group_size: int | None = None) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.table(columns), buf, row_group_size=row_group_size)
+    return buf.getvalue()
 
 
 def test_parquet_path_mode(tmp_path: Path) -> None:
     put(tmp_path / "a.png", png((3, 4)))
-    table = _write_table(tmp_path / "t.parquet", {
+    table = put(tmp_path / "t.parquet", table_bytes({
         "image": ["a.png", "a.png"], "weight": [2.0, None], "group": [None, "g"],
-        "caption": ["hi", None], "score": [1, 2]})
+        "caption": ["hi", None], "score": [1, 2]}))
     items = ParquetSource(str(table)).walk()
     assert [i.key for i in items] == ["a.png#0", "a.png#1"]
     assert items[0].stamp[2] != items[1].stamp[2] and items[0].stamp[3:] == (0, -1, -1, -1, -1)
@@ -268,8 +261,8 @@ def test_parquet_path_mode(tmp_path: Path) -> None:
 def test_parquet_bytes_mode(tmp_path: Path) -> None:
     images = [png((i + 2, 3)) for i in range(5)]
     images[3] = b"garbage"
-    table = _write_table(tmp_path / "b.parquet", {
-        "jpg": images, "image": ["ignored"] * 5, "tags": ["a, b"] * 5}, row_group_size=2)
+    table = put(tmp_path / "b.parquet", table_bytes({
+        "jpg": images, "image": ["ignored"] * 5, "tags": ["a, b"] * 5}, row_group_size=2))
     src = ParquetSource(str(table), bytes_col="jpg")
     (item,) = src.walk()
     assert item.key == f"file:{table.absolute()}" and item.stamp[2:] == (-1,) * 6
@@ -283,21 +276,22 @@ def test_parquet_bytes_mode(tmp_path: Path) -> None:
         ParquetSource(str(table), bytes_col="png").walk()
 
 
-def make_tar(path: Path, members: dict[str, bytes]) -> Path:
-    with tarfile.open(path, "w") as tf:
+def tar_bytes(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-    return path
+    return buf.getvalue()
 
 
 def test_webdataset_grouping(tmp_path: Path) -> None:
-    make_tar(tmp_path / "s-1.tar", {"x.png": png((2, 2))})
-    make_tar(tmp_path / "s-0.tar", {
+    put(tmp_path / "s-1.tar", tar_bytes({"x.png": png((2, 2))}))
+    put(tmp_path / "s-0.tar", tar_bytes({
         "a.seg.png": png((6, 5)), "a.txt": b"t1, t2", "b.jpg": png((7, 3)), "b.PNG": png(),
         "b.json": b'{"caption": "cap", "src": "web"}', "c.txt": b"orphan",
-        "dir/d.png": png((4, 4))})
+        "dir/d.png": png((4, 4))}))
     src = WebdatasetSource(str(tmp_path / "s-*.tar"))
     items = src.walk()
     assert [i.key for i in items] == [f"tar:{tmp_path / n}" for n in ("s-0.tar", "s-1.tar")]
@@ -307,47 +301,31 @@ def test_webdataset_grouping(tmp_path: Path) -> None:
     a = rows["a"]
     assert ((a.w, a.h), a.tags, a.group) == ((6, 5), ["t1", "t2"], "s-0.tar")
     assert (rows["b"].w, rows["b"].caption_nl, rows["b"].json) == (7, "cap", {"src": "web"})
-    assert all(r.locator.startswith("0:") for r in rows.values())
-    assert items[1].probe()[0].locator.startswith("1:")
+    tar_ids = [r.locator.split(":")[0] for r in [*rows.values(), *items[1].probe()]]
+    assert tar_ids == ["0", "0", "0", "1"]
     with pytest.raises(SourceError, match="nothing-"):
         WebdatasetSource(str(tmp_path / "nothing-*.tar")).walk()
 
 
-def _kohya(tmp: Path):
-    put_all(tmp / "5_k", {"a.png": png((9, 5)), "b.png": png((3, 8), mode="RGBA")})
-    return KohyaSource(str(tmp))
+WIDE, TALL = png((9, 5)), png((2, 7), mode="RGBA")
+ROUND_TRIP = {  # name -> (files to write, source over tmp_path)
+    "kohya": ({"5_k/a.png": WIDE, "5_k/b.png": TALL}, lambda t: KohyaSource(str(t))),
+    "folder": ({"x/a.bmp": WIDE}, lambda t: FolderSource(str(t))),
+    "jsonl": ({"a.png": WIDE, "m.jsonl": '{"image": "a.png"}\n{"image": "a.png"}\n'},
+              lambda t: JsonlSource(str(t / "m.jsonl"))),
+    "parquet_paths": ({"a.png": WIDE, "p.parquet": table_bytes({"image": ["a.png"]})},
+                      lambda t: ParquetSource(str(t / "p.parquet"))),
+    "parquet_bytes": ({"b.parquet": table_bytes({"b": [WIDE, TALL]})},
+                      lambda t: ParquetSource(str(t / "b.parquet"), bytes_col="b")),
+    "webdataset": ({"0.tar": tar_bytes({"a.png": WIDE, "b.webp.png": TALL})},
+                   lambda t: WebdatasetSource(str(t / "*.tar"))),
+}
 
 
-def _folder(tmp: Path):
-    put(tmp / "x" / "a.bmp", png((9, 5)))
-    return FolderSource(str(tmp))
-
-
-def _jsonl(tmp: Path):
-    put(tmp / "a.png", png((9, 5)))
-    return JsonlSource(str(put(tmp / "m.jsonl", '{"image": "a.png"}\n{"image": "a.png"}\n')))
-
-
-def _parquet_paths(tmp: Path):
-    put(tmp / "a.png", png((9, 5)))
-    return ParquetSource(str(_write_table(tmp / "p.parquet", {"image": ["a.png"]})))
-
-
-def _parquet_bytes(tmp: Path):
-    return ParquetSource(str(_write_table(tmp / "b.parquet", {"b": [png((9, 5)), png((2, 7))]})),
-                         bytes_col="b")
-
-
-def _webdataset(tmp: Path):
-    make_tar(tmp / "0.tar", {"a.png": png((9, 5)), "b.webp.png": png((2, 7))})
-    return WebdatasetSource(str(tmp / "*.tar"))
-
-
-SOURCE_BUILDERS = [_kohya, _folder, _jsonl, _parquet_paths, _parquet_bytes, _webdataset]
-
-
-@pytest.mark.parametrize("make", SOURCE_BUILDERS, ids=lambda f: f.__name__.strip("_"))
-def test_open_decodes_to_probed_size_and_probes_pickle(tmp_path: Path, make) -> None:
+@pytest.mark.parametrize("name", ROUND_TRIP)
+def test_open_decodes_to_probed_size_and_probes_pickle(tmp_path: Path, name: str) -> None:
+    files, make = ROUND_TRIP[name]
+    put_all(tmp_path, files)
     source = make(tmp_path)
     assert source.own_catalog() is None
     assert pickle.loads(pickle.dumps(source)) == source
@@ -376,6 +354,10 @@ def test_shard_index_records_and_rollover(tmp_path: Path, monkeypatch) -> None:
     files = sorted(p.name for p in (tmp_path / "ds" / "shards").iterdir())
     assert files == [f"0000{i}.{ext}" for i in range(3) for ext in ("bin", "idx")]
     reader = MossShardSource(str(tmp_path / "ds"))
+
+    def le(raw: bytes) -> int:
+        return int.from_bytes(raw, "little")
+
     for row, size in zip(rows, sizes):
         shard, index = (int(v) for v in row.locator.split(":"))
         base = tmp_path / "ds" / "shards" / f"{shard:05d}"
@@ -408,7 +390,8 @@ def test_import_to_shards(tmp_path: Path) -> None:
         pytest.skip("kohakumoss.data.catalog.write_rows_catalog not written yet")
     from kohakumoss.data.sources import import_to_shards
 
-    source = _kohya(tmp_path / "k")
+    put_all(tmp_path / "k", ROUND_TRIP["kohya"][0])
+    source = KohyaSource(str(tmp_path / "k"))
     path = import_to_shards(source, tmp_path / "ds")
     assert path == tmp_path / "ds" / "catalog.parquet" and path.is_file()
     assert MossShardSource(str(tmp_path / "ds")).own_catalog() == path

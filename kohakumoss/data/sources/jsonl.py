@@ -78,7 +78,7 @@ class JsonlSource:
         text = manifest.read_bytes().decode("utf-8-sig", errors="replace")
         items: list[WalkItem] = []
         seen: dict[str, int] = {}
-        for lineno, raw in enumerate(text.splitlines(), 1):
+        for lineno, raw in enumerate(text.split("\n"), 1):  # not splitlines: JSON may hold U+2028
             line = raw.strip()
             if not line:
                 continue
