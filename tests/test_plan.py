@@ -119,3 +119,10 @@ def test_stale_catalog_is_refused(tmp_path, catalog):
         _plan(tmp_path, catalog, datasets=[{"source": "folder", "path": str(catalog[1])}])
     with pytest.raises(ArtifactError, match="kmoss scan"):
         make_plan(make_params([{"source": "kohya", "path": "x"}]), tmp_path / "none", tmp_path / "o")
+
+
+def test_longer_run_only_appends_batches(tmp_path, catalog):
+    _, short, _ = _plan(tmp_path, catalog, "short", train={"steps": 10})
+    _, long, _ = _plan(tmp_path, catalog, "long", train={"steps": 25})
+    n = short.num_rows
+    assert long.slice(0, n).equals(short)

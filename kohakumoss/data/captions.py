@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal, Union
 import numpy as np
 
 from kohakumoss.configlib import ConfigError, build, knob
-from kohakumoss.data.rows import Row, caption_char_counts
+from kohakumoss.data.rows import Row, caption_char_counts, split_tags
 from kohakumoss.data.seeding import rng_of
 
 # Row fields a template may read, and the catalog character column each is counted in.
@@ -40,14 +40,9 @@ _ESCAPED = re.compile(r"\\([()\[\]{}])")
 
 # ---- tag utilities (4.1) -------------------------------------------------------------
 
-def split_tags(text: str) -> list[str]:
-    """Split on ',', strip each piece, drop empty ones."""
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
 def unescape_tag(tag: str) -> str:
     r"""Drop the backslash of webui-escaped brackets: ``\(`` ``\)`` ``\[`` ``\]`` ``\{`` ``\}``."""
-    return _ESCAPED.sub(r"\1", tag)
+    return _ESCAPED.sub(r"\1", tag) if "\\" in tag else tag
 
 
 def normalize_tag(tag: str, underscores: bool = True, unescape: bool = True) -> str:

@@ -52,28 +52,32 @@ PLAN_SCHEMA = pa.schema([
 
 
 def plan_table(p: Params, cs: CatalogSet, batches: list[list[Occurrence]]) -> pa.Table:
-    world, acc, seed = p.parallel.world_size, p.train.grad_accum, p.run.seed
-    cols: dict[str, list[Any]] = {f.name: [] for f in PLAN_SCHEMA}
-    for g, batch in enumerate(batches):
-        index, rank = divmod(g, world)
-        for slot, o in enumerate(batch):
-            d = int(cs.dataset[o.row])
-            vals = {
-                "batch": g, "index": index, "rank": rank, "step": index // acc, "micro": index % acc,
-                "slot": slot, "epoch": o.epoch, "position": o.position, "dataset": d,
-                "row": int(cs.local[o.row]), "uid": int(cs.uid[o.row]),
-                "src_w": int(cs.w[o.row]), "src_h": int(cs.h[o.row]),
-                "target_h": o.target[0], "target_w": o.target[1],
-                "crop_l": o.box[0], "crop_t": o.box[1], "crop_r": o.box[2], "crop_b": o.box[3],
-                "flip": o.flip, "variant": o.variant, "caption": o.caption,
-                "text_drop": text_dropped(seed, index, rank, slot, p.caption.text_drop),
-                "image_tokens": o.image_tokens, "text_tokens": o.text_tokens,
-                "text_limit": o.text_limit, "img_keep": o.img_keep, "keep_seed": o.keep_seed,
-                "loss_weight": cs.datasets[d].loss_weight,
-            }
-            for k, v in vals.items():
-                cols[k].append(v)
-    return pa.table(cols, schema=PLAN_SCHEMA)
+    world, acc, seed, drop = p.parallel.world_size, p.train.grad_accum, p.run.seed, p.caption.text_drop
+    occ = [o for b in batches for o in b]
+    g = np.repeat(np.arange(len(batches), dtype=np.int64), [len(b) for b in batches])
+    slot = np.concatenate([np.arange(len(b)) for b in batches]) if batches else np.zeros(0, np.int64)
+    index, rank = g // world, g % world
+    rows = np.array([o.row for o in occ], np.int64)
+    box = np.array([o.box for o in occ], np.int64).reshape(-1, 4)
+    target = np.array([o.target for o in occ], np.int64).reshape(-1, 2)
+    dataset = cs.dataset[rows]
+    loss_weight = np.array([d.loss_weight for d in cs.datasets], np.float32)
+    cols = {
+        "batch": g, "index": index, "rank": rank, "step": index // acc, "micro": index % acc,
+        "slot": slot, "epoch": [o.epoch for o in occ], "position": [o.position for o in occ],
+        "dataset": dataset, "row": cs.local[rows], "uid": cs.uid[rows],
+        "src_w": cs.w[rows], "src_h": cs.h[rows], "target_h": target[:, 0], "target_w": target[:, 1],
+        "crop_l": box[:, 0], "crop_t": box[:, 1], "crop_r": box[:, 2], "crop_b": box[:, 3],
+        "flip": [o.flip for o in occ], "variant": [o.variant for o in occ],
+        "caption": [o.caption for o in occ],
+        "text_drop": [text_dropped(seed, i, r, s, drop)
+                      for i, r, s in zip(index.tolist(), rank.tolist(), slot.tolist())],
+        "image_tokens": [o.image_tokens for o in occ], "text_tokens": [o.text_tokens for o in occ],
+        "text_limit": [o.text_limit for o in occ], "img_keep": [o.img_keep for o in occ],
+        "keep_seed": [o.keep_seed for o in occ], "loss_weight": loss_weight[dataset],
+    }
+    return pa.table({f.name: pa.array(cols[f.name], type=f.type) for f in PLAN_SCHEMA},
+                    schema=PLAN_SCHEMA)
 
 
 def _quantiles(x: np.ndarray) -> dict[str, float]:

@@ -63,3 +63,8 @@ def caption_char_counts(row: Row) -> tuple[int, int, int, int, int]:
     rating = len(row.rating) if row.rating else 0
     js = len(json.dumps(row.json, ensure_ascii=False, separators=(",", ":"))) if row.json else 0
     return tags, nl, artist, rating, js
+
+
+def split_tags(text: str) -> list[str]:
+    """Split a tag line on ',', strip each piece, drop empty ones (``spec/data.md`` 4.1)."""
+    return [t.strip() for t in text.split(",") if t.strip()]

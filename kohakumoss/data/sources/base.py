@@ -25,8 +25,10 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from PIL import Image, UnidentifiedImageError
 
+from kohakumoss.artifacts import hash_bytes as content_hash
+from kohakumoss.artifacts import hash_file as file_content_hash
 from kohakumoss.configlib import ConfigError, coerce
-from kohakumoss.data.rows import IMAGE_EXTENSIONS, MISSING, STAMP_LEN, Row, WalkItem
+from kohakumoss.data.rows import IMAGE_EXTENSIONS, MISSING, STAMP_LEN, Row, WalkItem, split_tags
 
 ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
 EXIF_ORIENTATION = 0x0112
@@ -60,19 +62,6 @@ def register_source(name: str):
     return wrap
 
 
-def content_hash(data: bytes) -> str:
-    """blake2b-128 hex of raw bytes: the project's content identity."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def file_content_hash(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def stat_identity(path: Path, st: os.stat_result) -> str:
     return f"stat:{os.path.normcase(os.path.abspath(path))}:{st.st_size}:{st.st_mtime_ns}"
 
@@ -104,10 +93,6 @@ def probe_image(fp: str | os.PathLike | io.BytesIO | Any) -> tuple[int, int, boo
     if orientation in (5, 6, 7, 8):
         w, h = h, w
     return w, h, alpha
-
-
-def split_tags(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def apply_json_meta(row: Row, meta: dict[str, Any]) -> None:
