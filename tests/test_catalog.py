@@ -124,3 +124,17 @@ def test_read_catalog_rejects_foreign_files(tmp_path):
     with pytest.raises(CatalogError, match="another layout"):
         read_catalog(tmp_path / "c.parquet")
     # update_catalog rebuilds it with a full scan instead of failing
+
+
+def test_failed_scan_loses_nothing(tmp_path, kohya_dataset):
+    import shutil
+
+    p = make_params([{"source": "kohya", "path": str(kohya_dataset)}])
+    out = tmp_path / "catalog"
+    scan(p, out)
+    snapshot = {f.name: f.read_bytes() for f in out.iterdir()}
+    moved = tmp_path / "moved"
+    shutil.move(kohya_dataset, moved)  # the dataset disappears (unmounted disk, typo'd path)
+    with pytest.raises(SourceError):
+        scan(p, out)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == snapshot

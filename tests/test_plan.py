@@ -126,3 +126,46 @@ def test_longer_run_only_appends_batches(tmp_path, catalog):
     _, long, _ = _plan(tmp_path, catalog, "long", train={"steps": 25})
     n = short.num_rows
     assert long.slice(0, n).equals(short)
+
+
+def _tiny_tokenizer(folder):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "user", "assistant", "<think>", ",", "shared", "colour", "extra", "tag"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>"]})
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                          "<|im_start|>assistant\n<think>\n{% endif %}")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def test_exact_token_counts_from_a_tokenizer(tmp_path, catalog):
+    pytest.importorskip("transformers")
+    fast = _tiny_tokenizer(tmp_path / "tok")
+    m, t, s = _plan(tmp_path, catalog, caption={"tokenizer": str(tmp_path / "tok")},
+                    batching={"max_tokens": 200})
+    assert s["token_budget"] == "exact"
+    cols = t.to_pydict()
+    for caption, n in zip(cols["caption"], cols["text_tokens"]):
+        text = fast.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                        add_generation_prompt=True)
+        assert n == len(fast(text, add_special_tokens=False)["input_ids"])
+    # the empty caption still carries the template's tokens
+    from kohakumoss.data.tokens import TokenCounter
+
+    assert TokenCounter(str(tmp_path / "tok")).count_many([""]) == [6]
+    m_est, _, _ = _plan(tmp_path, catalog, "est", batching={"max_tokens": 200})
+    assert m.key != m_est.key
+
+
+def test_failed_plan_loses_nothing(tmp_path, catalog):
+    _plan(tmp_path, catalog, "p")
+    snapshot = {f.name: f.read_bytes() for f in (tmp_path / "p").iterdir()}
+    with pytest.raises(PlanError, match="overlong to 'drop_tokens'"):
+        _plan(tmp_path, catalog, "p", batching={"max_tokens": 8, "overlong": "drop"})
+    assert {f.name: f.read_bytes() for f in (tmp_path / "p").iterdir()} == snapshot
