@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -249,10 +248,3 @@ def update_catalog(path: Path, kind: str, walk: list[WalkItem], *, rescan: bool 
                       for r in records if r["error"]]
     stats.seconds = time.perf_counter() - t0
     return table, stats
-
-
-def planning_columns(table: pa.Table) -> dict[str, np.ndarray]:
-    """The numpy columns the planner needs, one read each."""
-    cols = {c: table.column(c).to_numpy(zero_copy_only=False)
-            for c in ("id", "w", "h", "weight", "live", "has_alpha", *CHAR_COLUMNS)}
-    return cols

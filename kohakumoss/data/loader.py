@@ -29,13 +29,13 @@ import torch
 from PIL import Image, ImageOps
 
 from kohakumoss.config import DatasetEntry, ResolutionConfig
+from kohakumoss.data.sources.base import ALPHA_MODES
 
 log = logging.getLogger(__name__)
 
 BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0), "gray": (127, 127, 127)}
 RESAMPLE = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.BICUBIC,
             "bilinear": Image.Resampling.BILINEAR, "box": Image.Resampling.BOX}
-ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
 
 
 def background_rgb(bg: str | tuple[int, int, int]) -> tuple[int, int, int]:
