@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from stages import plan, scan
+from stages import check, plan, scan
 
 app = typer.Typer(
     name="kmoss",
@@ -15,6 +15,7 @@ app = typer.Typer(
 )
 app.command("scan")(scan.main)
 app.command("plan")(plan.main)
+app.add_typer(check.app, name="check")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""The MOSS-Image DiT (``spec/moss-image.md`` section 4), named as the official state dict.
+
+Legend: N_img / N_txt / N_joint packed token counts, B samples, D width, H heads, Dh head
+dim, C latent channels, T text width. Every op with numerics of its own goes through the
+op table (``self.ops``); the model holds no engine logic. Its repeated blocks are declared
+in ``REPEATED`` so checkpointing, streaming and sharding engines can find them from outside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kohakumoss.model.config import DiTConfig
+from kohakumoss.model.layout import PackedLayout
+from kohakumoss.model.ops import DEFAULT_OPS, OpTable, compute_dtype
+
+# modules kept in max(float32, compute dtype) whatever the compute dtype (spec 5.1)
+FP32_MODULES = ("time_embedding", "shared_block_modulation", "video_head_modulation")
+# module lists whose entries are the repeated blocks engines act on
+REPEATED = ("text_embedder.blocks", "layers")
+
+
+class RMSNormWeight(nn.Module):
+    """Holds one RMSNorm weight (``<name>.weight``); the math lives in the op table."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class RopeBands(nn.Module):
+    """``rope.bands``: 1 / base^(b / NB) in float32, always derived (never loaded)."""
+
+    def __init__(self, bands: int, base: float):
+        super().__init__()
+        self.n, self.base = bands, base
+        self.register_buffer("bands", self.compute(), persistent=False)
+
+    def compute(self, device: torch.device | str | None = None) -> torch.Tensor:
+        exponent = torch.arange(self.n, dtype=torch.float32, device=device) / self.n
+        return torch.reciprocal(torch.pow(torch.tensor(self.base, dtype=torch.float32,
+                                                       device=device), exponent))
+
+    def reset(self, device: torch.device | str | None = None) -> None:
+        self.bands = self.compute(device)
+
+    def _apply(self, fn, recurse=True):  # a cast or a move recomputes the fp32 buffer
+        super()._apply(fn, recurse)
+        if self.bands.device.type != "meta":
+            self.reset(self.bands.device)
+        return self
+
+
+class TextBlock(nn.Module):
+    def __init__(self, c: DiTConfig):
+        super().__init__()
+        D, F = c.dim, c.ffn_dim
+        self.heads, self.eps = c.heads, c.eps
+        self.norm1, self.norm2 = RMSNormWeight(D), RMSNormWeight(D)
+        self.q_norm, self.k_norm = RMSNormWeight(c.head_dim), RMSNormWeight(c.head_dim)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.ffn_gate = nn.Linear(D, F)
+        self.ffn_up = nn.Linear(D, F)
+        self.ffn_down = nn.Linear(F, D)
+
+    def forward(self, x_ND, rope, lengths, ops: OpTable):
+        N, D = x_ND.shape
+        y = ops.rms_norm(x_ND, self.norm1.weight, self.eps)
+        q, k, v = self.qkv(y).view(N, 3, self.heads, D // self.heads).unbind(1)
+        q = ops.qk_norm_rope(q, self.q_norm.weight, *rope, self.eps)
+        k = ops.qk_norm_rope(k, self.k_norm.weight, *rope, self.eps)
+        o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
+        x_ND = ops.residual(x_ND, self.proj(o))
+        y = ops.rms_norm(x_ND, self.norm2.weight, self.eps)
+        return ops.residual(x_ND, self.ffn_down(ops.situ(self.ffn_up(y), self.ffn_gate(y))))
+
+
+class TextEmbedder(nn.Module):
+    def __init__(self, c: DiTConfig):
+        super().__init__()
+        self.proj = nn.Linear(c.text_dim, c.dim)
+        self.blocks = nn.ModuleList(TextBlock(c) for _ in range(c.text_blocks))
+
+
+class JointBlock(nn.Module):
+    def __init__(self, c: DiTConfig):
+        super().__init__()
+        D, F = c.dim, c.ffn_dim
+        self.heads, self.eps, self.ffn_dim = c.heads, c.eps, F
+        self.norm1, self.norm2 = RMSNormWeight(D), RMSNormWeight(D)
+        self.q_norm, self.k_norm = RMSNormWeight(c.head_dim), RMSNormWeight(c.head_dim)
+        self.proj = nn.ModuleDict({
+            "q": nn.Linear(D, D, bias=False), "k": nn.Linear(D, D, bias=False),
+            "v": nn.Linear(D, D, bias=False), "o": nn.Linear(D, D, bias=False),
+            "ffn_up_gate": nn.Linear(D, 2 * F, bias=False),
+            "ffn_down": nn.Linear(F, D, bias=False),
+        })
+
+    def forward(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
+        N, D = x_ND.shape
+        Dh = D // self.heads
+        p = self.proj
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod_B6D.unbind(1)
+        y = ops.modulated_rms_norm(x_ND, self.norm1.weight, shift_a, scale_a, seg_N, self.eps)
+        q = ops.qk_norm_rope(p["q"](y).view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
+        k = ops.qk_norm_rope(p["k"](y).view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
+        v = p["v"](y).view(N, self.heads, Dh)
+        o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
+        x_ND = ops.gated_residual(x_ND, p["o"](o), gate_a, seg_N)
+        y = ops.modulated_rms_norm(x_ND, self.norm2.weight, shift_f, scale_f, seg_N, self.eps)
+        u, g = p["ffn_up_gate"](y).split(self.ffn_dim, dim=-1)
+        return ops.gated_residual(x_ND, p["ffn_down"](ops.situ(u, g)), gate_f, seg_N)
+
+
+class MOSSImageTransformer(nn.Module):
+    """``(img [N_img, C], text [N_txt, T], sigma [B], layout) -> velocity [N_img, C]``."""
+
+    def __init__(self, config: DiTConfig, ops: OpTable | None = None):
+        super().__init__()
+        c = self.config = config
+        self.ops = ops or DEFAULT_OPS
+        D = c.dim
+        self.video_embedder = nn.Linear(c.latent_channels, D)
+        self.text_embedder = TextEmbedder(c)
+        self.rope = RopeBands(c.rope_bands, c.rope_base)
+        self.time_embedding = nn.Sequential(nn.Linear(c.freq_dim, D), nn.SiLU(), nn.Linear(D, D))
+        self.shared_block_modulation = nn.Linear(D, 6 * D)
+        self.layers = nn.ModuleList(JointBlock(c) for _ in range(c.depth))
+        self.final_norm_video = RMSNormWeight(D)
+        self.final_linear_video = nn.Linear(D, c.latent_channels, bias=False)
+        self.video_head_modulation = nn.Linear(D, 2 * D)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.video_embedder.weight.dtype
+
+    def conditioning(self, sigma_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block modulation [B, 6, D] and head modulation [B, 2, D], float32 (spec 4.1)."""
+        c = self.config
+        e = self.ops.timestep_embedding(sigma_B.float() * c.time_scale, c.freq_dim)
+        cd = self.time_embedding[0].weight.dtype
+        tau = self.time_embedding(e.to(cd)).float()
+        mod = self.shared_block_modulation(tau.to(cd)).float().view(-1, 6, c.dim)
+        head = self.video_head_modulation(tau.to(cd)).float().view(-1, 2, c.dim)
+        return mod, head
+
+    def refine_text(self, text_NT: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+        ops, c = self.ops, self.config
+        x = self.text_embedder.proj(text_NT.to(self.dtype))
+        rope = ops.rope_angles(layout.pos_txt, self.rope.bands, c.rope_axes, x.dtype)
+        for block in self.text_embedder.blocks:
+            x = block(x, rope, layout.text_len, ops)
+        return x
+
+    def forward(self, img_NC: torch.Tensor, text_NT: torch.Tensor, sigma_B: torch.Tensor,
+                layout: PackedLayout, skip_layers: Iterable[int] = ()) -> torch.Tensor:
+        ops, c = self.ops, self.config
+        mod, head = self.conditioning(sigma_B)
+        txt = self.refine_text(text_NT, layout)
+        img = self.video_embedder(img_NC.to(self.dtype))
+        x = img.new_empty(layout.n_joint, c.dim)
+        x = x.index_copy(0, layout.img_in_joint, img).index_copy(0, layout.txt_in_joint, txt)
+        rope = ops.rope_angles(layout.pos_joint, self.rope.bands, c.rope_axes, x.dtype)
+        skip = set(skip_layers)
+        for n, block in enumerate(self.layers):
+            if n not in skip:
+                x = block(x, mod, layout.seg_joint, rope, layout.joint_len, ops)
+        y = ops.modulated_rms_norm(x[layout.img_in_joint], self.final_norm_video.weight,
+                                   head[:, 0], head[:, 1], layout.seg_img, c.eps)
+        return self.final_linear_video(y)
+
+
+def cast_model(model: MOSSImageTransformer, dtype: torch.dtype) -> MOSSImageTransformer:
+    """Cast to the compute ``dtype``, keeping ``FP32_MODULES`` in max(float32, dtype)."""
+    model.to(dtype)
+    keep = compute_dtype(dtype)
+    for name in FP32_MODULES:
+        model.get_submodule(name).to(keep)
+    return model

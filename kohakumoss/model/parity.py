@@ -1,0 +1,94 @@
+"""Parity of our model against a reference vector set (the format of the public vectors).
+
+A vector set is a folder with ``weights_official.safetensors`` and/or
+``weights_comfy.safetensors`` (any tiny config: it is inferred from the shapes),
+``batch.safetensors`` (inputs, layout, reference outputs ``v_fp32`` / ``v_fp64`` and
+optional intermediates ``inter.*``) and ``config.json``. Every comparison is a relative
+error ``||ours - ref|| / ||ref||`` in float64 against a tolerance: 1e-5 for float32 runs,
+1e-6 for float64 runs, exact equality for the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kohakumoss.model.checkpoints import load_transformer
+from kohakumoss.model.layout import build_layout
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-6}
+WEIGHT_FILES = {"official": "weights_official.safetensors", "comfy": "weights_comfy.safetensors"}
+
+
+@dataclasses.dataclass
+class Comparison:
+    name: str
+    error: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance
+
+    def line(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return f"{verdict}  {self.name:<44} rel {self.error:.3e}  (tol {self.tolerance:.0e})"
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    a, b = ours.detach().double().cpu(), ref.detach().double().cpu()
+    if a.shape != b.shape:
+        return float("inf")
+    denom = b.norm()
+    return float((a - b).norm() / denom) if denom > 0 else float((a - b).norm())
+
+
+def load_batch(folder: Path) -> dict[str, torch.Tensor]:
+    # copies: CPU float32 results move with input memory alignment (see the vectors README)
+    return {k: v.clone() for k, v in load_file(str(folder / "batch.safetensors")).items()}
+
+
+def model_comparisons(folder: Path) -> Iterator[Comparison]:
+    batch = load_batch(folder)
+    layout = build_layout(batch["hw"].tolist(), batch["text_len"].tolist())
+    for key in [k for k in batch if k.startswith("layout.")]:
+        ours = getattr(layout, key.removeprefix("layout."))
+        same = torch.equal(ours.to(batch[key].dtype), batch[key])
+        yield Comparison(f"layout {key.removeprefix('layout.')}", 0.0 if same else 1.0, 0.0)
+    found = [(fmt, folder / f) for fmt, f in WEIGHT_FILES.items() if (folder / f).is_file()]
+    if not found:
+        raise FileNotFoundError(f"{folder} holds neither {' nor '.join(WEIGHT_FILES.values())}")
+    inputs = (batch["img"], batch["text"], batch["sigma"], layout)
+    for fmt, path in found:
+        for dtype, ref_key in ((torch.float32, "v_fp32"), (torch.float64, "v_fp64")):
+            if ref_key not in batch:
+                continue
+            model, _ = load_transformer(path, dtype=dtype)
+            trace: dict[str, torch.Tensor] = {}
+            hooks = [model.layers[0].register_forward_pre_hook(
+                lambda m, args: trace.__setitem__("joint_embed", args[0]))]
+            for i, block in enumerate(model.layers):
+                hooks.append(block.register_forward_hook(
+                    lambda m, args, out, i=i: trace.__setitem__(f"block_{i}_out", out)))
+            with torch.no_grad():
+                v = model(*inputs)
+                mod, head = model.conditioning(batch["sigma"])
+                trace.update(cond_block_mod=mod, cond_head_mod=head,
+                             text_refiner_out=model.refine_text(batch["text"], layout))
+            for h in hooks:
+                h.remove()
+            name = "fp32" if dtype == torch.float32 else "fp64"
+            yield Comparison(f"{fmt} {name} velocity vs {ref_key}", rel_error(v, batch[ref_key]), TOL[dtype])
+            if dtype == torch.float64:  # the stored intermediates come from the float64 run
+                for key, ours in trace.items():
+                    if f"inter.{key}" in batch:
+                        yield Comparison(f"{fmt} fp64 {key}", rel_error(ours, batch[f"inter.{key}"]),
+                                         TOL[dtype])
+
+
+def run_parity(folder: str | Path) -> list[Comparison]:
+    return list(model_comparisons(Path(folder)))
