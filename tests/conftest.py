@@ -62,3 +62,14 @@ def kohya_dataset(tmp_path: Path) -> Path:
         "3_alpha": [(64, 64), (96, 48), (48, 96), (80, 60)],
         "1_beta": [(128, 32), (40, 40), (70, 90)],
     })
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run through the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -43,7 +43,10 @@ class LoadInfo:
 
 def read_config(path: str | Path) -> tuple[DiTConfig, TransformerReader]:
     reader = TransformerReader(locate(path))
-    return infer_config(reader.shapes, reader.files.hf_config), reader
+    try:
+        return infer_config(reader.shapes, reader.files.hf_config), reader
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

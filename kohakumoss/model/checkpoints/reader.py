@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kohakumoss.model.checkpoints.keys import FUSED_QKV, ROPE_KEY, common_prefix, qkv_parts
 from kohakumoss.model.checkpoints.quant import (SCALE_NAMES, SIDE_KEYS, QuantizedWeight,
@@ -70,7 +70,13 @@ class TransformerReader:
 
     def __init__(self, files: CheckpointFiles):
         self.files = files
-        self._handles = [safe_open(str(f), framework="pt") for f in files.files]
+        self._handles = []
+        for f in files.files:
+            try:
+                self._handles.append(safe_open(str(f), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f} is not a readable safetensors file ({e}); expected a "
+                                      f"MOSS-Image transformer checkpoint") from None
         self._where: dict[str, int] = {}
         for i, h in enumerate(self._handles):
             for k in h.keys():
@@ -161,6 +167,6 @@ class TransformerReader:
         else:
             t = self._get(k)
             if part is not None:
-                t = t.chunk(3, dim=0)[part]
+                t = t.chunk(3, dim=0)[part].clone()  # a view would keep all of qkv alive
         return t.to(dtype) if dtype is not None else t
 
