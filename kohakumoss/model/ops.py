@@ -103,10 +103,54 @@ def timestep_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
+class _Recompute(torch.autograd.Function):
+    """Run ``fn`` without saving its fp32 intermediates; recompute them in backward.
+
+    The elementwise references upcast to fp32 and would otherwise keep several fp32 copies
+    of every activation for autograd; this keeps only the inputs. Outputs and gradients are
+    exactly those of ``fn`` under plain autograd.
+    """
+
+    @staticmethod
+    def forward(ctx, fn, static, *tensors):
+        ctx.fn, ctx.static = fn, static
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            return fn(*tensors, *static)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs, *ctx.static)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        return (None, None, *[next(grads) if t.requires_grad else None for t in inputs])
+
+
+def recomputed(fn: Callable, n_tensors: int) -> Callable:
+    """``fn(*tensors, *static)`` with its first ``n_tensors`` arguments as autograd inputs."""
+
+    def op(*args):
+        tensors, static = args[:n_tensors], args[n_tensors:]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return _Recompute.apply(fn, static, *tensors)
+        return fn(*args)
+
+    op.__qualname__ = f"recomputed({fn.__qualname__})"
+    op.reference = fn
+    return op
+
+
 REFERENCE: dict[str, Callable] = {
-    "rms_norm": rms_norm, "modulated_rms_norm": modulated_rms_norm, "rope_angles": rope_angles,
-    "qk_norm_rope": qk_norm_rope, "situ": situ, "residual": residual,
-    "gated_residual": gated_residual, "varlen_attention": varlen_attention,
+    "rms_norm": recomputed(rms_norm, 2),
+    "modulated_rms_norm": recomputed(modulated_rms_norm, 5),
+    "rope_angles": rope_angles,
+    "qk_norm_rope": recomputed(qk_norm_rope, 4),
+    "situ": recomputed(situ, 2),
+    "residual": recomputed(residual, 2),
+    "gated_residual": recomputed(gated_residual, 4),
+    "varlen_attention": varlen_attention,
     "timestep_embedding": timestep_embedding,
 }
 

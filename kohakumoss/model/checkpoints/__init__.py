@@ -32,7 +32,7 @@ __all__ = ["CheckpointError", "LoadInfo", "load_transformer", "read_config", "sa
 
 @dataclasses.dataclass
 class LoadInfo:
-    layout: str  # official | comfy | comfy-quantized
+    layout: str  # official | single-file | comfy | comfy-quantized
     config: DiTConfig
     files: list[Path]
     prefix: str
