@@ -103,7 +103,8 @@ class CaptionConfig:
     chars_per_token: float = knob(3.5, check=_positive, allowed="a number > 0")
     overhead_tokens: int = knob(12, check=lambda v: v >= 0, allowed="an integer >= 0")
     max_text_tokens: int = knob(4096, check=lambda v: v >= 1, allowed="an integer >= 1")
-    tokenizer: str = knob("", help="a tokenizer folder for exact text token counts; '' = estimate")
+    tokenizer: str = knob("", help="'tiny', or a tokenizer folder, for exact text token counts; "
+                                   "'' = estimate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,46 @@ class BatchingConfig:
     drop_last: bool = True
     overlong: Literal["drop", "truncate_text", "drop_tokens"] = "drop"
     token_budget: Literal["auto", "estimate", "render", "exact"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Where the weights are: "tiny" builds the embedded tiny component in code."""
+
+    transformer: str = knob("tiny", help="'tiny', a MOSS-Image pipeline folder, its transformer/ "
+                                         "folder, or a ComfyUI diffusion_models/*.safetensors file")
+    text_encoder: str = knob("tiny", help="'tiny', a pipeline folder, a text_encoder/ folder, or a "
+                                          "ComfyUI text_encoders/*.safetensors file")
+    tokenizer: str = knob("", help="tokenizer folder for a single-file text encoder ('' = beside it)")
+    vae: str = knob("tiny", help="'tiny', a pipeline folder, a vae/ folder, or a ComfyUI "
+                                 "vae/*.safetensors file")
+
+
+def _dtype_knob(default: str, allowed: tuple[str, ...]):
+    return knob(default, check=lambda v: v in allowed, allowed="one of " + ", ".join(allowed))
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodersConfig:
+    device: str = _dtype_knob("auto", ("auto", "cpu", "cuda"))
+    text_dtype: str = _dtype_knob("auto", ("auto", "bf16", "fp16", "fp32"))
+    vae_dtype: str = _dtype_knob("auto", ("auto", "bf16", "fp16", "fp32"))
+    draw: Literal["mode", "sample"] = "mode"
+    text_batch: int = knob(32, check=lambda v: v >= 1, allowed="an integer >= 1 (captions per call)")
+    text_batch_tokens: int = knob(16384, check=lambda v: v >= 0,
+                                  allowed="an integer >= 0 (padded tokens per call, 0 = no cap)")
+    vae_batch: int = knob(8, check=lambda v: v >= 1, allowed="an integer >= 1 (images per call)")
+    vae_batch_pixels: int = knob(4 * 1024 * 1024, check=lambda v: v >= 256,
+                                 allowed="an integer >= 256 (pixels per call)")
+    decode_workers: int = knob(2, check=lambda v: v >= 1, allowed="an integer >= 1 (image decode threads)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    text: Literal["offline", "online", "off"] = "offline"
+    latents: Literal["offline", "online", "off"] = "offline"
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    shard_mb: int = knob(256, check=lambda v: v >= 1, allowed="an integer >= 1 (MiB per shard)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +176,9 @@ SECTIONS: dict[str, type] = {
     "resolution": ResolutionConfig,
     "caption": CaptionConfig,
     "batching": BatchingConfig,
+    "model": ModelConfig,
+    "encoders": EncodersConfig,
+    "cache": CacheConfig,
     "train": TrainConfig,
     "parallel": ParallelConfig,
 }
@@ -147,6 +191,9 @@ class Params:
     resolution: ResolutionConfig
     caption: CaptionConfig
     batching: BatchingConfig
+    model: ModelConfig
+    encoders: EncodersConfig
+    cache: CacheConfig
     train: TrainConfig
     parallel: ParallelConfig
     path: str = "params.yaml"

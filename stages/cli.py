@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from stages import check, plan, scan
+from stages import cache_latents, cache_text, check, plan, scan
 
 app = typer.Typer(
     name="kmoss",
@@ -15,6 +15,8 @@ app = typer.Typer(
 )
 app.command("scan")(scan.main)
 app.command("plan")(plan.main)
+app.command("cache_text")(cache_text.main)
+app.command("cache_latents")(cache_latents.main)
 app.add_typer(check.app, name="check")
 
 

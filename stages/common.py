@@ -23,8 +23,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from kohakumoss.data.plan import PlanError
     from kohakumoss.data.scan import ScanError
     from kohakumoss.data.sources import SourceError
+    from kohakumoss.model.checkpoints import CheckpointError
 
-    return (ConfigError, ArtifactError, SourceError, ScanError, CatalogError, PlanError)
+    return (ConfigError, ArtifactError, SourceError, ScanError, CatalogError, PlanError,
+            CheckpointError)
 
 
 def stage(fn):

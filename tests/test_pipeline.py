@@ -12,6 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from kohakumoss.cache import build
 from kohakumoss.data import planfile, scan
 from stages.cli import app
 
@@ -30,6 +31,8 @@ def test_dvc_yaml_declares_what_the_code_reads():
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     assert stages["scan"]["params"] == scan.PARAMS
     assert stages["plan"]["params"] == planfile.PARAMS
+    assert stages["cache_text"]["params"] == build.TEXT_PARAMS
+    assert stages["cache_latents"]["params"] == build.LATENT_PARAMS
 
 
 def test_cli_reports_user_errors_cleanly(tmp_path):

@@ -130,7 +130,7 @@ def make_plan(params: Params, catalog_dir: str | Path, out: str | Path) -> tuple
     counter = None
     inputs: dict[str, Manifest] = {"catalog": cs.manifest}
     if budget_mode(params) == "exact":
-        from kohakumoss.data.tokens import TokenCounter
+        from kohakumoss.data.tokens import TokenCounter, tokenizer_identity
 
         counter = TokenCounter(params.caption.tokenizer, params.caption.max_text_tokens).count_many
     batches, epochs = Planner(params, cs, counter).plan_batches(total_batches(params))
@@ -141,7 +141,7 @@ def make_plan(params: Params, catalog_dir: str | Path, out: str | Path) -> tuple
     atomic_write_json(out / "summary.json", summary)
     extra_params = {}
     if counter is not None:
-        extra_params["tokenizer_files"] = _tokenizer_identity(params.caption.tokenizer)
+        extra_params["tokenizer"] = tokenizer_identity(params.caption.tokenizer)
     manifest = make_manifest(
         KIND, SCHEMA, params={**stage_params(params, PARAMS), **extra_params}, inputs=inputs,
         code=code_version(*CODE), directory=out, files=["plan.parquet", "summary.json"],
@@ -149,14 +149,6 @@ def make_plan(params: Params, catalog_dir: str | Path, out: str | Path) -> tuple
               "epochs": summary["epochs_planned"]})
     write_manifest(out, manifest)
     return manifest, summary
-
-
-def _tokenizer_identity(folder: str) -> dict[str, str]:
-    from kohakumoss.artifacts import hash_file
-
-    root = Path(folder)
-    return {f.name: hash_file(f) for f in sorted(root.iterdir())
-            if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja")}
 
 
 def read_plan(directory: str | Path) -> tuple[pa.Table, Manifest]:

@@ -20,22 +20,34 @@ def chat_messages(caption: str) -> list[dict[str, str]]:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(path: str):
-    """A Hugging Face tokenizer from a folder (``tokenizer.json`` / ``tokenizer_config.json``)."""
+    """A Hugging Face tokenizer from a folder (``tokenizer.json`` / ``tokenizer_config.json``),
+    or ``"tiny"``: the byte-level test tokenizer of the tiny text encoder."""
+    if path == "tiny":
+        from kohakumoss.encoders.tiny_tokenizer import tiny_tokenizer
+
+        return tiny_tokenizer()
     folder = Path(path)
     if not folder.is_dir():
         raise ConfigError(f"caption.tokenizer = {path!r} is not a folder; point it at a tokenizer "
                           f"folder (tokenizer.json + tokenizer_config.json with a chat template, "
-                          f"e.g. MOSS-Image's tokenizer/ folder) or set it to '' to estimate")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:
-        raise ConfigError("caption.tokenizer needs the transformers package: "
-                          "pip install 'kohakumoss[tokenizer]'") from e
+                          f"e.g. MOSS-Image's tokenizer/ folder), 'tiny' (the tiny test model's) "
+                          f"or '' to estimate")
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(folder))
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"the tokenizer in {path} has no chat template; MOSS-Image wraps every "
                           f"caption in one (use the pipeline's tokenizer/ folder)")
     return tok
+
+
+def tokenizer_identity(path: str) -> str:
+    """Hash of what decides token counts: the tokenizer's vocabulary/merges and its chat
+    template (so the plan's key changes when either does, wherever the files live)."""
+    from kohakumoss.artifacts import hash_json
+
+    tok = load_tokenizer(path)
+    return hash_json({"tokenizer": tok.backend_tokenizer.to_str(), "template": tok.chat_template})
 
 
 class TokenCounter:

@@ -1,0 +1,1 @@
+"""Encoder caches: content keys, the sharded tensor store, and the fills of the cache stages."""

@@ -1,0 +1,158 @@
+"""What the cache stages encode: exactly the captions and crops the plan will use.
+
+``text_items`` / ``latent_items`` turn a plan into ``{key: item}`` (deduplicated); the
+``fill_*`` functions encode the items a store lacks, batched by a token or pixel budget,
+and write them shard by shard, so a killed fill resumes from its last complete shard.
+Encoders are built lazily by the caller's factory: a fill with nothing missing never
+loads a 9B text encoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from tqdm.auto import tqdm
+
+from kohakumoss.cache.keys import background_name, content_identity, latent_key, text_key
+from kohakumoss.cache.store import TensorStore
+from kohakumoss.config import Params
+from kohakumoss.data.catalogset import CatalogSet
+from kohakumoss.data.loader import decode_image, to_model_range
+from kohakumoss.encoders.vae import batch_groups, to_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FillStats:
+    wanted: int = 0
+    cached: int = 0
+    encoded: int = 0
+    dropped_shards: list[str] = dataclasses.field(default_factory=list)
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def text_items(plan: pa.Table, encoder_key_id: str, storage: str) -> dict[str, str]:
+    """``{key: caption}`` for every caption training reads (dropped slots read "")."""
+    captions = plan.column("caption").to_pylist()
+    drop = plan.column("text_drop").to_pylist()
+    used = sorted({c for c, d in zip(captions, drop) if not d} | {""})
+    return {text_key(encoder_key_id, storage, c): c for c in used}
+
+
+def fill_text(store: TensorStore, items: dict[str, str], encoder: Callable[[], object],
+              batch: int, max_tokens: int, chunk: int = 512) -> FillStats:
+    stats = FillStats(wanted=len(items), dropped_shards=store.verify())
+    missing = store.missing(items)
+    stats.cached = stats.wanted - len(missing)
+    if not missing:
+        return stats
+    enc = encoder()
+    with tqdm(total=len(missing), desc="cache_text", unit="caption", disable=None) as bar:
+        for i in range(0, len(missing), chunk):
+            keys = missing[i:i + chunk]
+            for key, emb in zip(keys, enc.encode([items[k] for k in keys], batch=batch,
+                                                 max_tokens=max_tokens)):
+                store.add(key, emb)
+            bar.update(len(keys))
+            stats.encoded += len(keys)
+    store.flush()
+    return stats
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentItem:
+    dataset: int
+    locator: str
+    box: tuple[int, int, int, int]
+    target: tuple[int, int]  # (h, w) pixels
+    flip: bool
+
+
+def latent_items(plan: pa.Table, cs: CatalogSet, p: Params, encoder_key_id: str) -> dict[str, LatentItem]:
+    res, storage, draw = p.resolution, p.cache.dtype, p.encoders.draw
+    bg = background_name(res.background)
+    cols = {c: plan.column(c).to_numpy(zero_copy_only=False) for c in
+            ("dataset", "row", "target_h", "target_w", "crop_l", "crop_t", "crop_r", "crop_b", "flip")}
+    seen: set[tuple] = set()
+    items: dict[str, LatentItem] = {}
+    for i in range(plan.num_rows):
+        sig = tuple(int(cols[c][i]) for c in cols)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        d, row, th, tw, l, t, r, b, flip = sig
+        pos = int(cs.offsets[d]) + row
+        rec = cs.row(pos)
+        content = content_identity(rec.extra.get("hash"), rec.locator, rec.w, rec.h)
+        key = latent_key(content, encoder_key_id, storage, (th, tw), (l, t, r, b), bool(flip), bg,
+                         rec.has_alpha, res.resample, draw)
+        items[key] = LatentItem(d, rec.locator, (l, t, r, b), (th, tw), bool(flip))
+    return items
+
+
+def fill_latents(store: TensorStore, items: dict[str, LatentItem], p: Params,
+                 encoder: Callable[[], object], generator: torch.Generator | None = None) -> FillStats:
+    """Decode (threads) and encode the missing crops, same-size images batched together."""
+    stats = FillStats(wanted=len(items), dropped_shards=store.verify())
+    missing = store.missing(items)
+    stats.cached = stats.wanted - len(missing)
+    if not missing:
+        return stats
+    res, e = p.resolution, p.encoders
+    order = sorted(missing, key=lambda k: (items[k].target, k))  # same sizes adjacent
+    groups = [[order[i] for i in g] for g in
+              batch_groups([items[k].target for k in order], e.vae_batch_pixels, e.vae_batch)]
+
+    def decode(key: str) -> torch.Tensor:
+        it = items[key]
+        data = p.data.datasets[it.dataset].args.open(it.locator)
+        return to_model_range(decode_image(data, it.box, it.target, it.flip, res.background, res.resample))
+
+    def stack(group: list[str]) -> tuple[list[str], torch.Tensor | None]:
+        ok, pixels = [], []
+        for key in group:
+            try:
+                pixels.append(decode(key))
+                ok.append(key)
+            except Exception as err:  # a broken image is reported and skipped, never fatal
+                it = items[key]
+                stats.failed[key] = f"dataset {it.dataset} {it.locator}: {type(err).__name__}: {err}"
+                log.warning("cache_latents: skipping %s", stats.failed[key])
+        return ok, (torch.stack(pixels) if pixels else None)
+
+    vae = encoder()
+    ahead = 2 * e.decode_workers  # groups decoded ahead of the encoder, bounded
+    with ThreadPoolExecutor(e.decode_workers) as pool, \
+            tqdm(total=len(missing), desc="cache_latents", unit="image", disable=None) as bar:
+        futures = [pool.submit(stack, g) for g in groups[:ahead]]
+        for i, group in enumerate(groups):
+            keys, pixels = futures[i].result()
+            futures[i] = None
+            if i + ahead < len(groups):
+                futures.append(pool.submit(stack, groups[i + ahead]))
+            if pixels is not None:
+                latents = vae.encode(pixels, draw=e.draw, generator=generator)
+                for key, tokens in zip(keys, to_tokens(latents)):
+                    store.add(key, tokens)
+            bar.update(len(group))
+            stats.encoded += len(keys)
+    store.flush()
+    return stats
+
+
+def record_build(directory: Path, settings: dict) -> None:
+    """Append the key-shaping settings of a fill to ``builds.json`` (for miss messages)."""
+    path = directory / "builds.json"
+    builds = json.loads(path.read_text()) if path.is_file() else []
+    if settings not in builds:
+        from kohakumoss.artifacts import atomic_write_json
+
+        atomic_write_json(path, builds + [settings])
