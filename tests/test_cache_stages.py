@@ -1,0 +1,123 @@
+"""The cache stages end to end on the tiny encoders: exact entries, incremental, resumable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kohakumoss.cache import fill as fill_mod
+from kohakumoss.cache.build import build_latent_cache, build_text_cache
+from kohakumoss.cache.keys import text_key
+from kohakumoss.cache.store import TensorStore
+from kohakumoss.data.catalogset import load_catalogs
+from kohakumoss.data.loader import PlanBatches, decode_image, to_model_range
+from kohakumoss.data.planfile import make_plan, read_plan
+from kohakumoss.data.scan import scan
+from kohakumoss.encoders import VAE, TextEncoder
+
+from conftest import make_params, write_image
+
+
+def _params(ds, **over):
+    sections = {"caption": {"tokenizer": "tiny", "text_drop": 0.3},
+                "batching": {"max_tokens": 400, "overlong": "drop_tokens"},
+                "encoders": {"device": "cpu", "text_dtype": "fp32", "vae_dtype": "fp32", "vae_batch": 3},
+                "cache": {"dtype": "fp32", "shard_mb": 1}, "train": {"steps": 12}}
+    for k, v in over.items():
+        sections[k] = {**sections.get(k, {}), **v}
+    return make_params([{"source": "kohya", "path": str(ds)}], **sections)
+
+
+def _pipeline(tmp_path, p):
+    scan(p, tmp_path / "catalog")
+    make_plan(p, tmp_path / "catalog", tmp_path / "plan")
+    return build_text_cache(p, tmp_path / "plan", tmp_path / "text"), \
+        build_latent_cache(p, tmp_path / "plan", tmp_path / "catalog", tmp_path / "lat")
+
+
+def test_caches_hold_exactly_what_training_reads(tmp_path, kohya_dataset):
+    p = _params(kohya_dataset)
+    (tm, ts), (lm, ls) = _pipeline(tmp_path, p)
+    assert ts.encoded == ts.wanted and ls.encoded == ls.wanted > 0
+    table, _ = read_plan(tmp_path / "plan")
+    enc = TextEncoder.load("tiny", dtype="fp32")
+    text = TensorStore(tmp_path / "text", "fp32")
+    # every caption a batch reads is cached, equal to a fresh encoding, with the planned length
+    batches = PlanBatches(tmp_path / "plan", p.data.datasets, p.resolution, tmp_path / "catalog")
+    b = batches.batch(0)
+    for caption in b.captions:
+        cached = text.get(text_key(enc.key_id, "fp32", caption), torch.float32)
+        fresh = enc.encode([caption])[0].float()
+        assert cached.shape == fresh.shape and torch.allclose(cached, fresh, atol=1e-5)
+    planned = {c: n for c, n, d in zip(table.column("caption").to_pylist(),
+                                       table.column("text_tokens").to_pylist(),
+                                       table.column("text_drop").to_pylist()) if not d}
+    lengths = text.lengths()
+    for c, n in planned.items():
+        assert lengths[text_key(enc.key_id, "fp32", c)] == n  # exact budget == encoded length
+    # a latent entry equals encoding the loader's pixels for that slot
+    vae = VAE.load("tiny", dtype="fp32")
+    lat = TensorStore(tmp_path / "lat", "fp32")
+    items = fill_mod.latent_items(table, load_catalogs(tmp_path / "catalog", p.data.datasets),
+                                  p, vae.key_id)
+    assert len(items) == ls.wanted
+    key, it = next(iter(items.items()))
+    data = p.data.datasets[it.dataset].args.open(it.locator)
+    px = to_model_range(decode_image(data, it.box, it.target, it.flip))[None]
+    expect = vae.encode(px)[0].flatten(1).T
+    assert torch.allclose(lat.get(key, torch.float32), expect, atol=1e-5)
+
+
+def test_rerun_encodes_only_new_images_and_loads_no_encoder(tmp_path, kohya_dataset, monkeypatch):
+    p = _params(kohya_dataset)
+    _pipeline(tmp_path, p)
+    loads = []
+    real_load = VAE.load
+    monkeypatch.setattr(VAE, "load", classmethod(lambda cls, *a, **k: loads.append(1) or real_load(*a, **k)))
+    _, s = build_latent_cache(p, tmp_path / "plan", tmp_path / "catalog", tmp_path / "lat")
+    assert s.encoded == 0 and loads == []  # fully cached: the VAE is never built
+    write_image(kohya_dataset / "1_beta" / "new.png", 50, 30, seed=7)
+    scan(p, tmp_path / "catalog")
+    make_plan(p, tmp_path / "catalog", tmp_path / "plan")
+    _, s = build_latent_cache(p, tmp_path / "plan", tmp_path / "catalog", tmp_path / "lat")
+    assert s.encoded >= 1 and s.cached > 0 and s.encoded <= 2  # the new image's crop(s) only
+
+
+def test_killed_cache_stage_resumes(tmp_path, kohya_dataset, monkeypatch):
+    p = _params(kohya_dataset, cache={"dtype": "fp32", "shard_mb": 1})
+    scan(p, tmp_path / "catalog")
+    make_plan(p, tmp_path / "catalog", tmp_path / "plan")
+    calls = {"n": 0}
+    real_encode = VAE.encode
+
+    def dying_encode(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("killed")
+        return real_encode(self, *a, **k)
+
+    monkeypatch.setattr(VAE, "encode", dying_encode)
+    monkeypatch.setattr(TensorStore, "add", _flush_every_entry(TensorStore.add))
+    with pytest.raises(KeyboardInterrupt):
+        build_latent_cache(p, tmp_path / "plan", tmp_path / "catalog", tmp_path / "lat")
+    kept = len(TensorStore(tmp_path / "lat", "fp32"))
+    assert kept > 0  # completed shards survived the kill
+    monkeypatch.setattr(VAE, "encode", real_encode)
+    _, s = build_latent_cache(p, tmp_path / "plan", tmp_path / "catalog", tmp_path / "lat")
+    assert s.cached == kept and s.encoded == s.wanted - kept
+
+
+def _flush_every_entry(add):
+    def wrapped(self, key, tensor):
+        add(self, key, tensor)
+        self.flush()
+
+    return wrapped
+
+
+def test_changing_the_encoder_dtype_makes_old_entries_unreachable(tmp_path, kohya_dataset):
+    p = _params(kohya_dataset)
+    (_, ts), _ = _pipeline(tmp_path, p)
+    p16 = _params(kohya_dataset, encoders={"text_dtype": "bf16"})
+    _, s = build_text_cache(p16, tmp_path / "plan", tmp_path / "text")
+    assert s.cached == 0 and s.encoded == ts.wanted
