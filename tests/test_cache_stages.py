@@ -121,3 +121,39 @@ def test_changing_the_encoder_dtype_makes_old_entries_unreachable(tmp_path, kohy
     p16 = _params(kohya_dataset, encoders={"text_dtype": "bf16"})
     _, s = build_text_cache(p16, tmp_path / "plan", tmp_path / "text")
     assert s.cached == 0 and s.encoded == ts.wanted
+
+
+@pytest.mark.parametrize("mode", ["offline", "online", "off"])
+def test_training_reads_per_mode(tmp_path, kohya_dataset, mode):
+    from kohakumoss.cache.build import text_identity, vae_identity
+    from kohakumoss.cache.lookup import BatchCaches
+    from kohakumoss.cache.store import CacheMiss
+
+    p = _params(kohya_dataset)
+    _pipeline(tmp_path, p)
+    pm = _params(kohya_dataset, cache={"text": mode, "latents": mode})
+    cs = load_catalogs(tmp_path / "catalog", p.data.datasets)
+    caches = BatchCaches(pm, cs, tmp_path / "text", tmp_path / "lat", text_identity(pm), vae_identity(pm))
+    batch = PlanBatches(tmp_path / "plan", p.data.datasets, p.resolution, tmp_path / "catalog").batch(1)
+    text, lat = caches.read_text(batch), caches.read_latents(batch)
+    if mode == "off":
+        assert text is None and lat is None
+        return
+    assert len(text) == len(batch.captions) and len(lat) == len(batch.pixels)
+    vae = VAE.load("tiny", dtype="fp32")
+    fresh = vae.encode(batch.pixels[0][None])[0].flatten(1).T
+    assert lat[0].dtype == torch.bfloat16  # reads return bf16, as the trainer consumes them
+    assert torch.allclose(lat[0].float(), fresh.bfloat16().float(), atol=1e-2)  # the loader's pixels
+    # a miss: offline names the entry; online returns None, then writes the batch back
+    empty = BatchCaches(pm, cs, tmp_path / "text2", tmp_path / "lat2", text_identity(pm), vae_identity(pm))
+    if mode == "offline":
+        with pytest.raises(CacheMiss, match="kmoss cache_latents"):
+            empty.read_latents(batch)
+        return
+    assert empty.read_latents(batch) is None
+    keys = empty.latent_keys(batch)
+    tokens = [vae.encode(px[None])[0].flatten(1).T for px in batch.pixels]
+    used = empty.latents.write_back(keys, tokens)
+    empty.flush()
+    again = empty.read_latents(batch)
+    assert all(torch.equal(a, b) for a, b in zip(used, again))  # a miss trains on what a hit reads

@@ -1,0 +1,91 @@
+"""How training reads the caches, per mode (``cache.text`` / ``cache.latents``).
+
+- ``offline``: every entry must be there; a miss raises ``CacheMiss`` naming the entry and
+  the stage that builds it.
+- ``online``: all-or-nothing per batch: if every sample hits, the cached tensors are used;
+  if any misses, ``None`` is returned, the trainer encodes the whole batch and hands the
+  fresh tensors to ``write_back``, which stores them and returns them rounded exactly as a
+  later hit would read them.
+- ``off``: always ``None``; nothing is read or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kohakumoss.cache.keys import background_name, content_identity, latent_key, text_key
+from kohakumoss.cache.store import TensorStore, storage_round_trip
+from kohakumoss.config import Params
+from kohakumoss.data.catalogset import CatalogSet
+from kohakumoss.data.loader import HostBatch
+
+
+@dataclasses.dataclass
+class CacheView:
+    store: TensorStore | None
+    mode: str
+    rebuild: str
+
+    def read(self, keys: list[str], describe) -> list[torch.Tensor] | None:
+        if self.mode == "off" or self.store is None:
+            return None
+        if self.mode == "offline":
+            return self.store.get_many(keys, describe, self.rebuild)
+        if self.store.missing(keys):
+            return None
+        return [self.store.get(k) for k in keys]
+
+    def write_back(self, keys: list[str], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Store fresh encodings (online) and return them as a cache hit would read them."""
+        if self.mode != "online" or self.store is None:
+            return tensors
+        out = []
+        for k, t in zip(keys, tensors):
+            self.store.add(k, t)
+            out.append(storage_round_trip(t, self.store.storage))
+        return out
+
+
+class BatchCaches:
+    """Text and latent lookups for host batches, keyed exactly as the cache stages key them."""
+
+    def __init__(self, p: Params, catalogs: CatalogSet, text_dir, latent_dir,
+                 text_identity: str, vae_identity: str):
+        self.p, self.cs = p, catalogs
+        self.text_id, self.vae_id = text_identity, vae_identity
+        shard = p.cache.shard_mb << 20
+        self.text = CacheView(TensorStore(text_dir, p.cache.dtype, shard) if p.cache.text != "off" else None,
+                              p.cache.text, "kmoss cache_text")
+        self.latents = CacheView(TensorStore(latent_dir, p.cache.dtype, shard)
+                                 if p.cache.latents != "off" else None, p.cache.latents,
+                                 "kmoss cache_latents")
+        self._pos = {int(u): i for i, u in enumerate(catalogs.uid)}
+
+    def text_keys(self, batch: HostBatch) -> list[str]:
+        return [text_key(self.text_id, self.p.cache.dtype, c) for c in batch.captions]
+
+    def latent_keys(self, batch: HostBatch) -> list[str]:
+        res, keys = self.p.resolution, []
+        for uid, (h, w), box, flip in zip(batch.uids.tolist(), batch.hw.tolist(), batch.crops, batch.flips):
+            row = self.cs.row(self._pos[uid])
+            content = content_identity(row.extra.get("hash"), row.locator, row.w, row.h)
+            keys.append(latent_key(content, self.vae_id, self.p.cache.dtype, (h * 16, w * 16), box,
+                                   flip, background_name(res.background), row.has_alpha,
+                                   res.resample, self.p.encoders.draw))
+        return keys
+
+    def read_text(self, batch: HostBatch) -> list[torch.Tensor] | None:
+        return self.text.read(self.text_keys(batch), lambda k: "a caption of batch "
+                              f"{batch.index}: {batch.captions[self.text_keys(batch).index(k)]!r}")
+
+    def read_latents(self, batch: HostBatch) -> list[torch.Tensor] | None:
+        keys = self.latent_keys(batch)
+        return self.latents.read(keys, lambda k: f"image uid {batch.uids[keys.index(k)].item()} of "
+                                 f"batch {batch.index}")
+
+    def flush(self) -> None:
+        for view in (self.text, self.latents):
+            if view.store is not None and view.mode == "online":
+                view.store.flush()
