@@ -19,12 +19,13 @@ app = typer.Typer(help="Checks of this install against reference numbers.", no_a
 @stage
 def parity(folder: Path = typer.Argument(..., help="A reference vector set (the format of the "
                                            "public vectors: weights_*.safetensors, batch.safetensors).")) -> None:
-    """Run our model on CPU in float32 and float64 against a vector set; one line per
-    comparison with its relative error and PASS/FAIL. Exit code 1 on any FAIL."""
-    from kohakumoss.model.parity import model_comparisons
+    """Run our model on CPU in float32 and float64 against a vector set (and the timestep
+    sampler and inference schedules when it has them); one line per comparison with its
+    relative error and PASS/FAIL. Exit code 1 on any FAIL."""
+    from kohakumoss.model.parity import all_comparisons
 
     failed = 0
-    for c in model_comparisons(folder):
+    for c in all_comparisons(folder):
         out.print(c.line(), style=None if c.passed else "bold red", highlight=False)
         failed += not c.passed
     if failed:

@@ -1,0 +1,1 @@
+"""Rectified-flow objective, timestep samplers, inference schedule (and, later, the sampler)."""

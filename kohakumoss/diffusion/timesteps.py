@@ -1,0 +1,113 @@
+"""Training timestep (sigma) samplers (``spec/diffusion.md`` section 3).
+
+Sigma 0 is data, 1 is pure noise. The MOSS sampler is a discrete truncated logit-normal
+pmf over a 1000-point grid, computed in float32 tensor ops exactly as the reference does
+(the vectors' tables match it bit for bit); a staged table switches its knobs at given
+global steps ("tech_report"). ``uniform`` and ``logit_normal`` are the usual continuous
+samplers. Every draw is a pure function of (seed, global batch index): no generator state
+to checkpoint, and a resumed run draws the same sigmas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import lru_cache
+
+import torch
+
+from kohakumoss.data.seeding import seed_of
+
+TECH_REPORT = (
+    (0, {"mu": 0.0, "s": 1.0, "shift": 3.0, "cutoff": None, "p_full": 0.01}),
+    (140_000, {"mu": -1.45, "s": 1.05, "shift": 1.0, "cutoff": None, "p_full": 0.01}),
+    (207_000, {"mu": -1.45, "s": 1.05, "shift": 1.0, "cutoff": 0.95, "p_full": 0.0}),
+    (274_000, {"mu": -1.09, "s": 0.95, "shift": 1.0, "cutoff": 0.95, "p_full": 0.0}),
+)
+STAGE_DEFAULTS = {"mu": 0.0, "s": 1.0, "cutoff": None, "p_full": 0.0, "shift": 1.0}
+
+
+def shift_sigma(x: torch.Tensor, k: float) -> torch.Tensor:
+    """The static shift ``k x / (1 + (k - 1) x)`` (identity at k = 1)."""
+    return x if k == 1.0 else k * x / (1 + (k - 1) * x)
+
+
+@lru_cache(maxsize=16)
+def moss_tables(steps: int = 1000, mu: float = -1.09, s: float = 0.95, cutoff: float | None = 0.95,
+                uniform_mix: float = 0.01, p_full: float = 0.0, shift: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pmf, sigma, cdf), each float32 [steps]; bin j (0-based) has sigma ``shift((j+1)/N)``."""
+    n, a = steps, 1.0 if cutoff is None else cutoff
+    x = a * torch.arange(n + 1, dtype=torch.float32) / n
+    arg = (torch.log(x) - torch.log1p(-x) + mu) / (s * math.sqrt(2))
+    cdf_x, sf_x = 0.5 * torch.erfc(-arg), 0.5 * torch.erfc(arg)
+    cdf_x[0], sf_x[0] = 0.0, 1.0
+    cdf_x[x >= 1], sf_x[x >= 1] = 1.0, 0.0
+    # each bin from the side where it does not cancel: CDF below the median, SF above
+    mass = torch.where(cdf_x[1:] <= 0.5, cdf_x[1:] - cdf_x[:-1], sf_x[:-1] - sf_x[1:])
+    mass = mass / cdf_x[n].clamp_min(torch.finfo(torch.float32).tiny)
+    pmf = (1 - uniform_mix) * mass + uniform_mix / n
+    pmf = pmf * (1 - p_full)
+    pmf[-1] += p_full
+    pmf = pmf / pmf.sum()
+    sigma = shift_sigma(torch.arange(1, n + 1, dtype=torch.float32) / n, shift)
+    cdf = torch.cumsum(pmf, 0)
+    cdf[-1] = 1.0
+    return pmf, sigma, cdf
+
+
+@dataclasses.dataclass(frozen=True)
+class MossSampler:
+    steps: int = 1000
+    mu: float = -1.09
+    s: float = 0.95
+    cutoff: float | None = 0.95
+    uniform_mix: float = 0.01
+    p_full: float = 0.0
+    shift: float = 1.0
+    schedule: tuple = ()  # ((start_step, {knobs}), ...) or () for one stage
+
+    def knobs_at(self, step: int) -> dict:
+        base = {"mu": self.mu, "s": self.s, "cutoff": self.cutoff, "p_full": self.p_full,
+                "shift": self.shift}
+        if not self.schedule:
+            return base
+        stage = [knobs for start, knobs in self.schedule if start <= step][-1]
+        return {**STAGE_DEFAULTS, **dict(stage)}
+
+    def tables(self, step: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return moss_tables(self.steps, uniform_mix=self.uniform_mix, **self.knobs_at(step))
+
+    def sample(self, n: int, generator: torch.Generator, step: int = 0) -> torch.Tensor:
+        _, sigma, cdf = self.tables(step)
+        u = torch.rand(n, generator=generator)
+        idx = torch.searchsorted(cdf, u).clamp_max(self.steps - 1)
+        return sigma[idx]
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformSampler:
+    low: float = 0.001
+    high: float = 1.0
+    shift: float = 1.0
+
+    def sample(self, n: int, generator: torch.Generator, step: int = 0) -> torch.Tensor:
+        u = torch.rand(n, generator=generator)
+        return shift_sigma(self.low + (self.high - self.low) * u, self.shift)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitNormalSampler:
+    mu: float = 0.0
+    s: float = 1.0
+    shift: float = 1.0
+
+    def sample(self, n: int, generator: torch.Generator, step: int = 0) -> torch.Tensor:
+        z = torch.randn(n, generator=generator)
+        return shift_sigma(torch.sigmoid(self.mu + self.s * z), self.shift)
+
+
+def batch_sigmas(sampler, n: int, seed: int, global_batch: int, step: int) -> torch.Tensor:
+    """The sigmas of one batch: a pure function of (seed, global batch index, step)."""
+    g = torch.Generator().manual_seed(seed_of("sigma", int(seed), int(global_batch)) & (2**63 - 1))
+    return sampler.sample(n, g, step)
