@@ -159,10 +159,77 @@ class CacheConfig:
     shard_mb: int = knob(256, check=lambda v: v >= 1, allowed="an integer >= 1 (MiB per shard)")
 
 
+ALGOS = ("lora", "locon", "loha", "lokr", "dora", "oft", "boft", "glora", "ia3", "dylora", "tlora",
+         "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterConfig:
+    """What is trained: a LyCORIS algorithm on the preset's (or ``targets``') linears, or
+    ``full`` (every weight). ``dora`` adds weight decomposition to lora/locon/loha/lokr;
+    ``algo: dora`` is LoRA with it."""
+
+    algo: str = knob("lora", check=lambda v: v in ALGOS, allowed="one of " + ", ".join(ALGOS))
+    preset: str = knob("attn-mlp", help="attn | attn-mlp | full-block | all, plus modifiers "
+                                        "+text-refiner +modulation +embed")
+    targets: tuple[str, ...] = knob((), help="explicit module-path regexes; replace the preset")
+    dim: int = knob(32, check=lambda v: v >= 1, allowed="an integer >= 1")
+    alpha: float = knob(32.0, check=lambda v: v >= 0, allowed="a number >= 0")
+    dora: bool = False
+    algo_kwargs: dict = knob({}, help="extra keyword arguments of the LyCORIS module")
+    dropout: float = knob(0.0, check=lambda v: 0 <= v < 1, allowed="a probability in [0, 1)")
+    rank_dropout: float = knob(0.0, check=lambda v: 0 <= v < 1, allowed="a probability in [0, 1)")
+    module_dropout: float = knob(0.0, check=lambda v: 0 <= v < 1, allowed="a probability in [0, 1)")
+    mode: Literal["bypass", "merge"] = "bypass"
+    loraplus_ratio: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0 (1 = off)")
+    train_norms: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = knob(1e-4, check=lambda v: v > 0, allowed="a number > 0")
+    betas: tuple[float, float] = knob((0.9, 0.999), check=lambda v: all(0 <= b < 1 for b in v),
+                                      allowed="[beta1, beta2] in [0, 1)")
+    eps: float = knob(1e-8, check=lambda v: v > 0, allowed="a number > 0")
+    weight_decay: float = knob(0.0, check=lambda v: v >= 0, allowed="a number >= 0")
+    decay_rule: Literal["moss", "none", "all"] = "moss"
+    muon_lr: float = knob(0.02, check=lambda v: v > 0, allowed="a number > 0")
+    muon_momentum: float = knob(0.95, check=lambda v: 0 <= v < 1, allowed="a number in [0, 1)")
+    muon_ns_steps: int = knob(5, check=lambda v: v >= 1, allowed="an integer >= 1")
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = knob(0, check=lambda v: v >= 0, allowed="an integer >= 0")
+    min_lr_ratio: float = knob(0.0, check=lambda v: 0 <= v <= 1, allowed="a number in [0, 1]")
+    grad_clip: float = knob(1.0, check=lambda v: v >= 0, allowed="a number >= 0 (0 = off)")
+    ema: float = knob(0.0, check=lambda v: 0 <= v < 1, allowed="an EMA decay in [0, 1) (0 = off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    sampler: Literal["moss", "uniform", "logit_normal"] = "moss"
+    schedule: Literal["", "tech_report"] = ""
+    mu: float = -1.09
+    s: float = knob(0.95, check=lambda v: v > 0, allowed="a number > 0")
+    cutoff: float | None = knob(0.95, check=lambda v: v is None or 0 < v <= 1,
+                                allowed="null or a number in (0, 1]")
+    uniform_mix: float = knob(0.01, check=lambda v: 0 <= v <= 1, allowed="a number in [0, 1]")
+    p_full: float = knob(0.0, check=lambda v: 0 <= v <= 1, allowed="a number in [0, 1]")
+    shift: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0")
+    loss: Literal["mse", "huber", "l1"] = "mse"
+    huber_delta: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0")
+    weighting: Literal["none", "x0", "eps"] = "none"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = knob(100, check=lambda v: v >= 1, allowed="an integer >= 1")
     grad_accum: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1")
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    device: str = knob("auto", check=lambda v: v in ("auto", "cpu", "cuda"),
+                       allowed="one of auto, cpu, cuda")
+    checkpoint_every: int = knob(50, check=lambda v: v >= 1, allowed="an integer >= 1 (steps)")
+    keep_checkpoints: int = knob(3, check=lambda v: v >= 1, allowed="an integer >= 1")
+    log_every: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (steps)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +246,9 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "encoders": EncodersConfig,
     "cache": CacheConfig,
+    "adapter": AdapterConfig,
+    "optim": OptimConfig,
+    "objective": ObjectiveConfig,
     "train": TrainConfig,
     "parallel": ParallelConfig,
 }
@@ -194,6 +264,9 @@ class Params:
     model: ModelConfig
     encoders: EncodersConfig
     cache: CacheConfig
+    adapter: AdapterConfig
+    optim: OptimConfig
+    objective: ObjectiveConfig
     train: TrainConfig
     parallel: ParallelConfig
     path: str = "params.yaml"
