@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from stages import cache_latents, cache_text, check, plan, scan
+from stages import cache_latents, cache_text, check, plan, scan, train
 
 app = typer.Typer(
     name="kmoss",
@@ -17,6 +17,7 @@ app.command("scan")(scan.main)
 app.command("plan")(plan.main)
 app.command("cache_text")(cache_text.main)
 app.command("cache_latents")(cache_latents.main)
+app.command("train")(train.main)
 app.add_typer(check.app, name="check")
 
 

@@ -23,10 +23,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from kohakumoss.data.plan import PlanError
     from kohakumoss.data.scan import ScanError
     from kohakumoss.data.sources import SourceError
+    from kohakumoss.cache.store import CacheMiss
     from kohakumoss.model.checkpoints import CheckpointError
 
     return (ConfigError, ArtifactError, SourceError, ScanError, CatalogError, PlanError,
-            CheckpointError)
+            CheckpointError, CacheMiss)
 
 
 def stage(fn):

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
@@ -62,6 +64,14 @@ class BatchCaches:
                                  if p.cache.latents != "off" else None, p.cache.latents,
                                  "kmoss cache_latents")
         self._pos = {int(u): i for i, u in enumerate(catalogs.uid)}
+        failed = Path(latent_dir) / "failed.json"
+        self.failed = set(json.loads(failed.read_text())) if failed.is_file() else set()
+
+    def usable(self, batch: HostBatch) -> list[int]:
+        """Positions of the samples whose image did not fail in the latent cache fill."""
+        if not self.failed or self.latents.mode == "off":
+            return list(range(len(batch.captions)))
+        return [i for i, k in enumerate(self.latent_keys(batch)) if k not in self.failed]
 
     def text_keys(self, batch: HostBatch) -> list[str]:
         return [text_key(self.text_id, self.p.cache.dtype, c) for c in batch.captions]

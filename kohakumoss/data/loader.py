@@ -86,18 +86,30 @@ class HostBatch:
     flips: list[bool]
     skipped: list[tuple[int, str]]
 
+    def select(self, keep: list[int]) -> HostBatch:
+        """The batch restricted to the samples at positions ``keep``."""
+        idx = torch.tensor(keep, dtype=torch.int64)
+        pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
+        return dataclasses.replace(
+            self, uids=self.uids[idx], hw=self.hw[idx], pixels=pick(self.pixels) if self.pixels else [],
+            captions=pick(self.captions), text_drop=self.text_drop[idx],
+            loss_weight=self.loss_weight[idx], text_limit=pick(self.text_limit),
+            img_keep=pick(self.img_keep), keep_seed=pick(self.keep_seed), crops=pick(self.crops),
+            flips=pick(self.flips))
+
 
 class PlanBatches:
     """Random access to the plan's batches of one rank; picklable, opens files lazily."""
 
     def __init__(self, plan_dir: str | Path, datasets: tuple[DatasetEntry, ...],
                  resolution: ResolutionConfig, catalog_dir: str | Path, rank: int = 0,
-                 world: int = 1):
+                 world: int = 1, pixels: bool = True):
         self.plan_dir = Path(plan_dir)
         self.catalog_dir = Path(catalog_dir)
         self.datasets = datasets
         self.resolution = resolution
         self.rank, self.world = rank, world
+        self.pixels = pixels  # False: the latents come from an offline cache, decode nothing
         self._cols: dict[str, np.ndarray] | None = None
         self._locators: list[list[str]] | None = None
 
@@ -124,6 +136,11 @@ class PlanBatches:
                               .to_pylist() for e in index]
         return self._locators[dataset][row]
 
+    def step_image_tokens(self, step: int) -> int:
+        """Planned loss tokens of optimiser step ``step`` over all micro-batches and ranks."""
+        cols = self._load()
+        return int(cols["image_tokens"][cols["step"] == step].sum())
+
     def __len__(self) -> int:
         n_global = len(self._load()["_starts"]) - 1
         return max(0, (n_global - self.rank + self.world - 1) // self.world)
@@ -146,18 +163,19 @@ class PlanBatches:
             th, tw = int(cols["target_h"][i]), int(cols["target_w"][i])
             flip = bool(cols["flip"][i])
             locator = self._locator(d, row)
-            try:
-                data = self.datasets[d].args.open(locator)
-                pix = decode_image(data, box, (th, tw), flip, res.background, res.resample)
-            except Exception as e:  # a broken file is reported and skipped, never fatal
-                reason = f"{type(e).__name__}: {e}"
-                log.warning("batch %d: skipping dataset %d image %s (%s)", index, d, locator, reason)
-                skipped.append((uid, f"{locator}: {reason}"))
-                continue
+            if self.pixels:
+                try:
+                    data = self.datasets[d].args.open(locator)
+                    pix = decode_image(data, box, (th, tw), flip, res.background, res.resample)
+                except Exception as e:  # a broken file is reported and skipped, never fatal
+                    reason = f"{type(e).__name__}: {e}"
+                    log.warning("batch %d: skipping dataset %d image %s (%s)", index, d, locator, reason)
+                    skipped.append((uid, f"{locator}: {reason}"))
+                    continue
+                out["pixels"].append(to_model_range(pix))
             drop = bool(cols["text_drop"][i])
             out["uids"].append(uid)
             out["hw"].append((th // 16, tw // 16))
-            out["pixels"].append(to_model_range(pix))
             out["captions"].append("" if drop else str(cols["caption"][i]))
             out["text_drop"].append(drop)
             out["loss_weight"].append(float(cols["loss_weight"][i]))

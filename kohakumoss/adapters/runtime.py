@@ -1,0 +1,241 @@
+"""How one LyCORIS module runs on its base layer, what weight it merges to, and a set of
+modules attached to a model (run as forwards, or merged into the weights and restored
+bit-exactly).
+
+Each module keeps LyCORIS 4.1.3's own math; this file only routes around its quirks:
+
+- LoHa/LoKr ``get_diff_weight``/``get_merged_weight`` apply ``alpha/r`` twice (their
+  ``get_weight`` already holds it), so their merged weight is built from ``get_weight``.
+- LyCORIS's bypass forward of LoCon/LoHa/LoKr ignores DoRA; DoRA layers always run the
+  weight-rebuild forward (``W'`` is formed, spec 4). At a multiplier ``m != 1`` DoRA
+  follows the spec, ``W + m (W'_1 - W)``, instead of LyCORIS's ``(W + dW)(m(rho-1)+1)``.
+- OFT/BOFT/IA3 transform the base output, bias included, in bypass, while their rebuild
+  forward changes only the weight: on a layer with a bias they always run bypass, and the
+  merged bias is the bypass forward of a zero input.
+- DyLoRA's bypass forward is broken in 4.1.3 (no scale, fails for a partial rank): it runs
+  ``up(down(x))`` from ``get_weight(rank)`` here. ``rank`` follows LyCORIS's own draw:
+  ``n`` active blocks use ``get_weight((n - 1) * block_size)`` (blocks ``0..n-1``, the
+  last one trained, scale ``alpha / n``); eval and export use all blocks, ``alpha / blocks``.
+- Module dropout is ours (per-step host generator), not LyCORIS's ``torch.rand``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+from lycoris.functional.general import weight_decompose
+from lycoris.modules import (ButterflyOFTModule, DiagOFTModule, DyLoraModule, FullModule,
+                             GLoRAModule, IA3Module, LoConModule, LohaModule, LokrModule,
+                             TLoraModule)
+from lycoris.modules.base import LycorisBaseModule
+from torch import nn
+
+from kohakumoss.adapters.norms import NormDelta
+
+KINDS = {LoConModule: "locon", LohaModule: "loha", LokrModule: "lokr", DiagOFTModule: "oft",
+         ButterflyOFTModule: "boft", GLoRAModule: "glora", IA3Module: "ia3",
+         DyLoraModule: "dylora", TLoraModule: "tlora", FullModule: "diff"}
+BASE_OUTPUT = frozenset({"oft", "boft", "ia3"})  # transform the base layer's output
+
+
+def kind_of(lyco: nn.Module) -> str:
+    return KINDS[type(lyco)]
+
+
+def master_dtype(t: torch.Tensor) -> torch.dtype:
+    """Adapter parameters live in float32, or float64 on a float64 base."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def dylora_rank(lyco: DyLoraModule, blocks: int | None = None) -> int:
+    """The ``get_weight`` rank argument that selects ``blocks`` (default all) rank blocks."""
+    return ((blocks or lyco.block_count) - 1) * lyco.block_size
+
+
+def runs_bypass(lyco: nn.Module, bypass: bool) -> bool:
+    kind = kind_of(lyco)
+    if kind == "diff" or getattr(lyco, "wd", False):
+        return False
+    if kind in BASE_OUTPUT and lyco.org_module[0].bias is not None:
+        return True
+    return bypass
+
+
+def _dylora_forward(lyco: DyLoraModule, x: torch.Tensor) -> torch.Tensor:
+    blocks = lyco.kmoss_blocks if lyco.training else None
+    rank = dylora_rank(lyco, blocks)
+    y = lyco.org_forward(x)
+    if not lyco.bypass_mode:
+        return y + F.linear(x, lyco.get_diff_weight(lyco.multiplier, rank=rank)[0].to(x))
+    down, up, scale = lyco.get_weight(rank)
+    h = F.linear(F.linear(x, down.to(x)), up.to(x))
+    return y + lyco.drop(h * (scale * lyco.multiplier).to(x))
+
+
+def _run(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The forward installed on a base layer (through LyCORIS's wrapper chain)."""
+    if lyco.training and lyco.kmoss_skip:
+        return lyco.org_forward(x, *args, **kwargs)
+    kind, m = kind_of(lyco), lyco.multiplier
+    if kind == "dylora":
+        return _dylora_forward(lyco, x)
+    if kind == "tlora" and lyco.bypass_mode and x.dtype != lyco.lambda_layer.dtype:
+        # LyCORIS mixes its float32 lambda into a half activation; run the delta in master dtype
+        diff = lyco.bypass_forward_diff(x.to(lyco.lambda_layer.dtype), scale=m)
+        return lyco.org_forward(x) + diff.to(x.dtype)
+    if getattr(lyco, "wd", False) and m != 1:
+        base = lyco.org_forward(x)
+        lyco.multiplier = 1.0
+        try:
+            full = type(lyco).forward(lyco, x)
+        finally:
+            lyco.multiplier = m
+        return base + m * (full - base)
+    return type(lyco).forward(lyco, x, *args, **kwargs)
+
+
+def install(lyco: LycorisBaseModule) -> None:
+    if "forward" not in lyco.__dict__:
+        lyco.kmoss_skip, lyco.kmoss_blocks = False, None
+        lyco.forward = functools.partial(_run, lyco)
+    LycorisBaseModule.apply_to(lyco)
+
+
+def uninstall(lyco: LycorisBaseModule) -> None:
+    base = lyco.org_module[0]
+    LycorisBaseModule.restore(lyco)
+    if not getattr(base, "_lycoris_wrappers", None):
+        for attr in ("forward", "_lycoris_original_forward", "_lycoris_wrappers"):
+            base.__dict__.pop(attr, None)
+
+
+@contextlib.contextmanager
+def _on_master_copy(lyco: LycorisBaseModule):
+    """LyCORIS's weight math on a master-dtype copy of the base layer, full rank, eval."""
+    base = lyco.org_module[0]
+    dt = next(p for p in lyco.parameters() if p.is_floating_point()).dtype
+    proxy = nn.Linear(1, 1, bias=base.bias is not None, device="meta")
+    proxy.weight = nn.Parameter(base.weight.detach().to(dt), requires_grad=False)
+    if base.bias is not None:
+        proxy.bias = nn.Parameter(base.bias.detach().to(dt), requires_grad=False)
+    saved = lyco.org_module, lyco.org_forward, lyco.training, getattr(lyco, "mask_group_id", None)
+    lyco.org_module, lyco.org_forward = [proxy], proxy.forward
+    lyco.train(False)
+    if kind_of(lyco) == "tlora":
+        lyco.mask_group_id = None  # no mask under this id: full rank
+    try:
+        yield proxy
+    finally:
+        lyco.org_module, lyco.org_forward = saved[0], saved[1]
+        lyco.train(saved[2])
+        if kind_of(lyco) == "tlora":
+            lyco.mask_group_id = saved[3]
+
+
+@torch.no_grad()
+def merged_weight(lyco: LycorisBaseModule, m: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's effective (weight, bias) at multiplier ``m``, in master dtype."""
+    kind = kind_of(lyco)
+    with _on_master_copy(lyco) as base:
+        W, b = base.weight, base.bias
+        if kind in ("locon", "loha", "lokr"):
+            d = lyco.get_diff_weight(1.0)[0] if kind == "locon" else \
+                lyco.get_weight(lyco.shape) * lyco.scalar
+            d = d.to(W)
+            if lyco.wd:
+                W1 = weight_decompose(W + d, lyco.dora_scale.to(W), 1, lyco.wd_on_out)
+                Wm = W + m * (W1 - W)
+            else:
+                Wm = W + m * d
+        elif kind == "dylora":
+            Wm = lyco.get_merged_weight(m, rank=dylora_rank(lyco))[0]
+        elif kind == "diff":
+            Wm, bm = lyco.get_merged_weight(m, device=W.device)
+            b = b if bm is None else bm.to(W)
+        else:
+            Wm = lyco.get_merged_weight(m)[0]
+        if kind in BASE_OUTPUT and b is not None:
+            b = lyco.bypass_forward(torch.zeros(1, W.shape[1], dtype=W.dtype, device=W.device), m)[0]
+        return Wm.to(W).view(W.shape), b
+
+
+class Attached:
+    """LyCORIS modules and norm deltas on a model's layers; a handle for inference.
+
+    ``merge(m)`` folds every adapter into its layer's weight (master-dtype math, rounded once
+    to the weight dtype) and keeps exact copies; ``unmerge``/``remove`` restore them bit-exactly.
+    """
+
+    def __init__(self, modules: dict[str, LycorisBaseModule], norms: dict[str, NormDelta],
+                 multiplier: float = 1.0, bypass: bool = True):
+        self.modules, self.norms = modules, norms
+        self._saved: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self.set_multiplier(multiplier)
+        self.set_bypass(bypass)
+        self._attach()
+
+    def _attach(self) -> None:
+        for lyco in self.modules.values():
+            install(lyco)
+        for n in self.norms.values():
+            n.attach()
+
+    def _detach(self) -> None:
+        for lyco in self.modules.values():
+            uninstall(lyco)
+        for n in self.norms.values():
+            n.detach()
+
+    def set_multiplier(self, multiplier: float) -> None:
+        for a in [*self.modules.values(), *self.norms.values()]:
+            a.multiplier = float(multiplier)
+
+    def set_bypass(self, bypass: bool) -> None:
+        for lyco in self.modules.values():
+            lyco.bypass_mode = runs_bypass(lyco, bypass)
+
+    @property
+    def merged(self) -> bool:
+        return self._saved is not None
+
+    def _targets(self):
+        for path, lyco in self.modules.items():
+            yield path, lyco.org_module[0]
+        for path, n in self.norms.items():
+            yield path, n.target[0]
+
+    @torch.no_grad()
+    def merge(self, multiplier: float = 1.0) -> None:
+        if self.merged:
+            raise RuntimeError("adapters are already merged; unmerge() first")
+        new = {p: merged_weight(lyco, multiplier) for p, lyco in self.modules.items()}
+        new.update({p: (n.merged_weight(multiplier), None) for p, n in self.norms.items()})
+        self._saved = {}
+        self._detach()
+        for path, layer in self._targets():
+            w, b = layer._parameters["weight"], layer._parameters.get("bias")
+            self._saved[path] = (w.detach().clone(), None if b is None else b.detach().clone())
+            w.copy_(new[path][0].to(w.dtype))
+            if new[path][1] is not None:
+                b.copy_(new[path][1].to(b.dtype))
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        for path, layer in self._targets():
+            w, b = self._saved[path]
+            layer._parameters["weight"].copy_(w)
+            if b is not None:
+                layer._parameters["bias"].copy_(b)
+        self._saved = None
+        self._attach()
+
+    def remove(self) -> None:
+        """Restore the model exactly: weights (if merged) and forwards."""
+        if self.merged:
+            self.unmerge()
+        self._detach()

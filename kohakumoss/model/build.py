@@ -1,0 +1,35 @@
+"""Get a DiT from a params value: ``"tiny"`` (built in code) or a checkpoint path."""
+
+from __future__ import annotations
+
+import torch
+
+from kohakumoss.model.config import FLAVORS
+from kohakumoss.model.dit import MOSSImageTransformer, cast_model
+
+TINY_SEED = 20261130
+
+
+def tiny_transformer(seed: int = TINY_SEED) -> MOSSImageTransformer:
+    """The tiny flavor with deterministic random weights (linears N(0, 0.02) scaled up for a
+    usable signal at width 64, biases 0, norms 1), independent of torch's global RNG."""
+    model = MOSSImageTransformer(FLAVORS["tiny"])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2:
+                param.copy_(torch.randn(param.shape, generator=g) / param.shape[1] ** 0.5)
+            elif name.endswith("norm.weight") or ".norm" in name or "_norm" in name:
+                param.fill_(1.0)
+            else:
+                param.zero_()
+    return model
+
+
+def load_dit(path: str, dtype: torch.dtype, device: torch.device | str) -> MOSSImageTransformer:
+    if path == "tiny":
+        return cast_model(tiny_transformer(), dtype).to(device)
+    from kohakumoss.model.checkpoints import load_transformer
+
+    model, _ = load_transformer(path, dtype=dtype, device=device)
+    return model

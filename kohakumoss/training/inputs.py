@@ -1,0 +1,78 @@
+"""From a host batch to the model's packed inputs: latents and text (cached or encoded),
+token dropping and text truncation as planned, sigmas, noise and the packed layout.
+
+Sigmas and noise are pure functions of (seed, global batch index): a resumed run and an
+uninterrupted one draw the same numbers, whatever the device (noise is drawn on the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kohakumoss.config import Params
+from kohakumoss.data.batching import kept_token_indices
+from kohakumoss.data.loader import HostBatch
+from kohakumoss.data.seeding import seed_of
+from kohakumoss.diffusion.objective import noised, sigma_weight
+from kohakumoss.diffusion.timesteps import batch_sigmas
+from kohakumoss.model.layout import PackedLayout, build_layout
+
+
+@dataclasses.dataclass
+class StepInputs:
+    z: torch.Tensor  # [N_img, C] noised latents (fp32)
+    target: torch.Tensor  # [N_img, C] velocity target (fp32)
+    text: torch.Tensor  # [N_txt, T]
+    sigma: torch.Tensor  # [B]
+    layout: PackedLayout
+    weight: torch.Tensor  # [B] loss weight x sigma weighting
+    n_image_tokens: int
+
+
+def noise_for(batch_index: int, seed: int, n: int, c: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed_of("noise", int(seed), int(batch_index)) & (2**63 - 1))
+    return torch.randn(n, c, generator=g)
+
+
+def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torch.Tensor],
+                 p: Params, sampler, global_batch: int, step: int,
+                 device: torch.device | str) -> StepInputs:
+    """``latents[i]``: full-grid tokens [h*w, C] of sample i; ``texts[i]``: [L_i, T]."""
+    tokens, keep, text_rows = [], [], []
+    for i, (h, w) in enumerate(batch.hw.tolist()):
+        x = latents[i]
+        if batch.img_keep[i] >= 0:
+            idx = kept_token_indices(h * w, batch.img_keep[i], batch.keep_seed[i])
+            keep.append(idx)
+            x = x[torch.from_numpy(idx)]
+        else:
+            keep.append(None)
+        tokens.append(x.float())
+        t = texts[i]
+        if batch.text_limit[i] >= 0:
+            t = t[: batch.text_limit[i]]
+        text_rows.append(t)
+    layout = build_layout(batch.hw.tolist(), [len(t) for t in text_rows], keep)
+    x0 = torch.cat(tokens)
+    sigma = batch_sigmas(sampler, len(tokens), p.run.seed, global_batch, step)
+    eps = noise_for(global_batch, p.run.seed, x0.shape[0], x0.shape[1])
+    z, target = noised(x0, eps, sigma[layout.seg_img])
+    weight = batch.loss_weight * sigma_weight(sigma, p.objective.weighting)
+    return StepInputs(z.to(device), target.to(device), torch.cat(text_rows).to(device),
+                      sigma.to(device), layout.to(device), weight.to(device), layout.n_img)
+
+
+def make_sampler(p: Params):
+    from kohakumoss.diffusion.timesteps import (TECH_REPORT, LogitNormalSampler, MossSampler,
+                                                UniformSampler)
+
+    o = p.objective
+    if o.sampler == "moss":
+        return MossSampler(mu=o.mu, s=o.s, cutoff=o.cutoff, uniform_mix=o.uniform_mix,
+                           p_full=o.p_full, shift=o.shift,
+                           schedule=TECH_REPORT if o.schedule == "tech_report" else ())
+    if o.sampler == "uniform":
+        return UniformSampler(shift=o.shift)
+    return LogitNormalSampler(mu=o.mu, s=o.s, shift=o.shift)

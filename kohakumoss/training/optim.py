@@ -1,0 +1,272 @@
+"""Optimiser side of training: parameter groups, AdamW / Muon, the LR schedule, clipping.
+
+* ``param_groups`` applies the weight-decay rule (``spec/adapters-export.md`` section 6) and
+  per-parameter LR multipliers (LoRA+), merged by ``(lr, weight_decay)`` into few groups.
+* ``build_optimizer``: ``adamw`` is one ``torch.optim.AdamW``; ``muon`` is
+  ``torch.optim.Muon`` on the 2-D weights of the repeated blocks plus AdamW on the rest,
+  joined in a ``CombinedOptimizer`` that schedulers and checkpoints treat as one optimiser.
+* ``lr_lambda`` / ``build_scheduler``: linear warmup then constant / cosine / linear decay.
+* ``clip_and_check``: the fp32 total gradient norm, clipping, and whether it is finite.
+
+fp32 master weights, gradient accumulation and skipping a non-finite step are the
+trainer's job; this module only builds and steps the optimiser.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from kohakumoss.config import OptimConfig
+from kohakumoss.model.dit import REPEATED
+
+log = logging.getLogger(__name__)
+
+NamedParams = Sequence[tuple[str, nn.Parameter]]
+
+# the ``moss`` rule: parameters whose name holds one of these never decay (nor do 1-D ones)
+NO_DECAY_NAMES = ("dora_scale", "rescale", "scalar", "lambda_layer", "alpha")
+
+
+def decays(name: str, param: torch.Tensor, rule: str) -> bool:
+    """Whether ``param`` gets weight decay under ``rule`` (``moss`` | ``none`` | ``all``)."""
+    if rule == "none":
+        return False
+    if rule == "all":
+        return True
+    if rule == "moss":
+        return param.ndim > 1 and not any(key in name for key in NO_DECAY_NAMES)
+    raise ValueError(f"unknown decay_rule {rule!r}; one of moss, none, all")
+
+
+def param_groups(named_params: NamedParams, cfg: OptimConfig,
+                 lr_scale: dict[str, float] | None = None, *,
+                 lr: float | None = None) -> list[dict[str, Any]]:
+    """Optimiser groups ``{"params", "param_names", "lr", "weight_decay"}``.
+
+    A parameter's lr is ``lr`` (default ``cfg.lr``) times ``lr_scale.get(name, 1.0)``; its
+    weight decay is ``cfg.weight_decay`` where the decay rule says so, else 0. Parameters
+    with the same (lr, weight_decay) share a group; groups keep first-appearance order and
+    parameters keep their given order. Frozen parameters (``requires_grad=False``) are left
+    out. A name in ``lr_scale`` that is not a trainable parameter is an error (a LoRA+ map
+    built against the wrong names would otherwise silently do nothing).
+    """
+    base_lr = cfg.lr if lr is None else lr
+    scale = dict(lr_scale or {})
+    groups: dict[tuple[float, float], dict[str, Any]] = {}
+    seen: set[str] = set()
+    for name, p in named_params:
+        if name in seen:
+            raise ValueError(f"parameter name {name!r} appears twice in the list given to the "
+                             f"optimiser; pass each parameter once")
+        seen.add(name)
+        if not p.requires_grad:
+            continue
+        group_lr = base_lr * float(scale.pop(name, 1.0))
+        wd = cfg.weight_decay if decays(name, p, cfg.decay_rule) else 0.0
+        g = groups.setdefault((group_lr, wd), {"params": [], "param_names": [], "lr": group_lr,
+                                               "weight_decay": wd})
+        g["params"].append(p)
+        g["param_names"].append(name)
+    _check_scale_names(scale, set())
+    return list(groups.values())
+
+
+def _check_scale_names(lr_scale: Mapping[str, float], names: set[str]) -> None:
+    extra = sorted(set(lr_scale) - names)
+    if extra:
+        raise ValueError(f"lr_scale names {extra[:5]}{' ...' if len(extra) > 5 else ''} are not "
+                         f"trainable parameters; build lr_scale from the same named parameters "
+                         f"given to the optimiser")
+
+
+def is_block_matrix(name: str, param: torch.Tensor, block_prefixes: Sequence[str]) -> bool:
+    """Muon's share: a 2-D weight (both sides > 1) inside a repeated block, not a decay-exempt
+    name (a DoRA ``dora_scale`` is [out, 1]-shaped and must not be orthogonalised)."""
+    in_block = any(name.startswith(prefix + ".") for prefix in block_prefixes)
+    return (in_block and param.ndim == 2 and min(param.shape) > 1
+            and not any(key in name for key in NO_DECAY_NAMES))
+
+
+def _adamw(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.AdamW:
+    params = [p for g in groups for p in g["params"]]
+    # fused kernels on CUDA; otherwise torch's default (foreach on accelerators, for-loop on
+    # CPU), which also copes with parameters spread over several devices
+    fused = bool(params) and all(p.device.type == "cuda" and p.is_floating_point()
+                                 for p in params)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, fused=True if fused else None)
+
+
+def build_optimizer(named_params: NamedParams, cfg: OptimConfig,
+                    lr_scale: dict[str, float] | None = None,
+                    block_prefixes: Sequence[str] = REPEATED) -> Optimizer:
+    """``adamw``: one AdamW over every trainable parameter. ``muon``: Muon (lr
+    ``cfg.muon_lr``, momentum ``cfg.muon_momentum``, ``cfg.muon_ns_steps`` Newton-Schulz
+    steps, Nesterov, torch's default shape scaling) on the 2-D weights of the repeated
+    blocks (names ``<prefix>.…`` for a prefix in ``block_prefixes``), AdamW on the rest,
+    as one ``CombinedOptimizer``. Both halves follow the decay rule and ``lr_scale``."""
+    named = [(n, p) for n, p in named_params if p.requires_grad]
+    if not named:
+        raise ValueError("no trainable parameters to optimise; check the adapter targets or "
+                         "that the model is not fully frozen")
+    if cfg.name == "adamw":
+        return _adamw(param_groups(named, cfg, lr_scale), cfg)
+    if cfg.name != "muon":
+        raise ValueError(f"unknown optimiser {cfg.name!r}; one of adamw, muon")
+    scale = dict(lr_scale or {})
+    _check_scale_names(scale, {n for n, _ in named})  # each half below sees only its own
+    matrices = [(n, p) for n, p in named if is_block_matrix(n, p, block_prefixes)]
+    rest = [(n, p) for n, p in named if not is_block_matrix(n, p, block_prefixes)]
+    parts: list[Optimizer] = []
+    if matrices:
+        groups = param_groups(matrices, cfg, {n: scale[n] for n, _ in matrices if n in scale},
+                              lr=cfg.muon_lr)
+        parts.append(torch.optim.Muon(groups, lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                                      momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps))
+    else:
+        log.warning("optim.name is muon but no 2-D parameter lies under %s; every parameter "
+                    "trains with AdamW", ", ".join(block_prefixes))
+    if rest:
+        parts.append(_adamw(param_groups(rest, cfg, {n: scale[n] for n, _ in rest
+                                                     if n in scale}), cfg))
+    return CombinedOptimizer(parts)
+
+
+class _MergedState(Mapping):
+    """Read-only view of several optimisers' per-parameter state."""
+
+    def __init__(self, optimizers: Sequence[Optimizer]):
+        self.optimizers = optimizers
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        for opt in self.optimizers:
+            if param in opt.state:
+                return opt.state[param]
+        raise KeyError(param)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for opt in self.optimizers:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self.optimizers)
+
+
+class CombinedOptimizer(Optimizer):
+    """Several optimisers over disjoint parameters, stepped, zeroed and saved as one.
+
+    ``param_groups`` is the concatenation of the parts' group dicts (the same objects), so
+    an LR scheduler scales every part; ``state_dict`` is ``{"optimizers": [part, ...]}``.
+    """
+
+    def __init__(self, optimizers: Sequence[Optimizer]):
+        if not optimizers:
+            raise ValueError("CombinedOptimizer needs at least one optimiser")
+        self.optimizers = list(optimizers)
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        if len(params) != len(set(params)):
+            raise ValueError("the combined optimisers share a parameter; give each parameter "
+                             "to exactly one of them")
+        super().__init__(params, defaults={})  # hooks and step patching of the base class
+        self._link()
+
+    def _link(self) -> None:
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+        self.state = _MergedState(self.optimizers)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        parts = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
+        if not isinstance(parts, list) or len(parts) != len(self.optimizers):
+            have = "no 'optimizers' list" if not isinstance(parts, list) else f"{len(parts)} parts"
+            raise ValueError(f"optimiser state has {have}, this CombinedOptimizer has "
+                             f"{len(self.optimizers)}; resume with the same optim.name and "
+                             f"trainable parameters")
+        for opt, sd in zip(self.optimizers, parts):
+            opt.load_state_dict(sd)
+        self._link()  # loading replaces each part's group dicts
+
+    def __repr__(self) -> str:
+        inner = "\n".join("  " + repr(opt).replace("\n", "\n  ") for opt in self.optimizers)
+        return f"{type(self).__name__}(\n{inner}\n)"
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """LR factor for ``LambdaLR``'s 0-based step ``s`` (one per optimiser step).
+
+    Warmup: ``(s + 1) / warmup_steps`` for ``s < warmup_steps`` (the first step trains at
+    ``1 / warmup``, never at 0). Then, with ``p = (s - warmup) / (total_steps - warmup)``
+    clamped to [0, 1]: constant ``1``; linear ``1 - (1 - m) p``; cosine
+    ``m + (1 - m)(1 + cos(pi p)) / 2`` with ``m = min_lr_ratio``, which reaches ``m`` at
+    ``s = total_steps`` (just after the last step, so no step is spent at the floor when
+    ``m = 0``) and stays there.
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    warmup, kind, floor = cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio
+    if kind not in ("constant", "cosine", "linear"):
+        raise ValueError(f"unknown schedule {kind!r}; one of constant, cosine, linear")
+    span = total_steps - warmup
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        p = min(1.0, (step - warmup) / span) if span > 0 else 1.0
+        if kind == "linear":
+            return 1.0 - (1.0 - floor) * p
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+    return factor
+
+
+def build_scheduler(optimizer: Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
+    """``LambdaLR`` with ``lr_lambda``; call ``scheduler.step()`` after each optimiser step."""
+    return LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+
+
+@torch.no_grad()
+def clip_and_check(params: Iterable[torch.Tensor], max_norm: float) -> tuple[float, bool]:
+    """Total L2 norm of the gradients (computed in fp32) and whether it is finite.
+
+    With ``max_norm > 0`` and a finite norm the gradients are scaled in place as
+    ``torch.nn.utils.clip_grad_norm_`` does (``clip_grads_with_norm_``, the same second
+    half, reusing the fp32 norm). A non-finite norm leaves the gradients untouched; the
+    caller skips the step. Parameters without a gradient are ignored.
+    """
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return 0.0, True
+    device = with_grad[0].grad.device
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32).to(device) for p in with_grad]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    value = float(total)
+    finite = math.isfinite(value)
+    if finite and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
+    return value, finite

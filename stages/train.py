@@ -1,0 +1,43 @@
+"""`kmoss train`: train the adapter (or the full model) on the planned, cached batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from stages.common import PARAMS_OPTION, console, stage
+
+
+@stage
+def main(
+    params: Path = PARAMS_OPTION,
+    plan: Path = typer.Option(Path("artifacts/plan"), help="The plan directory."),
+    catalog: Path = typer.Option(Path("artifacts/catalog"), help="The scan's catalog directory."),
+    text_cache: Path = typer.Option(Path("artifacts/cache/text"), help="Text cache directory."),
+    latent_cache: Path = typer.Option(Path("artifacts/cache/latents"), help="Latent cache directory."),
+    runs: Path = typer.Option(Path("runs"), help="Runs folder; this run writes runs/<run.name>/."),
+) -> None:
+    """Train on the plan's batches in order: latents and text from the caches, the MOSS
+    rectified-flow objective, checkpoints every train.checkpoint_every steps.
+
+    A killed run resumes from its newest complete checkpoint when started again (a
+    checkpoint made against another plan or other training params is refused). Metrics and
+    plots go to runs/<name>/dvclive (dvc exp show, dvc plots show).
+    """
+    from kohakumoss.config import load_params
+    from kohakumoss.training.trainer import RunPaths, Trainer
+
+    p = load_params(params)
+    trainer = Trainer(p, RunPaths(plan, catalog, text_cache, latent_cache, runs / p.run.name))
+    result = trainer.run()
+    first = result.losses[0] if result.losses else float("nan")
+    last = result.losses[-1] if result.losses else float("nan")
+    console.print(f"trained steps {result.start_step}..{result.end_step} "
+                  f"(loss {first:.4f} -> {last:.4f}"
+                  + (f", {len(result.skipped_steps)} skipped" if result.skipped_steps else "")
+                  + f"); checkpoint {result.checkpoint}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,139 @@
+"""The train stage on the tiny model: loss falls, checkpoints are atomic, resume is exact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from kohakumoss.artifacts import ArtifactError
+from kohakumoss.cache.build import build_latent_cache, build_text_cache
+from kohakumoss.config import load_params
+from kohakumoss.data.planfile import make_plan
+from kohakumoss.data.scan import scan
+from kohakumoss.training import checkpoint as ckpt_mod
+from kohakumoss.training.trainer import RunPaths, Trainer
+
+from conftest import BASE, make_kohya
+
+
+def _write_params(tmp: Path, ds: Path, **over) -> Path:
+    raw = {k: dict(v) for k, v in BASE.items()}
+    raw["data"] = {**BASE["data"], "datasets": [{"source": "kohya", "path": str(ds)}]}
+    raw.update(caption={"tokenizer": "tiny", "text_drop": 0.2, "variants": 2},
+               batching={"max_tokens": 300, "overlong": "drop_tokens"},
+               encoders={"device": "cpu", "text_dtype": "fp32", "vae_dtype": "fp32"},
+               cache={"dtype": "fp32", "shard_mb": 1},
+               adapter={"algo": "lora", "dim": 4, "alpha": 4},
+               optim={"lr": 3e-3}, train={"steps": 12, "dtype": "fp32", "checkpoint_every": 4,
+                                          "keep_checkpoints": 2, "device": "cpu"})
+    for k, v in over.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    path = tmp / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _prepare(tmp: Path, params: Path) -> RunPaths:
+    p = load_params(params)
+    scan(p, tmp / "catalog")
+    make_plan(p, tmp / "catalog", tmp / "plan")
+    build_text_cache(p, tmp / "plan", tmp / "text")
+    build_latent_cache(p, tmp / "plan", tmp / "catalog", tmp / "lat")
+    return RunPaths(tmp / "plan", tmp / "catalog", tmp / "text", tmp / "lat", tmp / "runs" / "r")
+
+
+@pytest.fixture
+def small(tmp_path):
+    ds = make_kohya(tmp_path / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
+    return tmp_path, ds
+
+
+def test_loss_falls_on_a_tiny_overfit_set(tmp_path):
+    ds = make_kohya(tmp_path / "ds", {"1_a": [(32, 32)]})
+    params = _write_params(tmp_path, ds, train={"steps": 40, "checkpoint_every": 40},
+                           caption={"text_drop": 0.0}, optim={"lr": 1e-2},
+                           objective={"sampler": "uniform"})
+    res = Trainer(load_params(params), _prepare(tmp_path, params)).run(progress=False)
+    first, last = sum(res.losses[:5]) / 5, sum(res.losses[-5:]) / 5
+    assert all(map(lambda x: x == x, res.losses)) and last < 0.7 * first
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(small, monkeypatch):
+    tmp, ds = small
+    params = _write_params(tmp, ds, train={"steps": 8})
+    paths = _prepare(tmp, params)
+    Trainer(load_params(params), paths).run(progress=False)
+    before = {c.step: (c.path / "trainable.safetensors").read_bytes()
+              for c in ckpt_mod.list_checkpoints(paths.checkpoints)}
+    assert sorted(before) == [4, 8]
+
+    def dying_save(*a, **k):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(ckpt_mod, "save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt_mod.save_checkpoint(paths.checkpoints, 12, {"x": torch.ones(1)}, {}, {})
+    after = {c.step: (c.path / "trainable.safetensors").read_bytes()
+             for c in ckpt_mod.list_checkpoints(paths.checkpoints)}
+    assert after == before and not list(paths.checkpoints.glob(".tmp-*"))
+
+
+def test_checkpoint_of_another_plan_is_refused(small):
+    tmp, ds = small
+    params = _write_params(tmp, ds, train={"steps": 4})
+    paths = _prepare(tmp, params)
+    Trainer(load_params(params), paths).run(progress=False)
+    other = _write_params(tmp, ds, train={"steps": 8}, run={"seed": 5})
+    p = load_params(other)
+    make_plan(p, tmp / "catalog", tmp / "plan")
+    build_text_cache(p, tmp / "plan", tmp / "text")
+    build_latent_cache(p, tmp / "plan", tmp / "catalog", tmp / "lat")
+    with pytest.raises(ArtifactError, match="plan: checkpoint"):
+        Trainer(p, paths).run(progress=False)
+
+
+def _run_cli(params: Path, paths: RunPaths) -> subprocess.Popen:
+    kmoss = Path(sys.executable).with_name("kmoss")
+    return subprocess.Popen([str(kmoss), "train", "--params", str(params), "--plan", str(paths.plan),
+                             "--catalog", str(paths.catalog), "--text-cache", str(paths.text_cache),
+                             "--latent-cache", str(paths.latent_cache), "--runs", str(paths.run.parent)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical(small):
+    tmp, ds = small
+    params = _write_params(tmp, ds, train={"steps": 16, "checkpoint_every": 4, "keep_checkpoints": 5},
+                           adapter={"dropout": 0.1}, optim={"ema": 0.9})
+    paths = _prepare(tmp, params)
+    straight = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp / "runs_a" / "default")
+    killed = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp / "runs_b" / "default")
+    assert _run_cli(params, straight).wait(timeout=300) == 0
+    proc = _run_cli(params, killed)
+    deadline = time.time() + 300
+    while not (killed.checkpoints / "step-000008").is_dir():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = [c.step for c in ckpt_mod.list_checkpoints(killed.checkpoints)]
+    assert 8 in done and 16 not in done
+    out = _run_cli(params, killed)
+    log = out.communicate(timeout=300)[0].decode()
+    assert out.returncode == 0, log
+    a = load_file(str(straight.checkpoints / "step-000016" / "trainable.safetensors"))
+    b = load_file(str(killed.checkpoints / "step-000016" / "trainable.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ea = load_file(str(straight.checkpoints / "step-000016" / "ema.safetensors"))
+    eb = load_file(str(killed.checkpoints / "step-000016" / "ema.safetensors"))
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)
