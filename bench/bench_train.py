@@ -1,0 +1,162 @@
+"""GPU benchmark of training steps at the published size, random weights (not a test).
+
+    PYTHONPATH=. python bench/bench_train.py [--budgets 8192 16384] [--steps 6] [--full]
+
+LoRA: rank 32 (alpha 32) on attention + MLP of every joint block (252 linears), bf16 base,
+fp32 adapter, AdamW. Batches come from a latent cache and a text cache (``TensorStore``
+shards on local disk) filled with synthetic entries of the real shapes: 1 MP samples of
+4096 image tokens x 128 channels and ~100-token texts x 4096; each step packs as many
+samples as the token budget holds. Reported: samples/s, step time, peak memory, and MFU =
+model FLOPs of the step (forward, input gradients everywhere, weight gradients only for
+the adapter; ``kohakumoss.model.flops.train_flops(full=False)``) over the measured bf16
+matmul rate. ``--full``: one full-finetune step (fp32 master weights, bf16 autocast,
+AdamW) and its peak memory. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from kohakumoss.cache.store import TensorStore
+from kohakumoss.config import AdapterConfig, OptimConfig
+from kohakumoss.diffusion.objective import flow_loss, noised
+from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
+from kohakumoss.model.flops import train_flops
+from kohakumoss.training.optim import build_optimizer
+
+
+def random_base(dtype: torch.dtype) -> MOSSImageTransformer:
+    with torch.device("meta"):
+        m = MOSSImageTransformer(FLAVORS["base"])
+    m.to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.02, generator=g)
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+    m.rope.reset("cuda")
+    return cast_model(m, dtype)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - t0)
+
+
+def fill_caches(root: str, n: int, text_len: int) -> tuple[TensorStore, TensorStore]:
+    lat, txt = TensorStore(f"{root}/lat", "bf16"), TensorStore(f"{root}/txt", "bf16")
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        lat.add(f"{i:032x}", torch.randn(4096, 128, generator=g))
+        txt.add(f"{i:032x}", torch.randn(text_len + i % 7, 4096, generator=g))
+    lat.flush()
+    txt.flush()
+    return TensorStore(f"{root}/lat", "bf16"), TensorStore(f"{root}/txt", "bf16")
+
+
+def step_fn(model, opt, lat, txt, keys, step, device="cuda"):
+    x0 = torch.cat([lat.get(k) for k in keys]).to(device, non_blocking=True)
+    texts = [txt.get(k) for k in keys]
+    layout = build_layout([(64, 64)] * len(keys), [len(t) for t in texts]).to(device)
+    text = torch.cat(texts).to(device, non_blocking=True)
+    g = torch.Generator(device=device).manual_seed(step)
+    sigma = torch.rand(len(keys), device=device, generator=g)
+    eps = torch.randn(x0.shape, device=device, generator=g)
+    z, target = noised(x0, eps, sigma[layout.seg_img])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        pred = model(z, text, sigma, layout)
+    loss = flow_loss(pred, target, layout.seg_img, torch.ones(len(keys), device=device), layout.n_img)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return layout
+
+
+def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str) -> dict:
+    from kohakumoss.adapters import apply_adapters
+
+    per = max(1, budget // (4096 + text_len + 3))
+    lat, txt = fill_caches(root, per * (steps + 2), text_len)
+    model = random_base(torch.bfloat16)
+    adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
+    named = list(adapters.named_trainable())
+    opt = build_optimizer(named, OptimConfig(lr=1e-4))
+    keys = [f"{i:032x}" for i in range(per * (steps + 2))]
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for s in range(steps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        layout = step_fn(model, opt, lat, txt, keys[s * per:(s + 1) * per], s)
+        torch.cuda.synchronize()
+        if s >= 2:
+            times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    flops = train_flops(FLAVORS["base"], layout, full=False)
+    del model, opt, adapters
+    torch.cuda.empty_cache()
+    return {"budget": budget, "samples_per_step": per, "joint_tokens": layout.n_joint,
+            "step_s": t, "samples_per_s": per / t, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "model_tflops_per_step": flops / 1e12, "mfu": flops / t / rate, "trainable_params":
+            sum(p.numel() for _, p in named)}
+
+
+def bench_full(text_len: int, root: str) -> dict:
+    lat, txt = fill_caches(root + "/full", 2, text_len)
+    model = random_base(torch.float32)
+    opt = build_optimizer(list(model.named_parameters()), OptimConfig(lr=1e-5))
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        t0 = time.perf_counter()
+        step_fn(model, opt, lat, txt, [f"{0:032x}"], 0)
+        torch.cuda.synchronize()
+        return {"samples": 1, "step_s": time.perf_counter() - t0,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    except torch.OutOfMemoryError as e:
+        return {"error": str(e).splitlines()[0], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--text", type=int, default=100)
+    ap.add_argument("--full", action="store_true")
+    a = ap.parse_args()
+    rate = matmul_rate()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
+    with tempfile.TemporaryDirectory() as root:
+        for b in a.budgets:
+            res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{b}"))
+            print(json.dumps(res["lora"][-1]), flush=True)
+        if a.full:
+            res["full"] = bench_full(a.text, root)
+    text = json.dumps(res, indent=2)
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_train.json"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
