@@ -23,7 +23,7 @@ from torch import nn
 from kohakumoss.adapters.norms import NormDelta
 from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
-from kohakumoss.adapters.runtime import Attached, dylora_rank, kind_of, master_dtype
+from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
 from kohakumoss.artifacts import atomic_path
 from kohakumoss.model.dit import RMSNormWeight
 
@@ -79,6 +79,10 @@ def _check(cfg) -> None:
     if (cfg.dora or cfg.algo == "dora") and cfg.dropout > 0:
         raise ValueError("DoRA ignores input dropout: set adapter.dropout to 0 (rank and "
                          "module dropout still work)")
+    if cfg.algo == "oft" and cfg.dropout > 0:
+        raise ValueError("LyCORIS 4.1.3's OFT input dropout fails (its mask does not fit the "
+                         "rotation blocks): set adapter.dropout to 0 for oft (rank_dropout and "
+                         "module_dropout work)")
     if cfg.algo == "tlora" and cfg.mode == "merge":
         raise ValueError("T-LoRA's per-token rank masks need adapter.mode 'bypass'")
 
@@ -95,7 +99,7 @@ def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
     kwargs = {k: v for k, v in cfg.algo_kwargs.items() if k not in TLORA_DEFAULTS}
     LycorisNetwork.apply_preset(lycoris_preset(regexes))
     model.requires_grad_(False)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), quiet_lycoris():
         torch.manual_seed(seed)
         network = LycorisNetwork(
             model, multiplier=1.0, lora_dim=cfg.dim, alpha=cfg.alpha, dropout=cfg.dropout,
@@ -108,7 +112,7 @@ def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
     modules = {}
     for path in paths:
         lyco, base = by_name[lora_name(path)], model.get_submodule(path)
-        lyco.to(device=base.weight.device, dtype=master_dtype(base.weight)).requires_grad_(True)
+        lyco.to(device=base.weight.device, dtype=master_dtype(base.weight, lyco)).requires_grad_(True)
         network.add_module(lyco.lora_name, lyco)
         modules[path] = lyco
     norms = {}
@@ -141,33 +145,39 @@ class AdapterSet:
         for n in self.norms.values():
             yield f"{n.lora_name}.w_norm", n.w_norm
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named_parameters() if p.requires_grad]
+    def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
 
-    def _is_plus(self, lyco: nn.Module, local: str) -> bool:
-        return any(local == f or local.startswith(f + ".") for f in LORA_PLUS.get(kind_of(lyco), ()))
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_trainable()]
+
+    def lr_scale(self) -> dict[str, float]:
+        """LoRA+: ``loraplus_ratio`` for each zero-initialised factor (empty when the ratio is 1)."""
+        ratio = self.cfg.loraplus_ratio
+        if ratio == 1:
+            return {}
+        return {f"{lyco.lora_name}.{n}": ratio for lyco in self.modules.values()
+                for n, p in lyco.named_parameters() if p.requires_grad
+                and any(n == f or n.startswith(f + ".") for f in LORA_PLUS.get(kind_of(lyco), ()))}
 
     def param_groups(self, lr: float, weight_decay: float = 0.0,
                      decay_rule: str = "moss") -> list[dict]:
-        """Optimiser groups: LoRA+ (zero-initialised factors get ``lr * loraplus_ratio``)
+        """Optimiser groups: LoRA+ (``lr * loraplus_ratio`` for the zero-initialised factors)
         crossed with the weight-decay rule (``moss``: none for 1-D tensors and for
         dora_scale/rescale/scalar/lambda_layer/alpha; ``none``; ``all``)."""
         if decay_rule not in DECAY_RULES:
             raise ValueError(f"decay_rule {decay_rule!r}: one of {', '.join(DECAY_RULES)}")
-        groups: dict[tuple[bool, bool], list] = {}
-        entries = [(lyco, n, p) for lyco in self.modules.values() for n, p in lyco.named_parameters()]
-        entries += [(None, "w_norm", n.w_norm) for n in self.norms.values()]
-        for lyco, local, p in entries:
-            if not p.requires_grad:
-                continue
-            plus = lyco is not None and self._is_plus(lyco, local) and self.cfg.loraplus_ratio != 1
+        scale, groups = self.lr_scale(), {}
+        for name, p in self.named_trainable():
+            local = name.split(".", 1)[1]
             decay = decay_rule == "all" or (decay_rule == "moss" and p.ndim > 1
                                             and not any(s in local for s in NO_DECAY))
-            groups.setdefault((plus, decay), []).append(p)
-        return [{"params": ps, "lr": lr * (self.cfg.loraplus_ratio if plus else 1.0),
-                 "weight_decay": weight_decay if decay else 0.0,
-                 "name": f"adapter{'_plus' if plus else ''}{'' if decay else '_no_decay'}"}
-                for (plus, decay), ps in sorted(groups.items())]
+            g = groups.setdefault((scale.get(name, 1.0), decay), {
+                "params": [], "param_names": [], "lr": lr * scale.get(name, 1.0),
+                "weight_decay": weight_decay if decay else 0.0})
+            g["params"].append(p)
+            g["param_names"].append(name)
+        return list(groups.values())
 
     # -- per-step randomness ---------------------------------------------------------
     def prepare_step(self, step: int, micro: int = 0, sigmas: torch.Tensor | None = None,
@@ -227,8 +237,7 @@ class AdapterSet:
         """Dropouts, module skips, DyLoRA draws and T-LoRA masks on (they take effect from
         the next ``prepare_step``) or off (``mode=False``: full rank, no dropout)."""
         self.training = mode
-        for a in [*self.modules.values(), *self.norms.values()]:
-            a.train(mode)
+        self.attached.train(mode)
         if not mode:
             self._clear_masks()
         return self

@@ -11,11 +11,18 @@ Each module keeps LyCORIS 4.1.3's own math; this file only routes around its qui
   follows the spec, ``W + m (W'_1 - W)``, instead of LyCORIS's ``(W + dW)(m(rho-1)+1)``.
 - OFT/BOFT/IA3 transform the base output, bias included, in bypass, while their rebuild
   forward changes only the weight: on a layer with a bias they always run bypass, and the
-  merged bias is the bypass forward of a zero input.
+  merged bias is the bias transformed the same way.
 - DyLoRA's bypass forward is broken in 4.1.3 (no scale, fails for a partial rank): it runs
   ``up(down(x))`` from ``get_weight(rank)`` here. ``rank`` follows LyCORIS's own draw:
   ``n`` active blocks use ``get_weight((n - 1) * block_size)`` (blocks ``0..n-1``, the
   last one trained, scale ``alpha / n``); eval and export use all blocks, ``alpha / blocks``.
+- OFT/BOFT compute their rotation in float32 (``.float().inverse()``), so their parameters
+  stay float32 and they run at float32 precision even in a float64 model.
+- DiagOFT's bypass at a multiplier != 1 fails (``view`` of a non-contiguous einsum): there
+  the weight is rebuilt by its ``make_weight(m)``, a bias moves linearly to its m = 1 rotation.
+- OFT/BOFT/T-LoRA/IA3/DoRA/diff fail (or leak float32 into the next layer) when the
+  activation dtype differs from theirs outside autocast (a bf16 or float64 model): they run
+  on the base output cast to their dtype and return the activation dtype.
 - Module dropout is ours (per-step host generator), not LyCORIS's ``torch.rand``.
 """
 
@@ -23,10 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
+import logging
+import types
 
 import torch
 import torch.nn.functional as F
+from lycoris.functional.diag_oft import bypass_forward_diff as oft_bypass_diff
 from lycoris.functional.general import weight_decompose
+from lycoris.logging import logger as lycoris_logger
 from lycoris.modules import (ButterflyOFTModule, DiagOFTModule, DyLoraModule, FullModule,
                              GLoRAModule, IA3Module, LoConModule, LohaModule, LokrModule,
                              TLoraModule)
@@ -35,18 +47,45 @@ from torch import nn
 
 from kohakumoss.adapters.norms import NormDelta
 
+log = logging.getLogger(__name__)
+
 KINDS = {LoConModule: "locon", LohaModule: "loha", LokrModule: "lokr", DiagOFTModule: "oft",
          ButterflyOFTModule: "boft", GLoRAModule: "glora", IA3Module: "ia3",
          DyLoraModule: "dylora", TLoraModule: "tlora", FullModule: "diff"}
 BASE_OUTPUT = frozenset({"oft", "boft", "ia3"})  # transform the base layer's output
 
 
+@contextlib.contextmanager
+def quiet_lycoris():
+    """While building modules: LyCORIS's per-module INFO lines muted and its per-module
+    ``print`` warnings logged once each; T-LoRA's per-module ``gc.collect()`` (~0.1 s each)
+    replaced by one collection at the end."""
+    import lycoris.modules.tlora as tlora
+
+    level, gc_module, printed, skipped = lycoris_logger.level, tlora.gc, io.StringIO(), []
+    lycoris_logger.setLevel(max(level, logging.WARNING))
+    tlora.gc = types.SimpleNamespace(collect=lambda *a: skipped.append(1) or 0)
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        lycoris_logger.setLevel(level)
+        tlora.gc = gc_module
+        if skipped:
+            gc_module.collect()
+        for line in dict.fromkeys(printed.getvalue().splitlines()):
+            log.warning("LyCORIS: %s", line)
+
+
 def kind_of(lyco: nn.Module) -> str:
     return KINDS[type(lyco)]
 
 
-def master_dtype(t: torch.Tensor) -> torch.dtype:
-    """Adapter parameters live in float32, or float64 on a float64 base."""
+def master_dtype(t: torch.Tensor, lyco: nn.Module | None = None) -> torch.dtype:
+    """Adapter parameters live in float32, or float64 on a float64 base; OFT/BOFT stay float32
+    (LyCORIS inverts the Cayley factor with ``.float()`` and cannot mix it with float64)."""
+    if lyco is not None and kind_of(lyco) in ("oft", "boft"):
+        return torch.float32
     return torch.promote_types(t.dtype, torch.float32)
 
 
@@ -75,17 +114,33 @@ def _dylora_forward(lyco: DyLoraModule, x: torch.Tensor) -> torch.Tensor:
     return y + lyco.drop(h * (scale * lyco.multiplier).to(x))
 
 
-def _run(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The forward installed on a base layer (through LyCORIS's wrapper chain)."""
-    if lyco.training and lyco.kmoss_skip:
-        return lyco.org_forward(x, *args, **kwargs)
+def _oft_bias_shift(lyco: DiagOFTModule, like: torch.Tensor) -> torch.Tensor | int:
+    """``R b - b`` (rescale included) at multiplier 1, or 0 for a layer without bias."""
+    b = lyco.org_module[0].bias
+    if b is None:
+        return 0
+    rescale = lyco.rescale if lyco.rescaled else None
+    shift = oft_bypass_diff(None, b[None].to(lyco.oft_blocks), lyco.oft_blocks, rescale,
+                            constraint=lyco.constraint)
+    return shift[0].to(like)
+
+
+def _oft_partial(lyco: DiagOFTModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """DiagOFT at a multiplier != 1: LyCORIS's bypass fails there (a view of a non-contiguous
+    einsum), so the weight is rebuilt by its ``make_weight(m)`` and a bias moves linearly
+    towards its rotation at m = 1."""
+    bypass, lyco.bypass_mode = lyco.bypass_mode, False
+    try:
+        y = type(lyco).forward(lyco, x, *args, **kwargs)
+    finally:
+        lyco.bypass_mode = bypass
+    return y + lyco.multiplier * _oft_bias_shift(lyco, y)
+
+
+def _math(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     kind, m = kind_of(lyco), lyco.multiplier
-    if kind == "dylora":
-        return _dylora_forward(lyco, x)
-    if kind == "tlora" and lyco.bypass_mode and x.dtype != lyco.lambda_layer.dtype:
-        # LyCORIS mixes its float32 lambda into a half activation; run the delta in master dtype
-        diff = lyco.bypass_forward_diff(x.to(lyco.lambda_layer.dtype), scale=m)
-        return lyco.org_forward(x) + diff.to(x.dtype)
+    if kind == "oft" and m != 1:
+        return _oft_partial(lyco, x, *args, **kwargs)
     if getattr(lyco, "wd", False) and m != 1:
         base = lyco.org_forward(x)
         lyco.multiplier = 1.0
@@ -95,6 +150,38 @@ def _run(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Ten
             lyco.multiplier = m
         return base + m * (full - base)
     return type(lyco).forward(lyco, x, *args, **kwargs)
+
+
+def _needs_own_dtype(lyco: LycorisBaseModule) -> bool:
+    """Whether LyCORIS's forward of this module fails on (or leaks its dtype into) an
+    activation of another dtype: DoRA's and diff's rebuilt delta, and the bypass of the
+    kinds that transform the base output or mix float32 factors into it."""
+    kind = kind_of(lyco)
+    if getattr(lyco, "wd", False) or kind == "diff":
+        return True
+    if not lyco.bypass_mode:
+        return False
+    return lyco.multiplier == 1 if kind == "oft" else kind in ("boft", "tlora", "ia3")
+
+
+def _run(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The forward installed on a base layer (through LyCORIS's wrapper chain)."""
+    if lyco.training and lyco.kmoss_skip:
+        return lyco.org_forward(x, *args, **kwargs)
+    kind, dt = kind_of(lyco), lyco.dtype_tensor.dtype
+    if kind == "dylora":
+        return _dylora_forward(lyco, x)
+    if x.dtype != dt and _needs_own_dtype(lyco) and not torch.is_autocast_enabled(x.device.type):
+        # LyCORIS mixes these kinds' tensors with the activation dtype and fails (or leaks its
+        # dtype into the next layer): run the adapter math in its own dtype on the base output
+        # of the untouched input, and return the activation dtype
+        org = lyco.org_forward
+        lyco.org_forward = lambda *_a, **_k: org(x, *args, **kwargs).to(dt)
+        try:
+            return _math(lyco, x.to(dt)).to(x.dtype)
+        finally:
+            lyco.org_forward = org
+    return _math(lyco, x, *args, **kwargs)
 
 
 def install(lyco: LycorisBaseModule) -> None:
@@ -157,7 +244,9 @@ def merged_weight(lyco: LycorisBaseModule, m: float) -> tuple[torch.Tensor, torc
             b = b if bm is None else bm.to(W)
         else:
             Wm = lyco.get_merged_weight(m)[0]
-        if kind in BASE_OUTPUT and b is not None:
+        if kind == "oft" and b is not None:
+            b = b + m * _oft_bias_shift(lyco, b)
+        elif kind in BASE_OUTPUT and b is not None:
             b = lyco.bypass_forward(torch.zeros(1, W.shape[1], dtype=W.dtype, device=W.device), m)[0]
         return Wm.to(W).view(W.shape), b
 
@@ -192,6 +281,10 @@ class Attached:
     def set_multiplier(self, multiplier: float) -> None:
         for a in [*self.modules.values(), *self.norms.values()]:
             a.multiplier = float(multiplier)
+
+    def train(self, mode: bool = True) -> None:
+        for a in [*self.modules.values(), *self.norms.values()]:
+            a.train(mode)
 
     def set_bypass(self, bypass: bool) -> None:
         for lyco in self.modules.values():

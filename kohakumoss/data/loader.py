@@ -218,8 +218,11 @@ def make_loader(batches: PlanBatches, start: int = 0, end: int | None = None,
         method = "spawn" if sys.platform == "win32" else "forkserver"
         kwargs = {"multiprocessing_context": multiprocessing.get_context(method),
                   "prefetch_factor": prefetch}
+    # an own generator: creating the iterator must not draw from torch's global RNG, whose
+    # state a resumed run restores (dropout draws depend on it)
     return torch.utils.data.DataLoader(PlanStream(batches, start, end), batch_size=None,
-                                       num_workers=num_workers, collate_fn=_identity, **kwargs)
+                                       num_workers=num_workers, collate_fn=_identity,
+                                       generator=torch.Generator().manual_seed(0), **kwargs)
 
 
 def _identity(x):

@@ -123,7 +123,46 @@ def all_comparisons(folder: str | Path) -> Iterator[Comparison]:
     folder = Path(folder)
     yield from model_comparisons(folder)
     yield from schedule_comparisons(folder)
+    yield from lora_comparisons(folder)
 
 
 def run_parity(folder: str | Path) -> list[Comparison]:
     return list(all_comparisons(folder))
+
+
+LORA_FILES = ("lora_lycoris", "lora_comfy", "lora_comfy_fused_qkv")
+
+
+def lora_comparisons(folder: str | Path) -> Iterator[Comparison]:
+    """Each LoRA file of the set (LyCORIS native, ComfyUI, ComfyUI fused q/k/v) loaded on the
+    official weights in float32 and float64, bypass and merge, at multiplier 1 against
+    ``v_lora_*`` and at ``config.json`` -> ``lora.m2`` against ``v_lora_m2_*``."""
+    import json
+
+    from kohakumoss.adapters.files import load_adapter_file
+
+    folder = Path(folder)
+    files = [(stem, folder / f"{stem}.safetensors") for stem in LORA_FILES]
+    files = [(stem, p) for stem, p in files if p.is_file()]
+    weights = next((folder / f for f in WEIGHT_FILES.values() if (folder / f).is_file()), None)
+    if not files or weights is None:
+        return
+    batch = load_batch(folder)
+    config = folder / "config.json"
+    m2 = json.loads(config.read_text()).get("lora", {}).get("m2") if config.is_file() else None
+    layout = build_layout(batch["hw"].tolist(), batch["text_len"].tolist())
+    inputs = (batch["img"], batch["text"], batch["sigma"], layout)
+    for dtype, name in ((torch.float32, "fp32"), (torch.float64, "fp64")):
+        model, _ = load_transformer(weights, dtype=dtype)
+        runs = [(1.0, f"v_lora_{name}"), (m2, f"v_lora_m2_{name}")]
+        for stem, path in files:
+            for mode in ("bypass", "merge"):
+                for m, ref in runs:
+                    if m is None or ref not in batch:
+                        continue
+                    handle = load_adapter_file(model, path, multiplier=float(m), mode=mode)
+                    with torch.no_grad():
+                        v = model(*inputs)
+                    handle.remove()
+                    yield Comparison(f"lora {stem.removeprefix('lora_')} {name} {mode} m={m:g}",
+                                     rel_error(v, batch[ref]), TOL[dtype])

@@ -111,3 +111,15 @@ def check_resumable(ckpt: Checkpoint, expected: dict[str, Any]) -> None:
         raise ArtifactError(f"checkpoint {ckpt.path} cannot be resumed by this run ("
                             + "; ".join(diffs) + "). Move the old run aside (or change run.name) "
                             "to start fresh, or restore the params it was made with")
+
+
+def archive_checkpoints(directory: str | Path, history: str | Path, label: str) -> Path:
+    """Move every checkpoint of ``directory`` to ``history/label`` (a finished earlier run)."""
+    target = Path(history) / label
+    target.mkdir(parents=True, exist_ok=True)
+    for c in list_checkpoints(directory):
+        dest = target / c.path.name
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(c.path, dest)
+    return target

@@ -27,11 +27,12 @@ from kohakumoss.config import Params, stage_params
 from kohakumoss.data.catalogset import load_catalogs
 from kohakumoss.data.loader import PlanBatches, make_loader
 from kohakumoss.data.planfile import read_plan
+from kohakumoss.data.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
 from kohakumoss.encoders.common import resolve_device
 from kohakumoss.model.build import load_dit
-from kohakumoss.training.checkpoint import (check_resumable, clean_partial, list_checkpoints,
-                                            save_checkpoint)
+from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
+                                            list_checkpoints, save_checkpoint)
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
 from kohakumoss.training.inputs import build_inputs, make_sampler
@@ -118,6 +119,14 @@ class Trainer:
         if not ckpts:
             return 0
         ckpt = ckpts[-1]
+        if ckpt.step >= ckpt.state.get("steps", 0) and any(
+                ckpt.state.get(k) != v for k, v in self.identity.items()):
+            # the newest checkpoint ended a run made with other params (a new experiment):
+            # keep that run's checkpoints aside and start fresh
+            aside = archive_checkpoints(self.paths.checkpoints, self.paths.run / "history",
+                                        f"{ckpt.state.get('plan', '')[:12]}-{ckpt.state.get('params', '')[:8]}")
+            log.info("a finished run of other params was moved to %s; starting fresh", aside)
+            return 0
         check_resumable(ckpt, self.identity)
         self.trainable.load_state_dict(ckpt.trainable())
         extra = ckpt.extra()
@@ -151,6 +160,8 @@ class Trainer:
             inputs = build_inputs(batch, self.encoder.latents(batch), self.encoder.texts(batch), p,
                                   self.sampler, g, step, self.device)
             self.trainable.prepare_step(step, micro, inputs.sigma, inputs.layout)
+            # dropout draws from torch's global RNG: make them a pure function of the step too
+            torch.manual_seed(seed_of("dropout", p.run.seed, step, micro) & (2**63 - 1))
             with self._autocast():
                 pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
             loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,

@@ -1,0 +1,298 @@
+"""Adapters: every LyCORIS algorithm trains, merges, round-trips and exports on the tiny DiT;
+presets at real size; LoRA+ and weight-decay groups; per-step randomness; the LoRA vectors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from kohakumoss.adapters import (apply_adapters, load_adapter_file, preset_patterns,
+                                 resolve_targets, targeted_modules)
+from kohakumoss.config import AdapterConfig
+from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
+from kohakumoss.model.parity import lora_comparisons, rel_error
+
+from conftest import ROOT
+
+VECTORS = ROOT / "tests" / "data" / "vectors"
+# LyCORIS builds the OFT/BOFT rotation in float32 (``.float().inverse()``): float32 parameters and
+# float32 precision for those layers even in a float64 model
+FP32_ALGOS = ("oft", "boft")
+ALGOS = {"lora": {}, "locon": {}, "loha": {}, "lokr": {"algo_kwargs": {"factor": 4}}, "dora": {},
+         "oft": {}, "boft": {"dim": 8}, "glora": {}, "ia3": {}, "dylora": {"dim": 8}, "tlora": {}}
+
+
+def _model(dtype=torch.float64, seed=0) -> MOSSImageTransformer:
+    torch.manual_seed(seed)
+    m = MOSSImageTransformer(FLAVORS["tiny"])
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(0, 0.05 if p.ndim == 1 else 0.2).add_(1.0 if "norm" in name else 0.0)
+    return m.to(dtype).eval()
+
+
+def _batch(dtype=torch.float64, sigma=(0.9, 0.2)):
+    g = torch.Generator().manual_seed(1)
+    c, layout = FLAVORS["tiny"], build_layout([(3, 4), (2, 3)], [5, 3])
+    img = torch.randn(layout.n_img, c.latent_channels, generator=g, dtype=dtype)
+    txt = torch.randn(layout.n_txt, c.text_dim, generator=g, dtype=dtype)
+    target = torch.randn(layout.n_img, c.latent_channels, generator=g, dtype=dtype)
+    return (img, txt, torch.tensor(sigma), layout), target
+
+
+def _cfg(algo: str, **kw) -> AdapterConfig:
+    return AdapterConfig(**{"algo": algo, "preset": "all", "dim": 4, "alpha": 2.0, **ALGOS[algo], **kw})
+
+
+def _same(model, base) -> bool:
+    return all(torch.equal(v, base[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_algorithm_trains_merges_round_trips_and_exports(algo, tmp_path):
+    model = _model()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs, target = _batch()
+    with torch.no_grad():
+        y_base = model(*inputs)
+    cfg = _cfg(algo)
+    aset = apply_adapters(model, cfg, seed=0)
+    assert list(model.state_dict()) == list(base)  # wrappers never rename the base keys
+    assert not any(p.requires_grad for p in model.parameters())
+    master = torch.float32 if algo in FP32_ALGOS else torch.float64
+    assert all(p.dtype == master for p in aset.trainable_parameters())
+    tol = 1e-5 if algo in FP32_ALGOS else 1e-10
+    start = aset.state_dict()
+    opt = torch.optim.AdamW(aset.param_groups(1e-2), lr=1e-2)
+    for step in range(3):
+        aset.prepare_step(step, 0, inputs[2], inputs[3])
+        loss = F.mse_loss(model(*inputs), target)
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    trained = aset.state_dict()
+    assert any(not torch.equal(start[k], trained[k]) for k in start)
+    assert _same(model, base)  # the base weights are bit-identical
+
+    aset.eval()
+    with torch.no_grad():
+        y = model(*inputs)
+        assert rel_error(y, y_base) > 1e-4  # the adapter does something
+        if algo != "tlora":  # T-LoRA is bypass-only while training
+            aset.set_mode("merge")
+            assert rel_error(model(*inputs), y) < tol
+            aset.set_mode("bypass")
+        aset.merge(1.0)
+        assert rel_error(model(*inputs), y) < tol
+        aset.unmerge()
+        assert _same(model, base) and torch.equal(model(*inputs), y)
+
+    # raw state round trip into a fresh adapter (other init seed) on a fresh base
+    model2 = _model()
+    aset2 = apply_adapters(model2, cfg, seed=1)
+    aset2.load_state_dict(trained)
+    aset2.eval()
+    with torch.no_grad():
+        assert rel_error(model2(*inputs), y) < 1e-12
+
+    # LyCORIS native file, loaded back for inference in both modes
+    path = aset.save_lycoris(tmp_path / f"{algo}.safetensors", dtype=torch.float64)
+    meta_algo = {"dora": "lora", "oft": "diag-oft"}.get(algo, algo)
+    assert f'"algo": "{meta_algo}"' in load_file_metadata(path)["ss_network_args"]
+    model3 = _model()
+    for mode in ("bypass", "merge"):
+        handle = load_adapter_file(model3, path, 1.0, mode)
+        with torch.no_grad():
+            assert rel_error(model3(*inputs), y) < tol, mode
+        handle.remove()
+        assert _same(model3, base)
+        with torch.no_grad():
+            assert torch.equal(model3(*inputs), y_base)
+
+
+VARIANTS = {"ia3-on-input": ("ia3", False, {"train_on_input": True}),
+            "dora-input-axis": ("lora", True, {"wd_on_out": False}),
+            "loha-dora": ("loha", True, {}),
+            "lokr-decompose-both": ("lokr", False, {"factor": 4, "decompose_both": True}),
+            "oft-rescaled": ("oft", False, {"constraint": 1e-4, "rescaled": True}),
+            "glora-scalar": ("glora", False, {"use_scalar": True})}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_agree_at_a_partial_multiplier(variant, tmp_path):
+    algo, dora, kwargs = VARIANTS[variant]
+    model = _model()
+    inputs, target = _batch()
+    aset = apply_adapters(model, _cfg(algo, dora=dora, algo_kwargs=kwargs, dim=4 if algo != "lokr"
+                                      else 2), seed=0)
+    opt = torch.optim.AdamW(aset.param_groups(1e-2), lr=1e-2)
+    for step in range(2):
+        F.mse_loss(model(*inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
+    aset.eval()
+    tol = 1e-5 if algo in FP32_ALGOS else 1e-10
+    with torch.no_grad():
+        aset.set_multiplier(0.6)
+        y = model(*inputs)
+        aset.set_multiplier(1.0)
+        aset.merge(0.6)
+        assert rel_error(model(*inputs), y) < tol
+        aset.unmerge()
+        path = aset.save_lycoris(tmp_path / "a.safetensors", dtype=torch.float64)
+        for mode in ("bypass", "merge"):
+            handle = load_adapter_file(model3 := _model(), path, 0.6, mode)
+            assert rel_error(model3(*inputs), y) < tol, mode
+            handle.remove()
+
+
+def test_dense_diff_files_and_fused_diff_split(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    d = {k: torch.randn(*s, generator=g, dtype=torch.float64) * 0.05
+         for k, s in [("q", (64, 64)), ("qkv", (192, 64)), ("proj", (64, 48)), ("proj_b", (64,))]}
+    save_file({"diffusion_model.layers.0.proj.q.diff": d["q"], "lora_unet_layers_1_proj_qkv.diff": d["qkv"],
+               "text_embedder.proj.diff": d["proj"], "text_embedder.proj.diff_b": d["proj_b"]},
+              str(tmp_path / "diff.safetensors"))
+    inputs, _ = _batch()
+    ref, model = _model(), _model()
+    with torch.no_grad():
+        ref.layers[0].proj["q"].weight += 0.7 * d["q"]
+        for i, x in enumerate("qkv"):
+            ref.layers[1].proj[x].weight += 0.7 * d["qkv"][64 * i:64 * (i + 1)]
+        ref.text_embedder.proj.weight += 0.7 * d["proj"]
+        ref.text_embedder.proj.bias += 0.7 * d["proj_b"]
+        for mode in ("bypass", "merge"):
+            handle = load_adapter_file(model, tmp_path / "diff.safetensors", 0.7, mode)
+            assert rel_error(model(*inputs), ref(*inputs)) < 1e-12
+            handle.remove()
+
+
+def load_file_metadata(path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()
+
+
+def test_presets_at_real_size():
+    with torch.device("meta"):
+        model = MOSSImageTransformer(FLAVORS["base"])
+    counts = {p: len(targeted_modules(model, preset_patterns(p)[0]))
+              for p in ("attn", "attn-mlp", "full-block", "all")}
+    assert counts == {"attn": 168, "attn-mlp": 252, "full-block": 262, "all": 269}
+    assert len(targeted_modules(model, preset_patterns("attn+modulation")[0])) == 172
+    assert len(targeted_modules(model, preset_patterns("attn-mlp+text-refiner+embed")[0])) == 265
+    assert resolve_targets(AdapterConfig()) == preset_patterns("attn-mlp")[0]
+    cfg = AdapterConfig(targets=(r"layers\.0\.proj\.q$",))
+    assert targeted_modules(model, resolve_targets(cfg)) == ["layers.0.proj.q"]
+    with pytest.raises(ValueError, match="attn-mlp.*full-block.*\\+modulation"):
+        preset_patterns("attn-only")
+    with pytest.raises(ValueError, match=r"layers\.N\.proj\.q"):
+        targeted_modules(model, [r"layers\.\d+\.attn\.q$"])
+
+
+def test_loraplus_groups_and_weight_decay_rule():
+    model = _model(torch.float32)
+    aset = apply_adapters(model, _cfg("lora", dora=True, loraplus_ratio=16.0, preset="attn"), 0)
+    groups = aset.param_groups(1e-3, weight_decay=0.1)
+    by_name = {n: g for g in groups for n in g["param_names"]}
+    up, down = "lora_unet_layers_0_proj_q.lora_up.weight", "lora_unet_layers_0_proj_q.lora_down.weight"
+    dora = "lora_unet_layers_0_proj_q.dora_scale"
+    assert by_name[up]["lr"] == pytest.approx(1.6e-2) and by_name[down]["lr"] == 1e-3
+    assert by_name[up]["weight_decay"] == 0.1 and by_name[dora]["weight_decay"] == 0.0
+    assert aset.lr_scale() == {n: 16.0 for n in by_name if n.endswith("lora_up.weight")}
+    assert sum(len(g["params"]) for g in groups) == len(aset.trainable_parameters()) == 36
+    assert {g["weight_decay"] for g in aset.param_groups(1e-3, 0.1, "all")} == {0.1}
+    assert {g["weight_decay"] for g in aset.param_groups(1e-3, 0.1, "none")} == {0.0}
+    t = apply_adapters(_model(torch.float32), _cfg("tlora", preset="attn"), 0).param_groups(1e-3, 0.1)
+    decay = {n: g["weight_decay"] for g in t for n in g["param_names"]}
+    assert decay["lora_unet_layers_0_proj_q.lambda_layer"] == 0.0
+    assert decay["lora_unet_layers_0_proj_q.q_layer.weight"] == 0.1
+
+
+def test_module_dropout_and_dylora_draws_are_reproducible():
+    cfg = _cfg("dylora", dim=16, module_dropout=0.5)
+    a, b = apply_adapters(_model(), cfg, seed=3), apply_adapters(_model(), cfg, seed=3)
+    draw = a.prepare_step(5, 1)
+    assert draw == a.prepare_step(5, 1) == b.prepare_step(5, 1)
+    assert 0 < len(draw["skipped"]) < len(a.modules)
+    assert set(draw["blocks"].values()) <= {1, 2, 3, 4} and len(set(draw["blocks"].values())) > 1
+    others = [a.prepare_step(5, 2), a.prepare_step(6, 1), apply_adapters(_model(), cfg, 4).prepare_step(5, 1)]
+    assert all(o != draw for o in others)
+    # a skipped module runs its base layer only: everything skipped -> the base output
+    model = _model()
+    inputs, _ = _batch()
+    with torch.no_grad():
+        y_base = model(*inputs)
+    aset = apply_adapters(model, _cfg("lora", module_dropout=0.999), seed=0)
+    for lyco in aset.modules.values():
+        torch.nn.init.normal_(lyco.lora_up.weight)
+    assert len(aset.prepare_step(0, 0)["skipped"]) == len(aset.modules)
+    with torch.no_grad():
+        assert torch.equal(model(*inputs), y_base)
+        aset.eval()
+        assert rel_error(model(*inputs), y_base) > 1e-3  # no skipping in eval
+
+
+def test_tlora_masks_follow_each_tokens_sigma():
+    aset = apply_adapters(_model(), _cfg("tlora", dim=8), seed=0)
+    assert aset.tlora_ranks(torch.tensor([1.0, 0.99, 0.6, 0.3, 0.0])) == [1, 1, 3, 5, 8]
+    inputs, _ = _batch(sigma=(0.99, 0.01))
+    layout = inputs[3]
+    aset.prepare_step(0, 0, inputs[2], layout)
+    rows = {"joint": layout.seg_joint, "text": layout.seg_txt, "image": layout.seg_img,
+            "sample": torch.arange(2)}
+    for axis, seg in rows.items():
+        ranks = aset.masks[axis].sum(1)
+        assert torch.equal(ranks, torch.tensor([1.0, 7.0])[seg]), axis
+    aset.eval()
+    assert aset.masks == {}
+
+
+def test_train_norms_and_refusals():
+    model = _model()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs, _ = _batch()
+    aset = apply_adapters(model, _cfg("lora", preset="attn", train_norms=True), seed=0)
+    assert len(aset.norms) == 12 and list(model.state_dict()) == list(base)
+    for n in aset.norms.values():
+        torch.nn.init.normal_(n.w_norm, std=0.1)
+    aset.eval()
+    with torch.no_grad():
+        y = model(*inputs)
+        aset.merge(0.5)
+        aset.unmerge()
+        assert _same(model, base) and torch.equal(model(*inputs), y)
+    assert "lora_unet_layers_0_norm1.w_norm" in aset.lycoris_state_dict()
+    for bad, match in [(_cfg("tlora", mode="merge"), "bypass"), (_cfg("dora", dropout=0.1), "dropout"),
+                       (_cfg("oft", dora=True), "dora"), (AdapterConfig(algo="full"), "full finetune")]:
+        with pytest.raises(ValueError, match=match):
+            apply_adapters(_model(), bad, seed=0)
+
+
+def test_lora_vectors_reproduce_reference_velocities():
+    results = list(lora_comparisons(VECTORS))
+    assert len(results) == 24  # 3 files x fp32/fp64 x bypass/merge x multiplier 1/m2
+    bad = [c.line() for c in results if not c.passed]
+    assert not bad, bad
+
+
+def test_unknown_adapter_key_is_an_error(tmp_path):
+    sd = load_file(str(VECTORS / "lora_lycoris.safetensors"))
+    model = _model()
+    for key in ("lora_unet_layers_0_proj_zzz.lora_up.weight", "lora_unet_layers_0_proj_q.lora_sideways"):
+        save_file({**sd, key: torch.zeros(2, 2)}, str(tmp_path / "bad.safetensors"))
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            load_adapter_file(model, tmp_path / "bad.safetensors")
+    # stems of other styles resolve to the same layers
+    styles = {k.replace("lora_unet_layers_0_proj_q.", "diffusion_model.layers.0.proj.q.")
+              .replace("lora_unet_layers_1_proj_k.", "transformer.layers.1.proj.k."): v
+              for k, v in sd.items()}
+    save_file(styles, str(tmp_path / "styles.safetensors"))
+    handle = load_adapter_file(model, tmp_path / "styles.safetensors")
+    assert len(handle.modules) == 18
+    handle.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
