@@ -82,7 +82,7 @@ def test_dvc_repro_then_override_with_exp_run(project):
     assert (project / "runs/default/checkpoints" / f"step-{metrics['step']:06d}").is_dir()
     out = _dvc(project, "repro")  # nothing changed: the plan is not re-run
     assert "Stage 'plan' didn't change" in out and "Stage 'train' didn't change" in out
-    assert "train/loss" in _dvc(project, "metrics", "show")
+    assert "train.loss" in _dvc(project, "metrics", "show")
     _dvc(project, "exp", "run", "-S", "run.seed=7", "-S", "resolution.mode=square")
     m2 = json.loads((project / "artifacts/plan/manifest.json").read_text())
     assert m2["content_hash"] != m1["content_hash"]
