@@ -35,8 +35,10 @@ def test_plan_is_byte_identical_and_keyed(tmp_path, catalog):
     assert (tmp_path / "a" / "plan.parquet").read_bytes() == (tmp_path / "b" / "plan.parquet").read_bytes()
     assert (m1.key, m1.content_hash) == (m2.key, m2.content_hash)
     # knobs the plan does not read leave it alone
-    m3, _, _ = _plan(tmp_path, catalog, "c", data={"num_workers": 3, "scan_workers": 1, "prefetch": 4})
-    assert (m3.key, m3.content_hash) == (m1.key, m1.content_hash)
+    m3, _, _ = _plan(tmp_path, catalog, "c", data={"num_workers": 3, "scan_workers": 1, "prefetch": 4},
+                     train={"checkpoint_every": 7, "dtype": "fp32"}, optim={"lr": 0.5},
+                     adapter={"algo": "lokr"}, objective={"sampler": "uniform"})
+    assert (m3.key, m3.content_hash) == (m1.key, m1.content_hash)  # train-only knobs
     # the seed and every planning knob change it
     for name, over in {"seed": {"run": {"seed": 1}},
                        "flip": {"resolution": {"flip": True}},

@@ -57,11 +57,15 @@ def small(tmp_path):
     return tmp_path, ds
 
 
-@pytest.mark.parametrize("adapter", [{"algo": "lora", "dim": 8, "alpha": 8}, {"algo": "full"}])
-def test_loss_falls_on_a_tiny_overfit_set(tmp_path, adapter):
+@pytest.mark.parametrize("adapter, optim", [
+    ({"algo": "lora", "dim": 8, "alpha": 8}, {"lr": 1e-2}),
+    ({"algo": "full"}, {"lr": 1e-2}),
+    ({"algo": "full"}, {"name": "muon", "lr": 1e-2, "muon_lr": 0.02, "ema": 0.5}),
+])
+def test_loss_falls_on_a_tiny_overfit_set(tmp_path, adapter, optim):
     ds = make_kohya(tmp_path / "ds", {"1_a": [(32, 32)]})
     params = _write_params(tmp_path, ds, train={"steps": 40, "checkpoint_every": 40},
-                           caption={"text_drop": 0.0}, optim={"lr": 1e-2}, adapter=adapter)
+                           caption={"text_drop": 0.0}, optim=optim, adapter=adapter)
     trainer = Trainer(load_params(params), _prepare(tmp_path, params))
 
     def fixed_loss() -> float:  # the same batch, sigmas and noise before and after training
