@@ -157,7 +157,11 @@ class MOSSImageTransformer(nn.Module):
         return x
 
     def forward(self, img_NC: torch.Tensor, text_NT: torch.Tensor, sigma_B: torch.Tensor,
-                layout: PackedLayout, skip_layers: Iterable[int] = ()) -> torch.Tensor:
+                layout: PackedLayout, skip_layers: Iterable[int] = (),
+                skip_samples: torch.Tensor | None = None) -> torch.Tensor:
+        """``skip_layers`` are skipped for every sample, or, with ``skip_samples`` (bool [B]),
+        only for those samples: they keep their pre-block value (the CFG negative branch
+        packed with the positive one)."""
         ops, c = self.ops, self.config
         mod, head = self.conditioning(sigma_B)
         txt = self.refine_text(text_NT, layout)
@@ -166,9 +170,12 @@ class MOSSImageTransformer(nn.Module):
         x = x.index_copy(0, layout.img_in_joint, img).index_copy(0, layout.txt_in_joint, txt)
         rope = ops.rope_angles(layout.pos_joint, self.rope.bands, c.rope_axes, x.dtype)
         skip = set(skip_layers)
+        keep_tok = None if skip_samples is None else skip_samples.to(x.device)[layout.seg_joint][:, None]
         for n, block in enumerate(self.layers):
             if n not in skip:
                 x = block(x, mod, layout.seg_joint, rope, layout.joint_len, ops)
+            elif keep_tok is not None:  # attention stays within a sample: exact for the others
+                x = torch.where(keep_tok, x, block(x, mod, layout.seg_joint, rope, layout.joint_len, ops))
         y = ops.modulated_rms_norm(x[layout.img_in_joint], self.final_norm_video.weight,
                                    head[:, 0], head[:, 1], layout.seg_img, c.eps)
         return self.final_linear_video(y)
