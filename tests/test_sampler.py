@@ -71,3 +71,27 @@ def test_noise_layout_and_skip_validation():
         assert "outside [0, 3)" in str(e)
     else:
         raise AssertionError("an out-of-range skip layer must be refused")
+
+
+def test_kmoss_sample_writes_pngs_with_settings(tmp_path):
+    import json
+
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from stages.cli import app
+
+    from conftest import ROOT
+
+    res = CliRunner().invoke(app, ["sample", "-P", "a red circle", "-P", "blue stripes", "--size",
+                                   "48x32", "--steps", "3", "--count", "2", "--seed", "5",
+                                   "--dtype", "fp32", "--params", str(ROOT / "params.yaml"),
+                                   "--out", str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    files = sorted((tmp_path / "s").glob("*-seed*.png"))
+    assert [f.name for f in files] == ["0000-seed5.png", "0001-seed6.png", "0002-seed7.png",
+                                       "0003-seed8.png"]
+    meta = json.loads(Image.open(files[2]).text["kohakumoss"])
+    assert meta["prompt"] == "blue stripes" and meta["seed"] == 7 and meta["steps"] == 3
+    assert Image.open(files[0]).size == (48, 32)
+    assert Image.open(tmp_path / "s" / "contact_sheet.png").size[0] == 2 * 48

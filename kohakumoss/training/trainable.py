@@ -81,7 +81,8 @@ class AdapterTrainable:
     def describe(self) -> dict[str, Any]:
         c = self.cfg
         return {"algo": c.algo, "preset": c.preset, "targets": list(c.targets), "dim": c.dim,
-                "alpha": c.alpha, "dora": c.dora, "algo_kwargs": c.algo_kwargs}
+                "alpha": c.alpha, "dora": c.dora, "algo_kwargs": c.algo_kwargs,
+                "train_norms": c.train_norms}
 
 
 def make_trainable(model: MOSSImageTransformer, p: Params) -> Trainable:

@@ -1,0 +1,129 @@
+"""Images from prompts: the model (base, adapter files, training checkpoints), the encoders,
+the sampler, PNGs with their settings in the metadata, and a contact sheet."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw, PngImagePlugin
+
+from kohakumoss.artifacts import atomic_path
+from kohakumoss.config import AdapterConfig, Params
+from kohakumoss.diffusion.sampler import Request, sample
+from kohakumoss.model.build import load_dit
+from kohakumoss.model.dit import MOSSImageTransformer
+
+
+@dataclasses.dataclass
+class Settings:
+    width: int = 1024
+    height: int = 1024
+    steps: int = 50
+    cfg: float = 3.0
+    shift: float = 5.0
+    negative: str = ""
+
+    def check(self) -> None:
+        if self.width % 16 or self.height % 16 or min(self.width, self.height) < 16:
+            raise ValueError(f"image size {self.width}x{self.height}: both sides must be positive "
+                             f"multiples of 16")
+
+
+def split_strength(spec: str) -> tuple[Path, float]:
+    """``path:0.8`` -> (path, 0.8); a plain path -> (path, 1.0)."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and head:
+        try:
+            return Path(head), float(tail)
+        except ValueError:
+            pass
+    return Path(spec), 1.0
+
+
+def attach(model: MOSSImageTransformer, spec: str, seed: int = 0):
+    """Apply ``path[:strength]``: a training checkpoint directory (adapter or full weights)
+    or an adapter file (ours, LyCORIS, ComfyUI). Returns a handle with ``remove()`` (or None)."""
+    path, m = split_strength(spec)
+    if path.is_dir() and (path / "trainable.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = json.loads((path / "state.json").read_text())
+        trained = dict(state["trained"])
+        weights = load_file(str(path / "trainable.safetensors"))
+        if trained["algo"] == "full":
+            model.load_state_dict({k: v.to(model.get_parameter(k).dtype) for k, v in weights.items()})
+            return None
+        from kohakumoss.adapters import apply_adapters
+
+        trained["targets"] = tuple(trained.get("targets", ()))
+        adapters = apply_adapters(model, AdapterConfig(**trained), seed=seed)
+        adapters.load_state_dict(weights)
+        adapters.eval()
+        adapters.set_multiplier(m)
+        return adapters
+    if path.is_file():
+        from kohakumoss.adapters import load_adapter_file
+
+        return load_adapter_file(model, path, multiplier=m, mode="merge")
+    raise FileNotFoundError(f"adapter {spec!r}: not a checkpoint directory (runs/<name>/checkpoints/"
+                            f"step-N) nor an adapter file")
+
+
+class Generator:
+    def __init__(self, p: Params, device: torch.device, dtype: torch.dtype,
+                 adapters: Sequence[str] = ()):
+        from kohakumoss.encoders.text import TextEncoder
+        from kohakumoss.encoders.vae import VAE
+
+        self.p, self.device, self.dtype = p, device, dtype
+        self.model = load_dit(p.model.transformer, dtype, device).eval()
+        self.handles = [attach(self.model, a, p.run.seed) for a in adapters]
+        self.text = TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
+                                     dtype=p.encoders.text_dtype, device=str(device))
+        self.vae = VAE.load(p.model.vae, dtype=p.encoders.vae_dtype, device=str(device))
+
+    def images(self, prompts: Sequence[str], seeds: Sequence[int], s: Settings, batch: int = 4,
+               progress=None) -> list[Image.Image]:
+        s.check()
+        hw = (s.height // 16, s.width // 16)
+        embs = self.text.encode(list(prompts) + [s.negative])
+        neg = embs[-1]
+        out: list[Image.Image] = []
+        for i in range(0, len(prompts), batch):
+            reqs = [Request(e, neg, hw, seed) for e, seed in zip(embs[i:i + batch], seeds[i:i + batch])]
+            latents = sample(self.model, reqs, s.steps, s.cfg, s.shift, device=self.device,
+                             dtype=self.dtype, callback=progress)
+            grid = torch.stack([t.T.reshape(-1, *hw) for t in latents]).to(self.device)
+            pixels = self.vae.decode(grid).cpu()
+            for px in pixels:
+                arr = ((px.permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+                out.append(Image.fromarray(arr.numpy(), "RGB"))
+        return out
+
+
+def save_png(image: Image.Image, path: Path, meta: dict) -> None:
+    info = PngImagePlugin.PngInfo()
+    info.add_text("kohakumoss", json.dumps(meta, sort_keys=True))
+    with atomic_path(path) as tmp:
+        image.save(tmp, format="PNG", pnginfo=info)
+
+
+def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], columns: int | None = None
+                  ) -> Image.Image:
+    """Images in a grid, each captioned with its label."""
+    columns = columns or max(1, math.ceil(math.sqrt(len(images))))
+    rows = math.ceil(len(images) / columns)
+    w = max(im.width for im in images)
+    h = max(im.height for im in images)
+    sheet = Image.new("RGB", (columns * w, rows * (h + 14)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (im, label) in enumerate(zip(images, labels)):
+        x, y = (i % columns) * w, (i // columns) * (h + 14)
+        sheet.paste(im, (x, y + 14))
+        draw.text((x + 2, y + 1), label[: max(8, w // 6)], fill="black")
+    return sheet
