@@ -221,6 +221,20 @@ class ObjectiveConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreviewConfig:
+    """Sample images during training: every ``every`` steps (0 = off), fixed prompts and seeds."""
+
+    every: int = knob(0, check=lambda v: v >= 0, allowed="an integer >= 0 (steps; 0 = off)")
+    prompts: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = (0,)
+    width: int = knob(1024, check=lambda v: v >= 16 and v % 16 == 0, allowed="a multiple of 16")
+    height: int = knob(1024, check=lambda v: v >= 16 and v % 16 == 0, allowed="a multiple of 16")
+    steps: int = knob(50, check=lambda v: v >= 1, allowed="an integer >= 1")
+    cfg: float = knob(3.0, check=lambda v: v >= 0, allowed="a number >= 0")
+    shift: float = knob(5.0, check=lambda v: v > 0, allowed="a number > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = knob(100, check=lambda v: v >= 1, allowed="an integer >= 1")
     grad_accum: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1")
@@ -249,6 +263,7 @@ SECTIONS: dict[str, type] = {
     "adapter": AdapterConfig,
     "optim": OptimConfig,
     "objective": ObjectiveConfig,
+    "preview": PreviewConfig,
     "train": TrainConfig,
     "parallel": ParallelConfig,
 }
@@ -267,6 +282,7 @@ class Params:
     adapter: AdapterConfig
     optim: OptimConfig
     objective: ObjectiveConfig
+    preview: PreviewConfig
     train: TrainConfig
     parallel: ParallelConfig
     path: str = "params.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from stages import cache_latents, cache_text, check, plan, sample, scan, train
+from stages import cache_latents, cache_text, check, grid, plan, sample, scan, train
 
 app = typer.Typer(
     name="kmoss",
@@ -19,6 +19,7 @@ app.command("cache_text")(cache_text.main)
 app.command("cache_latents")(cache_latents.main)
 app.command("train")(train.main)
 app.command("sample")(sample.main)
+app.command("grid")(grid.main)
 app.add_typer(check.app, name="check")
 
 

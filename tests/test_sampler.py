@@ -95,3 +95,35 @@ def test_kmoss_sample_writes_pngs_with_settings(tmp_path):
     assert meta["prompt"] == "blue stripes" and meta["seed"] == 7 and meta["steps"] == 3
     assert Image.open(files[0]).size == (48, 32)
     assert Image.open(tmp_path / "s" / "contact_sheet.png").size[0] == 2 * 48
+
+
+def test_grid_strength_zero_is_the_base_and_adapters_come_off(tmp_path):
+    import numpy as np
+    import torch
+
+    from kohakumoss.adapters import apply_adapters
+    from kohakumoss.config import AdapterConfig, load_params
+    from kohakumoss.diffusion.generate import Generator, Settings, grid
+    from kohakumoss.training.checkpoint import save_checkpoint
+
+    from conftest import ROOT
+
+    p = load_params(ROOT / "params.yaml")
+    gen = Generator(p, torch.device("cpu"), torch.float32)
+    s = Settings(32, 32, 2, 3.0, 5.0)
+    base = gen.images(["a red circle"], [0], s)[0]
+    # a checkpoint of a LoRA with non-zero weights
+    cfg = AdapterConfig(dim=4, alpha=4)
+    from kohakumoss.model.build import tiny_transformer
+
+    ad = apply_adapters(tiny_transformer(), cfg, seed=0)
+    state = {k: (v + 0.05 if "up" in k else v) for k, v in ad.state_dict().items()}
+    ck = save_checkpoint(tmp_path, 1, state, {}, {"trained": {
+        "algo": "lora", "preset": "attn-mlp", "targets": [], "dim": 4, "alpha": 4.0, "dora": False,
+        "algo_kwargs": {}, "train_norms": False}, "steps": 1})
+    img = grid(gen, ["a red circle"], [[], [f"{ck}:1.0"]], ["base", "lora"], 0, s)
+    assert img.size == (64, 32 + 14)
+    left = np.asarray(img)[14:, :32]
+    assert np.array_equal(left, np.asarray(base))  # strength 0 / no adapter = the base
+    assert not np.array_equal(np.asarray(img)[14:, 32:], left)  # the adapter changes the image
+    assert np.array_equal(np.asarray(gen.images(["a red circle"], [0], s)[0]), np.asarray(base))

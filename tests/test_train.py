@@ -169,3 +169,22 @@ def test_sigkill_then_resume_is_bit_identical(small):
     ea = load_file(str(straight.checkpoints / "step-000016" / "ema.safetensors"))
     eb = load_file(str(killed.checkpoints / "step-000016" / "ema.safetensors"))
     assert all(torch.equal(ea[k], eb[k]) for k in ea)
+
+
+def test_previews_at_planned_steps_do_not_change_training(small):
+    tmp, ds = small
+    base = dict(train={"steps": 6, "checkpoint_every": 6})
+    params = _write_params(tmp, ds, **base)
+    paths = _prepare(tmp, params)
+    plain = Trainer(load_params(params), paths).run(progress=False)
+    shown = _write_params(tmp, ds, **base, preview={"every": 3, "prompts": ["a red circle"],
+                                                    "seeds": [0, 1], "width": 32, "height": 32,
+                                                    "steps": 2})
+    other = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp / "runs" / "p")
+    with_previews = Trainer(load_params(shown), other).run(progress=False)
+    assert with_previews.losses == plain.losses
+    images = sorted(p.relative_to(other.run / "dvclive") for p in (other.run / "dvclive").rglob("*.png"))
+    assert [str(p.parent.name) for p in images] == ["step-000003"] * 3 + ["step-000006"] * 3
+    a = load_file(str(paths.checkpoints / "step-000006" / "trainable.safetensors"))
+    b = load_file(str(other.checkpoints / "step-000006" / "trainable.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

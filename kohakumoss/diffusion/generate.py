@@ -82,10 +82,20 @@ class Generator:
 
         self.p, self.device, self.dtype = p, device, dtype
         self.model = load_dit(p.model.transformer, dtype, device).eval()
-        self.handles = [attach(self.model, a, p.run.seed) for a in adapters]
+        self.handles: list = []
+        self.use(adapters)
         self.text = TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
                                      dtype=p.encoders.text_dtype, device=str(device))
         self.vae = VAE.load(p.model.vae, dtype=p.encoders.vae_dtype, device=str(device))
+
+    def use(self, adapters: Sequence[str]) -> None:
+        """Detach the current adapters (exactly) and attach ``adapters`` instead."""
+        for h in reversed(self.handles):
+            if h is None:  # full weights were loaded: only a reload restores the base
+                self.model = load_dit(self.p.model.transformer, self.dtype, self.device).eval()
+                break
+            h.remove()
+        self.handles = [attach(self.model, a, self.p.run.seed) for a in adapters]
 
     def images(self, prompts: Sequence[str], seeds: Sequence[int], s: Settings, batch: int = 4,
                progress=None) -> list[Image.Image]:
@@ -111,6 +121,22 @@ def save_png(image: Image.Image, path: Path, meta: dict) -> None:
     info.add_text("kohakumoss", json.dumps(meta, sort_keys=True))
     with atomic_path(path) as tmp:
         image.save(tmp, format="PNG", pnginfo=info)
+
+
+def grid(generator: Generator, prompts: Sequence[str], variants: Sequence[Sequence[str]],
+         names: Sequence[str], seed: int, s: Settings) -> Image.Image:
+    """Prompts (rows) x adapter variants (columns: checkpoints or strengths), one seed."""
+    cells, labels = [], []
+    columns: list[list[Image.Image]] = []
+    for adapters in variants:
+        generator.use(adapters)
+        columns.append(generator.images(prompts, [seed] * len(prompts), s))
+    generator.use(())
+    for r, prompt in enumerate(prompts):
+        for c, name in enumerate(names):
+            cells.append(columns[c][r])
+            labels.append(f"{name} | {prompt}")
+    return contact_sheet(cells, labels, columns=len(variants))
 
 
 def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], columns: int | None = None

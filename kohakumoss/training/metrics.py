@@ -25,6 +25,9 @@ class Metrics:
             self.live.log_metric(f"train/{name}", float(value))
         self.live.next_step()
 
+    def image(self, name: str, image) -> None:
+        self.live.log_image(name, image)
+
     def close(self) -> None:
         self.live.end()
 

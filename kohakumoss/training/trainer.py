@@ -185,6 +185,11 @@ class Trainer:
         acc, steps = p.train.grad_accum, p.train.steps
         self.model.train()
         metrics = Metrics(self.paths.run / "dvclive", resume=start > 0, start_step=start)
+        previews = None
+        if p.preview.every > 0 and p.preview.prompts:
+            from kohakumoss.training.previews import Previewer
+
+            previews = Previewer(p, self.model, self.trainable, self.device, self.dtype)
         loader = iter(make_loader(self.batches, start=start * acc, end=steps * acc,
                                   num_workers=p.data.num_workers, prefetch=p.data.prefetch))
         losses, skipped, last = [], [], None
@@ -207,6 +212,8 @@ class Trainer:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
                             sps=f"{samples / max(dt, 1e-9):.1f}", mem=f"{_memory_gib(self.device):.1f}G")
             bar.update(1)
+            if previews is not None and previews.due(step + 1):
+                previews.run(step + 1, metrics)
             if (step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps:
                 self.encoder.flush()
                 last = self.save(step + 1)
