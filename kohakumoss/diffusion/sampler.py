@@ -69,10 +69,10 @@ def sample(model: MOSSImageTransformer, reqs: Sequence[Request], steps: int = 50
     if bad:
         raise ValueError(f"skip layers {bad} are outside [0, {model.config.depth})")
     sigmas = inference_sigmas(steps, shift).tolist()
-    x = [initial_noise(r.seed, r.hw, model.config.latent_channels) for r in reqs]
+    x = [initial_noise(r.seed, r.hw, model.config.latent_channels).to(device) for r in reqs]
     for i in range(len(sigmas) - 1):
         v = velocity(model, x, reqs, sigmas[i], cfg, skip, device, dtype)
-        x = [xi + (sigmas[i + 1] - sigmas[i]) * vi.cpu() for xi, vi in zip(x, v)]
+        x = [xi + (sigmas[i + 1] - sigmas[i]) * vi for xi, vi in zip(x, v)]
         if callback:
             callback(i + 1, len(sigmas) - 1)
-    return x
+    return [xi.cpu() for xi in x]

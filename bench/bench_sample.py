@@ -1,0 +1,87 @@
+"""GPU benchmark of sampling at the published size, random weights (not a test).
+
+    PYTHONPATH=. python bench/bench_sample.py [--steps 50] [--batches 1 4]
+
+The 5.08B DiT in bf16 (random weights), 1024x1024 images (4096 image tokens), a 112-token
+prompt embedding and the ~10-token empty-caption negative, 50 Euler steps at shift 5 with
+CFG 3 (positive and negative packed into one forward; the negative skips block 22), then
+the FLUX.2 VAE decode (random weights, bf16). Seconds per image and peak memory per batch
+size. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from kohakumoss.diffusion.sampler import Request, sample
+from kohakumoss.model import FLAVORS, MOSSImageTransformer, cast_model
+
+
+def random_dit() -> MOSSImageTransformer:
+    with torch.device("meta"):
+        m = MOSSImageTransformer(FLAVORS["base"])
+    m.to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.02, generator=g)
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+    m.rope.reset("cuda")
+    return cast_model(m, torch.bfloat16).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    a = ap.parse_args()
+    model = random_dit()
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randn(112, 4096, generator=g)
+    neg = torch.randn(10, 4096, generator=g)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "size": "1024x1024", "runs": []}
+    sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
+    for b in a.batches:
+        reqs = [Request(pos, neg, (64, 64), i) for i in range(b)]
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        lat = sample(model, reqs, a.steps, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        res["runs"].append({"batch": b, "seconds": dt, "seconds_per_image": dt / b,
+                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+        print(json.dumps(res["runs"][-1]), flush=True)
+    from diffusers import AutoencoderKLFlux2
+
+    from kohakumoss.encoders.vae import VAE
+
+    torch.manual_seed(0)
+    vae = VAE(AutoencoderKLFlux2().to("cuda", torch.bfloat16), torch.bfloat16, torch.device("cuda"),
+              "flux2-vae")
+    grid = lat[0].T.reshape(1, 128, 64, 64).cuda()
+    vae.decode(grid)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    vae.decode(grid)
+    torch.cuda.synchronize()
+    res["vae_decode_seconds"] = time.perf_counter() - t0
+    text = json.dumps(res, indent=2)
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_sample.json"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
