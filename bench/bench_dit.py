@@ -22,27 +22,10 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
+from kohakumoss.model import FLAVORS, build_layout, cast_model
+from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import forward_flops, train_flops
 from kohakumoss.model.parity import rel_error
-
-
-def random_model(flavor: str, device: str) -> MOSSImageTransformer:
-    with torch.device("meta"):
-        m = MOSSImageTransformer(FLAVORS[flavor])
-    m.to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():  # spec 2.5: linears N(0, 0.02), biases 0, norms 1
-            if p.ndim == 2:
-                p.normal_(0, 0.02, generator=g)
-                p.copy_(p.to(torch.bfloat16))  # bf16-exact, so fp32 and bf16 runs share weights
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
-    m.rope.reset(device)
-    return m
 
 
 def timed(fn, warmup: int, iters: int) -> list[float]:
@@ -122,7 +105,7 @@ def main() -> None:
                  "tokens": {"image": layout.n_img, "text": layout.n_txt, "joint": layout.n_joint},
                  "forward_flops": forward_flops(c, layout), "train_flops": train_flops(c, layout)}
     res["bf16_matmul_tflops"] = matmul_rate(dev) / 1e12 if dev == "cuda" else 1.0
-    model = random_model(a.flavor, dev)
+    model = random_transformer(FLAVORS[a.flavor], dev, bf16_exact=True)
     with torch.no_grad():
         ref32 = model(img, txt, sigma, layout).double()
     cast_model(model, torch.bfloat16)

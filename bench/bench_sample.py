@@ -20,23 +20,11 @@ import torch
 
 from kohakumoss.diffusion.sampler import Request, sample
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, cast_model
+from kohakumoss.model.build import random_transformer
 
 
 def random_dit() -> MOSSImageTransformer:
-    with torch.device("meta"):
-        m = MOSSImageTransformer(FLAVORS["base"])
-    m.to_empty(device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.02, generator=g)
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
-    m.rope.reset("cuda")
-    return cast_model(m, torch.bfloat16).eval()
+    return cast_model(random_transformer(FLAVORS["base"], "cuda"), torch.bfloat16).eval()
 
 
 def main() -> None:

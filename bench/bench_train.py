@@ -28,25 +28,13 @@ from kohakumoss.cache.store import TensorStore
 from kohakumoss.config import AdapterConfig, OptimConfig
 from kohakumoss.diffusion.objective import flow_loss, noised
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
+from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
 from kohakumoss.training.optim import build_optimizer
 
 
 def random_base(dtype: torch.dtype) -> MOSSImageTransformer:
-    with torch.device("meta"):
-        m = MOSSImageTransformer(FLAVORS["base"])
-    m.to_empty(device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.02, generator=g)
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
-    m.rope.reset("cuda")
-    return cast_model(m, dtype)
+    return cast_model(random_transformer(FLAVORS["base"], "cuda"), dtype)
 
 
 def matmul_rate() -> float:
