@@ -220,6 +220,23 @@ class ObjectiveConfig:
     weighting: Literal["none", "x0", "eps"] = "none"
 
 
+EXPORT_FORMATS = ("comfy", "lycoris", "merged", "diffusers")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """What the export stage writes to runs/<name>/export/."""
+
+    formats: tuple[str, ...] = knob(("auto",), check=lambda v: all(
+        f in EXPORT_FORMATS + ("auto",) for f in v), allowed="a list of auto, " + ", ".join(EXPORT_FORMATS))
+    checkpoint: str = knob("latest", help="'latest' or a step number")
+    ema: bool = False
+    fused_qkv: bool = knob(True, help="ComfyUI's MOSS-Image layout: fused layers.N.proj.qkv")
+    style: Literal["lora_unet", "diffusion_model"] = "lora_unet"
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    strength: float = knob(1.0, help="the adapter strength merged into 'merged' / 'diffusers'")
+
+
 @dataclasses.dataclass(frozen=True)
 class PreviewConfig:
     """Sample images during training: every ``every`` steps (0 = off), fixed prompts and seeds."""
@@ -264,6 +281,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "objective": ObjectiveConfig,
     "preview": PreviewConfig,
+    "export": ExportConfig,
     "train": TrainConfig,
     "parallel": ParallelConfig,
 }
@@ -283,6 +301,7 @@ class Params:
     optim: OptimConfig
     objective: ObjectiveConfig
     preview: PreviewConfig
+    export: ExportConfig
     train: TrainConfig
     parallel: ParallelConfig
     path: str = "params.yaml"

@@ -24,10 +24,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from kohakumoss.data.scan import ScanError
     from kohakumoss.data.sources import SourceError
     from kohakumoss.cache.store import CacheMiss
+    from kohakumoss.export.formats import ExportError
     from kohakumoss.model.checkpoints import CheckpointError
 
     return (ConfigError, ArtifactError, SourceError, ScanError, CatalogError, PlanError,
-            CheckpointError, CacheMiss)
+            CheckpointError, CacheMiss, ExportError)
 
 
 def stage(fn):

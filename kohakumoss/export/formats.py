@@ -1,0 +1,153 @@
+"""Write an export from a source: a training checkpoint (adapter or full weights, optionally
+its EMA) or a foreign LyCORIS / ComfyUI adapter file, onto the base model of ``params``.
+
+Formats: ``comfy`` (ComfyUI-native adapter file, ``kohakumoss.export.comfy``), ``lycoris``
+(lycoris-lora's own file), ``merged`` (base + adapter at a strength, a ComfyUI single file
+with fused q/k/v, or the official bare layout) and ``diffusers`` (a transformer folder:
+config.json, shards, index). Every output is written atomically; an existing output is
+replaced only once the new one is complete. An export is a pure function of (source,
+export params).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from kohakumoss.config import AdapterConfig, Params
+from kohakumoss.model.build import load_dit
+from kohakumoss.model.checkpoints import save_comfy, save_official
+from kohakumoss.model.dit import MOSSImageTransformer
+
+FORMATS = ("comfy", "lycoris", "merged", "diffusers")
+SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ExportError(ValueError):
+    """An export that cannot be made from this source; the message says what can."""
+
+
+@dataclasses.dataclass
+class Source:
+    model: MOSSImageTransformer  # the base, float32
+    kind: str  # "adapter" | "full" | "file"
+    adapters: Any = None  # AdapterSet (checkpoint) or Attached (file)
+    describe: dict = dataclasses.field(default_factory=dict)
+    step: int | None = None
+    path: Path | None = None
+
+
+def load_source(p: Params, path: str | Path, ema: bool = False) -> Source:
+    """The base model of ``p.model.transformer`` (float32, CPU) with the source applied."""
+    path = Path(path)
+    model = load_dit(p.model.transformer, torch.float32, "cpu").eval()
+    if path.is_dir() and (path / "trainable.safetensors").is_file():
+        state = json.loads((path / "state.json").read_text())
+        trained = dict(state["trained"])
+        weights_file = path / ("ema.safetensors" if ema else "trainable.safetensors")
+        if ema and not weights_file.is_file():
+            raise ExportError(f"{path} holds no EMA weights (train with optim.ema > 0)")
+        weights = load_file(str(weights_file))
+        if trained["algo"] == "full":
+            model.load_state_dict(weights)
+            return Source(model, "full", None, trained, state.get("step"), path)
+        from kohakumoss.adapters import apply_adapters
+
+        trained["targets"] = tuple(trained.get("targets", ()))
+        adapters = apply_adapters(model, AdapterConfig(**trained), seed=p.run.seed)
+        if ema:
+            own = adapters.state_dict()
+            weights = {k: weights.get(k, v) for k, v in own.items()}
+        adapters.load_state_dict(weights)
+        adapters.eval()
+        return Source(model, "adapter", adapters, trained, state.get("step"), path)
+    if path.is_file():
+        from kohakumoss.adapters import load_adapter_file
+
+        attached = load_adapter_file(model, path, multiplier=1.0, mode="bypass")
+        return Source(model, "file", attached, {"algo": "file"}, None, path)
+    raise ExportError(f"{path} is neither a training checkpoint (runs/<name>/checkpoints/step-N) "
+                      f"nor an adapter file")
+
+
+def _metadata(src: Source, fmt: str, extra: dict[str, str]) -> dict[str, str]:
+    meta = {"kohakumoss_format": fmt, "kohakumoss_algo": str(src.describe.get("algo", ""))}
+    if src.step is not None:
+        meta["kohakumoss_step"] = str(src.step)
+    return {**meta, **extra}
+
+
+def merged_state(src: Source, strength: float) -> dict[str, torch.Tensor]:
+    """Base + strength x adapter (full weights as they are), float32."""
+    if src.kind == "full":
+        return {k: v.detach().clone() for k, v in src.model.state_dict().items()}
+    src.adapters.merge(strength)
+    try:
+        return {k: v.detach().clone() for k, v in src.model.state_dict().items()}
+    finally:
+        src.adapters.unmerge()
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Swap a finished folder into place; the old one is removed only afterwards."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fused_qkv: bool = True,
+                 style: str = "lora_unet", dtype: str = "bf16", metadata: dict[str, str] | None = None
+                 ) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dt = SAVE_DTYPES[dtype]
+    meta = _metadata(src, fmt, metadata or {})
+    config = src.model.config
+    if fmt in ("comfy", "lycoris") and src.kind == "full":
+        raise ExportError("a full finetune has no adapter: export it as 'merged' or 'diffusers'")
+    if fmt == "comfy":
+        from kohakumoss.export.comfy import comfy_state_dict, convert_file, save_comfy_file
+
+        if src.kind == "file":
+            tensors, m = convert_file(src.model, src.path, fused_qkv=fused_qkv, style=style, dtype=dt)
+        else:
+            tensors, m = comfy_state_dict(src.adapters, src.model, fused_qkv=fused_qkv, style=style,
+                                          dtype=dt)
+        save_comfy_file(out, tensors, {**m, **meta})
+    elif fmt == "lycoris":
+        if src.kind != "adapter":
+            raise ExportError("the lycoris format is written from a training checkpoint; a "
+                              "foreign file converts to 'comfy', 'merged' or 'diffusers'")
+        src.adapters.save_lycoris(out, dtype=dt, metadata={**src.adapters.lycoris_metadata(), **meta})
+    elif fmt == "merged":
+        state = merged_state(src, strength)
+        save_comfy(state, out, config, dtype=dt, fused=fused_qkv,
+                   metadata={**meta, "kohakumoss_strength": str(strength)})
+    elif fmt == "diffusers":
+        state = merged_state(src, strength)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            save_official(state, tmp, config, dtype=dt)
+            _replace_dir(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+    else:
+        raise ExportError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
+    return out
+
+
+def output_name(run: str, fmt: str) -> str:
+    return f"{run}-{fmt}" if fmt == "diffusers" else f"{run}-{fmt}.safetensors"

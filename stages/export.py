@@ -1,0 +1,59 @@
+"""`kmoss export` (the stage) and `kmoss export checkpoint PATH` (any step, any file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from stages.common import PARAMS_OPTION, console, stage
+
+app = typer.Typer(help="Export adapters and models: ComfyUI, LyCORIS, merged, diffusers.",
+                  invoke_without_command=True)
+
+
+@app.callback()
+@stage
+def main(
+    ctx: typer.Context,
+    params: Path = PARAMS_OPTION,
+    runs: Path = typer.Option(Path("runs"), help="Runs folder; exports go to runs/<name>/export/."),
+) -> None:
+    """The export stage: the run's newest checkpoint (export.checkpoint) in export.formats
+    (auto: ComfyUI + LyCORIS for an adapter, a merged model for a full finetune)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from kohakumoss.config import load_params
+    from kohakumoss.export.stage import export_run
+
+    for path in export_run(load_params(params), runs):
+        console.print(f"wrote {path}")
+
+
+@app.command("checkpoint")
+@stage
+def checkpoint(
+    path: Path = typer.Argument(..., help="A checkpoint (runs/<name>/checkpoints/step-N) or an "
+                                          "adapter file (LyCORIS or ComfyUI) to convert."),
+    format: str = typer.Option("comfy", "--format", "-f", help="comfy | lycoris | merged | diffusers"),
+    out: Path = typer.Option(None, help="Output file (folder for diffusers); default beside PATH."),
+    strength: float = typer.Option(1.0, help="Adapter strength merged into merged/diffusers."),
+    fused_qkv: bool = typer.Option(True, help="ComfyUI's fused layers.N.proj.qkv layout."),
+    style: str = typer.Option("lora_unet", help="ComfyUI key style: lora_unet | diffusion_model."),
+    dtype: str = typer.Option("bf16", help="Saved dtype: bf16 | fp16 | fp32."),
+    ema: bool = typer.Option(False, help="Use the checkpoint's EMA weights."),
+    params: Path = PARAMS_OPTION,
+) -> None:
+    """Re-export any saved step, or convert an adapter file between layouts."""
+    from kohakumoss.config import load_params
+    from kohakumoss.export.formats import load_source, output_name, write_export
+
+    src = load_source(load_params(params), path, ema=ema)
+    target = out or path.parent / output_name(path.stem if path.is_file() else path.name, format)
+    written = write_export(src, format, target, strength=strength, fused_qkv=fused_qkv, style=style,
+                           dtype=dtype)
+    console.print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,108 @@
+"""Exports from checkpoints and files: LyCORIS round trip, merged == bypass, diffusers reload,
+full finetunes (and EMA), atomic replacement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kohakumoss.adapters import apply_adapters, load_adapter_file
+from kohakumoss.config import AdapterConfig, load_params
+from kohakumoss.export.formats import ExportError, load_source, merged_state, write_export
+from kohakumoss.model import build_layout
+from kohakumoss.model.build import tiny_transformer
+from kohakumoss.model.checkpoints import load_transformer
+from kohakumoss.model.parity import rel_error
+from kohakumoss.training.checkpoint import save_checkpoint
+
+from conftest import ROOT
+
+P = load_params(ROOT / "params.yaml")
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    hw, lens = [(3, 4), (2, 2)], [5, 3]
+    return (torch.randn(16, 128, generator=g), torch.randn(8, 48, generator=g), torch.tensor([0.3, 0.8]),
+            build_layout(hw, lens))
+
+
+def _adapter_checkpoint(tmp_path, algo="lora", **kw):
+    cfg = AdapterConfig(algo=algo, dim=4, alpha=4, **kw)
+    ad = apply_adapters(tiny_transformer(), cfg, seed=P.run.seed)
+    g = torch.Generator().manual_seed(1)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.ndim > 0
+             else v for k, v in ad.state_dict().items()}
+    trained = {"algo": algo, "preset": cfg.preset, "targets": [], "dim": 4, "alpha": 4.0, "dora": cfg.dora,
+               "algo_kwargs": {}, "train_norms": False}
+    return save_checkpoint(tmp_path / "ck", 7, state, {}, {"trained": trained, "steps": 7})
+
+
+def _out(model, x):
+    with torch.no_grad():
+        return model(*x).double()
+
+
+@pytest.mark.parametrize("algo", ["lora", "loha", "lokr"])
+def test_lycoris_round_trip_and_merged_equals_bypass(tmp_path, algo):
+    ck = _adapter_checkpoint(tmp_path, algo)
+    src = load_source(P, ck)
+    x = _inputs()
+    trained = _out(src.model, x)
+    assert rel_error(trained, _out(tiny_transformer().eval(), x)) > 1e-3  # the adapter matters
+    lyco = write_export(src, "lycoris", tmp_path / "a.safetensors", dtype="fp32")
+    fresh = tiny_transformer().eval()
+    load_adapter_file(fresh, lyco)
+    assert rel_error(_out(fresh, x), trained) < 1e-6
+    merged = write_export(src, "merged", tmp_path / "m.safetensors", dtype="fp32")
+    model, info = load_transformer(merged, dtype=torch.float32)
+    assert info.fused_qkv and rel_error(_out(model.eval(), x), trained) < 1e-5
+    half = write_export(src, "merged", tmp_path / "h.safetensors", dtype="fp32", strength=0.5)
+    model, _ = load_transformer(half, dtype=torch.float32)
+    src.adapters.set_multiplier(0.5)
+    assert rel_error(_out(model.eval(), x), _out(src.model, x)) < 1e-5
+
+
+def test_diffusers_folder_reloads_to_the_merged_weights(tmp_path):
+    src = load_source(P, _adapter_checkpoint(tmp_path))
+    folder = write_export(src, "diffusers", tmp_path / "d", dtype="fp32")
+    assert (folder / "config.json").is_file() and (folder / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    model, info = load_transformer(folder, dtype=torch.float32)
+    state = merged_state(src, 1.0)
+    assert info.layout == "official"
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+def test_full_finetune_and_ema_exports(tmp_path):
+    model = tiny_transformer()
+    weights = {k: v + 0.01 for k, v in model.state_dict().items()}
+    ema = {k: v + 0.02 for k, v in model.state_dict().items()}
+    ck = save_checkpoint(tmp_path / "ck", 3, weights, {}, {"trained": {"algo": "full"}, "steps": 3}, ema=ema)
+    src = load_source(P, ck)
+    with pytest.raises(ExportError, match="merged"):
+        write_export(src, "comfy", tmp_path / "c.safetensors")
+    out, _ = load_transformer(write_export(src, "merged", tmp_path / "m.safetensors", dtype="fp32"),
+                              dtype=torch.float32)
+    assert all(torch.equal(out.state_dict()[k], v) for k, v in weights.items())
+    out, _ = load_transformer(write_export(load_source(P, ck, ema=True), "diffusers", tmp_path / "e",
+                                           dtype="fp32"), dtype=torch.float32)
+    assert all(torch.equal(out.state_dict()[k], v) for k, v in ema.items())
+
+
+def test_existing_output_replaced_only_when_the_new_one_is_complete(tmp_path, monkeypatch):
+    src = load_source(P, _adapter_checkpoint(tmp_path))
+    target = write_export(src, "lycoris", tmp_path / "x.safetensors")
+    before = target.read_bytes()
+    folder = write_export(src, "diffusers", tmp_path / "d")
+    shard = next(folder.glob("*.safetensors")).read_bytes()
+    import kohakumoss.model.checkpoints as ck
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt("killed mid-export")
+
+    monkeypatch.setattr(ck, "save_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        write_export(src, "diffusers", tmp_path / "d", strength=0.3)
+    assert next(folder.glob("*.safetensors")).read_bytes() == shard
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".d")]
+    assert target.read_bytes() == before
