@@ -17,7 +17,7 @@ def main(
     out: Path = typer.Option(Path("artifacts/cache/latents"), help="Latent cache directory (persisted)."),
 ) -> None:
     """Decode and VAE-encode each (image, target size, crop, flip) the plan trains on into a
-    content-keyed cache of packed latent tokens [h*w, 128], same-size images batched.
+    content-keyed cache of packed latent tokens (h*w x 128), same-size images batched.
 
     Entries already cached are skipped; a killed run keeps its completed shards; corrupt
     shards are re-encoded; an image that fails to decode is reported and skipped.
