@@ -1,0 +1,342 @@
+"""ComfyUI adapter files (``spec/adapters-export.md`` 8.2-8.4): every trained layer as the
+tensor set that ComfyUI's weight adapters evaluate to exactly its delta at strength 1, on the
+split (official) or the fused-q/k/v (Comfy-Org repack) layout.
+
+Per layer (module path -> tensor set; key style and cast come last):
+
+- lora, locon, loha, lokr, glora: the native LyCORIS set (``use_scalar`` folded in), ``alpha`` =
+  trained scale x the rank ComfyUI divides by (LoKr with no decomposed factor: scale in w1);
+- + DoRA on the output axis: ``dora_scale * (||W|| + eps) / (||W + dW|| + eps)``, as ComfyUI
+  normalises rows by the original ``||W||``; input-axis DoRA unchanged;
+- oft (not rescaled), boft: ``oft_blocks`` [+ ``rescale``, BOFT], ``alpha`` = constraint x out;
+- ia3, rescaled oft, oft/boft on a biased layer (ComfyUI's OFT ignores ``rescale``, neither
+  rotates a bias), glora that ComfyUI would read as the old layout: dense ``diff`` [+ ``diff_b``];
+- dylora: plain LoRA of the full rank, its scale folded into ``lora_up``, ``alpha`` = r;
+- tlora: plain LoRA of rank 2r, unmasked: up ``[P λ s, -P0 λ0 s]``, down ``[Q; Q0]``, alpha 2r;
+- trained norms: ``w_norm``.
+
+Fused layout: a joint block's q/k/v become one ``layers.N.proj.qkv`` layer; plain LoRA parts
+are repacked exactly (stacked downs, block-diagonal up with each part's alpha/r folded in,
+``alpha`` = total rank), anything else is a dense ``diff`` [3D, D].
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kohakumoss.adapters.files import load_adapter_file
+from kohakumoss.adapters.runtime import dylora_rank, kind_of, merged_weight
+from kohakumoss.artifacts import atomic_path
+
+STYLES = ("lora_unet", "diffusion_model")
+PLAIN_LORA = frozenset({"lora_up.weight", "lora_down.weight", "alpha"})
+QKV = re.compile(r"^layers\.(\d+)\.proj\.([qkv])$")
+RANK_OF = {"locon": "lora_down.weight", "loha": "hada_w1_b", "glora": "a2.weight"}
+EPS_COMFY = torch.finfo(torch.float32).eps  # ComfyUI patches float32 copies of the weights
+
+Sets = dict[str, dict[str, torch.Tensor]]
+Delta = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def stem(path: str, style: str) -> str:
+    if style == "lora_unet":
+        return f"lora_unet_{path.replace('.', '_')}"
+    if style == "diffusion_model":
+        return f"diffusion_model.{path}"
+    raise ValueError(f"comfy key style {style!r}: one of {', '.join(STYLES)}")
+
+
+def _alpha(value: float) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+@torch.no_grad()
+def layer_delta(lyco) -> Delta:
+    """The layer's exact (dW, db) at multiplier 1 in master dtype; db None when the bias
+    does not move (or there is none)."""
+    Wm, bm = merged_weight(lyco, 1.0)
+    base = lyco.org_module[0]
+    dW = Wm - base.weight.detach().to(Wm)
+    if base.bias is None or bm is None:
+        return dW, None
+    db = bm.to(Wm) - base.bias.detach().to(Wm)
+    return dW, (db if bool(db.any()) else None)
+
+
+def _dense(delta: Delta) -> dict[str, torch.Tensor]:
+    dW, db = delta
+    if dW.ndim == 1:  # a norm weight
+        return {"w_norm": dW}
+    return {"diff": dW} if db is None else {"diff": dW, "diff_b": db}
+
+
+@torch.no_grad()
+def _comfy_dora(lyco, dora: torch.Tensor) -> torch.Tensor:
+    if not lyco.wd_on_out:
+        return dora
+    lyco.wd = False  # W + dW as ComfyUI builds it from the native factors
+    try:
+        W1, _ = merged_weight(lyco, 1.0)
+    finally:
+        lyco.wd = True
+    W = lyco.org_module[0].weight.detach().to(W1)
+    eps = torch.finfo(dora.dtype).eps  # LyCORIS's epsilon: its dora_scale's dtype
+    return dora * (W.norm(dim=1, keepdim=True) + EPS_COMFY) / (W1.norm(dim=1, keepdim=True) + eps)
+
+
+def _factored(lyco, kind: str) -> dict[str, torch.Tensor]:
+    """LoCon/LoHa/LoKr/GLoRA: the native set with an alpha ComfyUI reads as the trained scale."""
+    s = {k: v.detach().clone() for k, v in lyco.custom_state_dict().items()}
+    dora, scale = s.pop("dora_scale", None), float(lyco.scale)
+    if kind == "glora":
+        W = lyco.org_module[0].weight
+        if W.shape[0] == W.shape[1] == s["a2.weight"].shape[0]:  # ComfyUI reads it as old GLoRA
+            return _dense(layer_delta(lyco))
+    if kind == "lokr":
+        ranked = [k for k in ("lokr_w2_b", "lokr_w1_b") if k in s]  # ComfyUI: w2's rank wins
+        if ranked:
+            s["alpha"] = _alpha(scale * s[ranked[0]].shape[0])
+        elif scale != 1.0:  # nothing decomposed: ComfyUI's scale is 1
+            s["lokr_w1"] = s["lokr_w1"] * scale
+    else:
+        s["alpha"] = _alpha(scale * s[RANK_OF[kind]].shape[0])
+    if dora is not None:
+        s["dora_scale"] = _comfy_dora(lyco, dora.detach().clone())
+    return s
+
+
+def _oft(lyco, kind: str) -> dict[str, torch.Tensor]:
+    if lyco.org_module[0].bias is not None or (kind == "oft" and lyco.rescaled):
+        return _dense(layer_delta(lyco))
+    s = {"oft_blocks": lyco.oft_blocks.detach().clone(), "alpha": _alpha(lyco.constraint)}
+    if lyco.rescaled:
+        s["rescale"] = lyco.rescale.detach().clone()
+    return s
+
+
+@torch.no_grad()
+def layer_set(lyco) -> dict[str, torch.Tensor]:
+    """The ComfyUI tensor set of one LyCORIS module (unfused, master dtype)."""
+    kind = kind_of(lyco)
+    if kind in ("locon", "loha", "lokr", "glora"):
+        return _factored(lyco, kind)
+    if kind in ("oft", "boft"):
+        return _oft(lyco, kind)
+    if kind == "dylora":
+        down, up, scale = lyco.get_weight(dylora_rank(lyco))  # all blocks, alpha / blocks
+        return {"lora_up.weight": up.detach() * float(scale),
+                "lora_down.weight": down.detach().clone(), "alpha": _alpha(down.shape[0])}
+    if kind == "tlora":
+        s = float(lyco.scale)
+        up = torch.cat([lyco.p_layer.weight * lyco.lambda_layer * s,
+                        -(lyco.base_p * lyco.base_lambda) * s], dim=1)
+        down = torch.cat([lyco.q_layer.weight, lyco.base_q], dim=0)
+        return {"lora_up.weight": up.detach(), "lora_down.weight": down.detach(),
+                "alpha": _alpha(down.shape[0])}
+    return _dense(layer_delta(lyco))  # ia3, diff
+
+
+def layer_sets(modules: Mapping[str, object], norms: Mapping[str, object]) -> Sets:
+    sets = {path: layer_set(lyco) for path, lyco in modules.items()}
+    sets.update({path: {"w_norm": n.w_norm.detach().clone()} for path, n in norms.items()})
+    return sets
+
+
+def repack_qkv_lora(parts: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+    """Plain LoRA sets of q, k, v (None: absent) -> one fused LoRA: stacked downs, block-diagonal
+    up holding each part's ``alpha / r``, ``alpha`` = total rank (spec 8.4)."""
+    present = [p for p in parts if p is not None]
+    D = present[0]["lora_up.weight"].shape[0]
+    dt = torch.promote_types(present[0]["lora_up.weight"].dtype, torch.float32)
+    total = sum(p["lora_down.weight"].shape[0] for p in present)
+    up, downs, col = torch.zeros(3 * D, total, dtype=dt), [], 0
+    for i, p in enumerate(parts):
+        if p is None:
+            continue
+        u, d = p["lora_up.weight"].to(dt), p["lora_down.weight"].to(dt)
+        if u.shape[0] != D:
+            raise ValueError(f"q/k/v LoRA parts of different widths ({u.shape[0]} vs {D}) "
+                             f"cannot fuse")
+        r = d.shape[0]
+        a = float(p["alpha"]) if "alpha" in p else float(r)
+        up[i * D:(i + 1) * D, col:col + r] = u * (a / r)
+        downs.append(d)
+        col += r
+    return {"lora_up.weight": up, "lora_down.weight": torch.cat(downs), "alpha": _alpha(total)}
+
+
+def _fused_dense(deltas: list[Delta | None]) -> dict[str, torch.Tensor]:
+    ref = next(d for d in deltas if d is not None)[0]
+    diff = torch.cat([d[0] if d is not None else torch.zeros_like(ref) for d in deltas])
+    if all(d is None or d[1] is None for d in deltas):
+        return {"diff": diff}
+    zero = torch.zeros(ref.shape[0], dtype=ref.dtype)
+    return {"diff": diff, "diff_b": torch.cat([d[1] if d is not None and d[1] is not None else zero
+                                               for d in deltas])}
+
+
+def fuse_qkv_sets(sets: Sets, delta_of: Callable[[str], Delta]) -> Sets:
+    """Each joint block's q/k/v sets -> one ``layers.N.proj.qkv`` set, in place of the q/k/v."""
+    out: Sets = {}
+    for path, s in sets.items():
+        m = QKV.match(path)
+        if not m:
+            out[path] = s
+            continue
+        fused = f"layers.{m.group(1)}.proj.qkv"
+        if fused in out:
+            continue
+        paths = [f"layers.{m.group(1)}.proj.{x}" for x in "qkv"]
+        parts = [sets.get(p) for p in paths]
+        if all(p is None or ("lora_up.weight" in p and set(p) <= PLAIN_LORA) for p in parts):
+            out[fused] = repack_qkv_lora(parts)
+        else:
+            out[fused] = _fused_dense([delta_of(p) if p in sets else None for p in paths])
+    return out
+
+
+def keyed(sets: Sets, style: str = "lora_unet", dtype: torch.dtype = torch.bfloat16
+          ) -> dict[str, torch.Tensor]:
+    """``<stem>.<tensor>`` keys; floating tensors with ndim > 0 cast to ``dtype``, 0-dim
+    scalars kept float32; contiguous CPU copies."""
+    out = {}
+    for path, s in sets.items():
+        st = stem(path, style)
+        for name, t in s.items():
+            t = t.detach().to("cpu")
+            if t.is_floating_point():
+                t = t.to(dtype if t.ndim else torch.float32)
+            out[f"{st}.{name}"] = t.contiguous().clone()
+    return out
+
+
+def comfy_metadata(algo: str, rank: str, fused_qkv: bool, style: str, base_model: str = "",
+                   params_hash: str = "", extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    return {**(extra or {}), "kohakumoss_format": "comfy", "kohakumoss_key_style": style,
+            "kohakumoss_prefix": "lora_unet", "kohakumoss_algo": algo, "kohakumoss_rank": rank,
+            "kohakumoss_fused_qkv": "1" if fused_qkv else "0", "kohakumoss_base_model": base_model,
+            "kohakumoss_params_hash": params_hash}
+
+
+def _check_fusable(model, paths) -> None:
+    if any(QKV.match(p) for p in paths) and not hasattr(model, "layers"):
+        raise ValueError("fused_qkv needs a model with joint blocks (layers.N.proj.q/k/v)")
+
+
+def comfy_state_dict(adapters, model, fused_qkv: bool = False, style: str = "lora_unet",
+                     dtype: torch.dtype = torch.bfloat16, base_model: str = "",
+                     params_hash: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of the ComfyUI file of an ``AdapterSet`` (or ``Attached``)."""
+    stem("", style)  # validates the style
+    sets = layer_sets(adapters.modules, adapters.norms)
+    if fused_qkv:
+        _check_fusable(model, sets)
+        sets = fuse_qkv_sets(sets, lambda p: layer_delta(adapters.modules[p]))
+    cfg = getattr(adapters, "cfg", None)
+    extra = adapters.lycoris_metadata() if hasattr(adapters, "lycoris_metadata") else {}
+    meta = comfy_metadata(getattr(cfg, "algo", ""), str(getattr(cfg, "dim", "")), fused_qkv, style,
+                          base_model, params_hash, extra)
+    return keyed(sets, style, dtype), meta
+
+
+def comfy_from_weight_deltas(deltas: Mapping[str, Delta], fused_qkv: bool = False,
+                             style: str = "lora_unet", dtype: torch.dtype = torch.bfloat16
+                             ) -> dict[str, torch.Tensor]:
+    """Dense ComfyUI tensors from known deltas {module path: (dW, db or None)}: ``diff``
+    [+ ``diff_b``], ``w_norm`` for 1-D (norm) weights; fused q/k/v as one dense ``diff``."""
+    sets = {path: _dense(d) for path, d in deltas.items()}
+    if fused_qkv:
+        sets = fuse_qkv_sets(sets, lambda p: deltas[p])
+    return keyed(sets, style, dtype)
+
+
+def convert_file(model, src_path: str | Path, fused_qkv: bool = False, style: str = "lora_unet",
+                 dtype: torch.dtype = torch.bfloat16
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Rewrite any adapter file ``load_adapter_file`` reads (LyCORIS native, ComfyUI fused or
+    not, our own comfy files) for ComfyUI: plain LoRA stays LoRA (repacked when fused), other
+    kinds as section 8.2 converts them. The file is attached to ``model`` (bypass, weights
+    untouched) only while it is converted."""
+    stem("", style)
+    with safe_open(str(src_path), "pt") as f:
+        src_meta = f.metadata() or {}
+    handle = load_adapter_file(model, src_path, multiplier=1.0, mode="bypass")
+    try:
+        sets = layer_sets(handle.modules, handle.norms)
+        if fused_qkv:
+            _check_fusable(model, sets)
+            sets = fuse_qkv_sets(sets, lambda p: layer_delta(handle.modules[p]))
+        tensors = keyed(sets, style, dtype)
+    finally:
+        handle.remove()
+    try:
+        args = json.loads(src_meta.get("ss_network_args", "{}"))
+    except json.JSONDecodeError:
+        args = {}
+    algo = src_meta.get("kohakumoss_algo") or str(args.get("algo", ""))
+    rank = src_meta.get("kohakumoss_rank") or src_meta.get("ss_network_dim", "")
+    extra = {k: v for k, v in src_meta.items() if k.startswith("ss_")}
+    extra["kohakumoss_source"] = Path(src_path).name
+    return tensors, comfy_metadata(algo, rank, fused_qkv, style,
+                                   src_meta.get("kohakumoss_base_model", ""),
+                                   src_meta.get("kohakumoss_params_hash", ""), extra)
+
+
+def save_comfy_file(path: str | Path, tensors: Mapping[str, torch.Tensor],
+                    metadata: Mapping[str, str] | None = None) -> Path:
+    """Write the file atomically (temp file, fsync, rename)."""
+    with atomic_path(path) as tmp:
+        save_file(dict(tensors), str(tmp),
+                  metadata={k: str(v) for k, v in (metadata or {}).items()})
+    return Path(path)
+
+
+class TrainedDeltas(Mapping):
+    """The trained adapter's exact deltas by base-state name (``<path>.weight`` / ``.bias``;
+    fused joint q/k/v concatenated into ``layers.N.proj.qkv.weight``), computed lazily so a
+    verifier can stream them at full model size."""
+
+    def __init__(self, adapters, fused_qkv: bool = False):
+        self.modules, self.norms, self.fused = adapters.modules, adapters.norms, fused_qkv
+        self._names: dict[str, tuple[str, str]] = {}
+        for path, lyco in self.modules.items():
+            m = QKV.match(path) if fused_qkv else None
+            owner = f"layers.{m.group(1)}.proj.qkv" if m else path
+            self._names[f"{owner}.weight"] = (owner, "weight")
+            if lyco.org_module[0].bias is not None:
+                self._names[f"{owner}.bias"] = (owner, "bias")
+        self._names.update({f"{p}.weight": (p, "norm") for p in self.norms})
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @torch.no_grad()
+    def __getitem__(self, name: str) -> torch.Tensor:
+        owner, what = self._names[name]
+        if what == "norm":
+            n = self.norms[owner]
+            return n.merged_weight(1.0) - n.norm_weight.detach().to(n.w_norm.dtype)
+        if not owner.endswith(".qkv") or owner in self.modules:
+            dW, db = layer_delta(self.modules[owner])
+            if what == "weight":
+                return dW
+            return db if db is not None else torch.zeros_like(dW[:, 0])
+        paths = [owner[:-3] + x for x in "qkv"]
+        got = {p: layer_delta(self.modules[p])[0] for p in paths if p in self.modules}
+        ref = next(iter(got.values()))
+        return torch.cat([got.get(p, torch.zeros_like(ref)) for p in paths])
+
+
+def trained_deltas(adapters, fused_qkv: bool = False) -> TrainedDeltas:
+    """What a comfy export of ``adapters`` must produce, for ``comfy_semantics.verify``."""
+    return TrainedDeltas(adapters, fused_qkv)
