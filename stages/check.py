@@ -32,3 +32,35 @@ def parity(folder: Path = typer.Argument(..., help="A reference vector set (the 
         out.print(f"[bold red]{failed} comparison(s) failed[/]")
         raise typer.Exit(1)
     out.print("[green]all comparisons passed[/]")
+
+
+@app.command("export")
+@stage
+def export(
+    file: Path = typer.Argument(..., help="An exported ComfyUI adapter file."),
+    source: Path = typer.Option(..., "--source", "-s", help="The checkpoint (or adapter file) it "
+                                                            "was exported from."),
+    params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
+                                help="model.transformer names the base weights."),
+    tolerance: float = typer.Option(1e-2, help="Largest relative error per weight (1e-2 suits "
+                                               "bf16 files; use 1e-5 for fp32 exports)."),
+) -> None:
+    """Load FILE the way ComfyUI interprets its keys and tensors (LoRA, LoHa, LoKr, OFT, BOFT,
+    GLoRA, diff, DoRA semantics on the fused or split layout) and report, per targeted
+    weight, the relative error against the source adapter's own delta, and every key
+    ComfyUI would not load. Exit code 1 on any failure."""
+    from kohakumoss.config import load_params
+    from kohakumoss.export.check import check_export
+
+    rows, unloaded = check_export(load_params(params), file, source)
+    failed = 0
+    for row in rows:
+        ok = row.rel_error <= tolerance
+        failed += not ok
+        out.print(f"{'PASS' if ok else 'FAIL'}  {row.name:<48} rel {row.rel_error:.3e}", highlight=False)
+    for key in unloaded:
+        out.print(f"FAIL  not loaded by ComfyUI: {key}", highlight=False)
+    if failed or unloaded:
+        out.print(f"[bold red]{failed} weight(s) off, {len(unloaded)} key(s) unloaded[/]")
+        raise typer.Exit(1)
+    out.print(f"[green]{len(rows)} weights match the source adapter; every key loads[/]")

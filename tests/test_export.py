@@ -106,3 +106,43 @@ def test_existing_output_replaced_only_when_the_new_one_is_complete(tmp_path, mo
     assert next(folder.glob("*.safetensors")).read_bytes() == shard
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".d")]
     assert target.read_bytes() == before
+
+
+def test_vector_lycoris_file_converts_to_the_fused_comfy_layout(tmp_path):
+    """`kmoss export checkpoint` on the vectors' LyCORIS file gives the weight deltas of the
+    reference's fused ComfyUI file; `kmoss check export` passes on ours and fails on a broken one."""
+    import yaml
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from kohakumoss.export.comfy_semantics import comfy_weight_deltas
+    from kohakumoss.model.checkpoints.keys import fuse_qkv
+    from stages.cli import app
+
+    vec = ROOT / "tests" / "data" / "vectors"
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["model"]["transformer"] = str(vec / "weights_official.safetensors")
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "fused.safetensors"
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", "checkpoint", str(vec / "lora_lycoris.safetensors"), "--format",
+                              "comfy", "--dtype", "fp32", "--out", str(out), "--params", str(params)])
+    assert res.exit_code == 0, res.output
+    base, _ = load_transformer(vec / "weights_official.safetensors", dtype=torch.float32)
+    fused_base = fuse_qkv({k: v.detach() for k, v in base.state_dict().items()})
+    ours, unloaded = comfy_weight_deltas(load_file(str(out)), fused_base)
+    ref, _ = comfy_weight_deltas(load_file(str(vec / "lora_comfy_fused_qkv.safetensors")), fused_base)
+    assert not unloaded and ours.keys() == ref.keys() and any("proj.qkv" in k for k in ours)
+    assert all(rel_error(ours[k], ref[k]) < 1e-6 for k in ref)
+    ok = runner.invoke(app, ["check", "export", str(out), "--source", str(vec / "lora_lycoris.safetensors"),
+                             "--params", str(params), "--tolerance", "1e-5"])
+    assert ok.exit_code == 0, ok.output
+    broken = load_file(str(out))
+    key = next(k for k in broken if k.endswith("lora_up.weight"))
+    broken[key] = broken[key] * 1.1
+    broken["lora_unet_not_a_layer.lora_up.weight"] = torch.zeros(2, 2)
+    save_file(broken, str(tmp_path / "broken.safetensors"))
+    bad = runner.invoke(app, ["check", "export", str(tmp_path / "broken.safetensors"), "--source",
+                              str(vec / "lora_lycoris.safetensors"), "--params", str(params)])
+    assert bad.exit_code == 1 and "FAIL" in bad.output and "not loaded by ComfyUI" in bad.output

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from kohakumoss.cache import build
 from kohakumoss.data import planfile, scan
+from kohakumoss.export import stage as export_stage
 from stages.cli import app
 
 from conftest import ROOT
@@ -33,6 +34,7 @@ def test_dvc_yaml_declares_what_the_code_reads():
     assert stages["plan"]["params"] == planfile.PARAMS
     assert stages["cache_text"]["params"] == build.TEXT_PARAMS
     assert stages["cache_latents"]["params"] == build.LATENT_PARAMS
+    assert stages["export"]["params"] == export_stage.PARAMS
 
 
 def test_cli_reports_user_errors_cleanly(tmp_path):
@@ -80,6 +82,13 @@ def test_dvc_repro_then_override_with_exp_run(project):
     metrics = json.loads((project / "runs/default/dvclive/metrics.json").read_text())
     assert metrics["step"] == m1["info"]["batches"] and metrics["train"]["loss"] > 0
     assert (project / "runs/default/checkpoints" / f"step-{metrics['step']:06d}").is_dir()
+    comfy = project / "runs/default/export/default-comfy.safetensors"
+    assert comfy.is_file() and (project / "runs/default/export/default-lycoris.safetensors").is_file()
+    kmoss = Path(sys.executable).with_name("kmoss")
+    check = subprocess.run([str(kmoss), "check", "export", str(comfy), "--source",
+                            str(project / "runs/default/checkpoints" / f"step-{metrics['step']:06d}")],
+                           cwd=project, capture_output=True, text=True)
+    assert check.returncode == 0 and "every key loads" in check.stdout, check.stdout + check.stderr
     out = _dvc(project, "repro")  # nothing changed: the plan is not re-run
     assert "Stage 'plan' didn't change" in out and "Stage 'train' didn't change" in out
     assert "train.loss" in _dvc(project, "metrics", "show")
