@@ -89,6 +89,11 @@ def test_dvc_repro_then_override_with_exp_run(project):
                             str(project / "runs/default/checkpoints" / f"step-{metrics['step']:06d}")],
                            cwd=project, capture_output=True, text=True)
     assert check.returncode == 0 and "every key loads" in check.stdout, check.stdout + check.stderr
+    old = project / "runs/default/checkpoints/step-000150"  # re-export an older step
+    again = subprocess.run([str(kmoss), "export", "checkpoint", str(old), "--format", "comfy",
+                            "--out", str(project / "old-comfy.safetensors")], cwd=project,
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and (project / "old-comfy.safetensors").is_file(), again.stderr
     out = _dvc(project, "repro")  # nothing changed: the plan is not re-run
     assert "Stage 'plan' didn't change" in out and "Stage 'train' didn't change" in out
     assert "train.loss" in _dvc(project, "metrics", "show")
