@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from stages import cache_latents, cache_text, check, export, grid, plan, sample, scan, train
+from stages import cache_latents, cache_text, check, doctor, export, grid, plan, sample, scan, train
 
 app = typer.Typer(
     name="kmoss",
@@ -21,6 +21,7 @@ app.command("train")(train.main)
 app.command("sample")(sample.main)
 app.command("grid")(grid.main)
 app.add_typer(check.app, name="check")
+app.command("doctor")(doctor.main)
 app.add_typer(export.app, name="export")
 
 

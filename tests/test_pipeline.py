@@ -102,3 +102,14 @@ def test_dvc_repro_then_override_with_exp_run(project):
     assert m2["content_hash"] != m1["content_hash"]
     summary = json.loads((project / "artifacts/plan/summary.json").read_text())
     assert summary["distinct_sizes"] == 1  # square mode: one size
+
+
+def test_doctor_reports_missing_weights(tmp_path):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["model"]["transformer"] = str(tmp_path / "no-such-model")
+    raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
+    bad = tmp_path / "p.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    res = runner.invoke(app, ["doctor", "--params", str(bad)])
+    assert res.exit_code == 1 and "no-such-model" in res.output and "torch" in res.output
+    assert runner.invoke(app, ["doctor", "--params", str(ROOT / "params.yaml")]).exit_code == 0

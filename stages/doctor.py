@@ -1,0 +1,60 @@
+"""`kmoss doctor`: what this install has and what the params point at."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+PACKAGES = ("torch", "transformers", "diffusers", "lycoris-lora", "safetensors", "pyarrow",
+            "pillow", "dvc", "dvclive", "typer")
+
+
+def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
+                                     help="The params file whose model paths are checked.")) -> None:
+    """Print versions, devices (and their bf16 support and free memory), and whether the
+    weights and datasets named in params.yaml can be found. Exit code 1 if something the
+    params need is missing."""
+    import torch
+
+    out = Console()
+    t = Table(title="kohakumoss doctor", show_header=False)
+    t.add_row("python", platform.python_version())
+    for name in PACKAGES:
+        try:
+            t.add_row(name, md.version(name))
+        except md.PackageNotFoundError:
+            t.add_row(name, "[red]not installed[/]")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            t.add_row(f"cuda:{i}", f"{torch.cuda.get_device_name(i)}, bf16 "
+                      f"{'yes' if torch.cuda.is_bf16_supported() else 'no'}, "
+                      f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    else:
+        t.add_row("cuda", "no CUDA device (CPU only: the tiny default runs, real weights need a GPU)")
+    problems = 0
+    if params.is_file():
+        from kohakumoss.config import load_params
+
+        p = load_params(params)
+        for key in ("transformer", "text_encoder", "vae", "tokenizer"):
+            value = getattr(p.model, key)
+            ok = value in ("", "tiny") or Path(value).exists()
+            problems += not ok
+            shown = (value or "(beside the text encoder)") if ok else f"[red]{value}: not found[/]"
+            t.add_row(f"model.{key}", shown)
+        for i, d in enumerate(p.data.datasets):
+            where = str(getattr(d.args, "path", ""))
+            ok = "*" in where or Path(where).exists()
+            problems += not ok
+            t.add_row(f"dataset {i} ({d.source})", where if ok else f"[red]{where}: not found[/]")
+    else:
+        t.add_row("params", f"[yellow]{params} not found[/]")
+    out.print(t)
+    if problems:
+        raise typer.Exit(1)
