@@ -25,11 +25,10 @@ def main(
     out: Path = typer.Option(Path("samples/grid.png"), help="Output PNG."),
 ) -> None:
     """Sample every prompt with every adapter variant (same seed) into one labelled grid."""
-    import torch
 
     from kohakumoss.config import load_params
     from kohakumoss.diffusion.generate import Generator, Settings, grid, save_png, split_strength
-    from kohakumoss.encoders.common import resolve_device
+    from kohakumoss.encoders.common import DTYPES, resolve_device
 
     if strengths:
         if len(adapter) != 1:
@@ -43,7 +42,7 @@ def main(
         names = [Path(split_strength(a)[0]).name for a in adapter] or ["base"]
     w, h = (int(v) for v in size.lower().split("x"))
     p = load_params(params)
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    dt = DTYPES[dtype]
     gen = Generator(p, resolve_device(p.encoders.device), dt)
     image = grid(gen, prompt, variants, names, seed, Settings(w, h, steps, cfg, shift))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,12 +32,11 @@ def main(
     """Sample images the way the official pipeline does (shifted schedule, Euler, CFG with the
     negative branch skipping the configured block). Writes one PNG per image with its
     settings in the metadata, and a contact sheet."""
-    import torch
     from tqdm.auto import tqdm
 
     from kohakumoss.config import load_params
     from kohakumoss.diffusion.generate import Generator, Settings, contact_sheet, save_png
-    from kohakumoss.encoders.common import resolve_device
+    from kohakumoss.encoders.common import DTYPES, resolve_device
 
     prompts = list(prompt) + ([ln.strip() for ln in prompts_file.read_text().splitlines() if ln.strip()]
                               if prompts_file else [])
@@ -46,7 +45,7 @@ def main(
     w, h = (int(v) for v in size.lower().split("x"))
     p = load_params(params)
     device = resolve_device(p.encoders.device)
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    dt = DTYPES[dtype]
     gen = Generator(p, device, dt, adapter)
     s = Settings(w, h, steps, cfg, shift, negative)
     jobs = [(pr, seed + i) for i, pr in enumerate(pr for pr in prompts for _ in range(count))]

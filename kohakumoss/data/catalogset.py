@@ -67,10 +67,6 @@ class CatalogSet:
         d = int(self.dataset[p])
         return row_from_record(self._records[d][p - int(self.offsets[d])])
 
-    def locator(self, p: int) -> str:
-        d = int(self.dataset[p])
-        return self._records[d][p - int(self.offsets[d])]["locator"]
-
 
 def load_catalogs(directory: str | Path, datasets: tuple[DatasetEntry, ...]) -> CatalogSet:
     """Open the scan's output for ``datasets``; a stale or foreign directory is refused."""

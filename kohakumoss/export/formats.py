@@ -23,12 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 from kohakumoss.config import AdapterConfig, Params
+from kohakumoss.encoders.common import DTYPES
 from kohakumoss.model.build import load_dit
 from kohakumoss.model.checkpoints import save_comfy, save_official
 from kohakumoss.model.dit import MOSSImageTransformer
 
 FORMATS = ("comfy", "lycoris", "merged", "diffusers")
-SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class ExportError(ValueError):
@@ -112,7 +112,7 @@ def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fus
                  ) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    dt = SAVE_DTYPES[dtype]
+    dt = DTYPES[dtype]
     meta = _metadata(src, fmt, metadata or {})
     config = src.model.config
     if fmt in ("comfy", "lycoris") and src.kind == "full":

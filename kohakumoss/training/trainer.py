@@ -29,7 +29,7 @@ from kohakumoss.data.loader import PlanBatches, make_loader
 from kohakumoss.data.planfile import read_plan
 from kohakumoss.data.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
-from kohakumoss.encoders.common import resolve_device
+from kohakumoss.encoders.common import DTYPES, resolve_device
 from kohakumoss.model.build import load_dit
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
                                             list_checkpoints, save_checkpoint)
@@ -42,7 +42,6 @@ from kohakumoss.training.trainable import make_trainable
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # the params whose change makes an old checkpoint of the run unusable
 RESUME_KEYS = ["model.transformer", "adapter", "optim", "objective", "train.dtype"]
 
