@@ -2,7 +2,7 @@
 
 Sigma 0 is data, 1 is pure noise. The MOSS sampler is a discrete truncated logit-normal
 pmf over a 1000-point grid, computed in float32 tensor ops exactly as the reference does
-(the vectors' tables match it bit for bit); a staged table switches its knobs at given
+(the vectors' tables match it bit for bit, see ``moss_tables``); a staged table switches its knobs at given
 global steps ("tech_report"). ``uniform`` and ``logit_normal`` are the usual continuous
 samplers. Every draw is a pure function of (seed, global batch index): no generator state
 to checkpoint, and a resumed run draws the same sigmas.
@@ -11,10 +11,17 @@ to checkpoint, and a resumed run draws the same sigmas.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
+import warnings
 from functools import lru_cache
+from pathlib import Path
 
 import torch
+from safetensors.torch import load
 
 from kohakumoss.data.seeding import seed_of
 
@@ -32,11 +39,14 @@ def shift_sigma(x: torch.Tensor, k: float) -> torch.Tensor:
     return x if k == 1.0 else k * x / (1 + (k - 1) * x)
 
 
-@lru_cache(maxsize=16)
-def moss_tables(steps: int = 1000, mu: float = -1.09, s: float = 0.95, cutoff: float | None = 0.95,
-                uniform_mix: float = 0.01, p_full: float = 0.0, shift: float = 1.0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pmf, sigma, cdf), each float32 [steps]; bin j (0-based) has sigma ``shift((j+1)/N)``."""
+def compute_moss_tables(steps: int = 1000, mu: float = -1.09, s: float = 0.95,
+                        cutoff: float | None = 0.95, uniform_mix: float = 0.01, p_full: float = 0.0,
+                        shift: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pmf, sigma, cdf), each float32 [steps], with this process's math library.
+
+    Bin j (0-based) has sigma ``shift((j+1)/N)``. Use :func:`moss_tables`, which pins the
+    math library's code path so that every machine gets the same bits.
+    """
     n, a = steps, 1.0 if cutoff is None else cutoff
     x = a * torch.arange(n + 1, dtype=torch.float32) / n
     arg = (torch.log(x) - torch.log1p(-x) + mu) / (s * math.sqrt(2))
@@ -54,6 +64,55 @@ def moss_tables(steps: int = 1000, mu: float = -1.09, s: float = 0.95, cutoff: f
     cdf = torch.cumsum(pmf, 0)
     cdf[-1] = 1.0
     return pmf, sigma, cdf
+
+
+# torch computes float32 log and erfc on x86 with MKL's vector math, whose result depends on
+# the code path MKL picks for the CPU: AVX-512 and AVX2 paths round about 3% of these values
+# 1 ulp differently from MKL's SSE path (the one it takes on AMD CPUs), which made the
+# reference tables: under it they match the vectors bit for bit. MKL's "conditional numerical reproducibility" mode COMPATIBLE gives that path's bits
+# on every x86 CPU, but it is chosen per process, before MKL's first call, and would slow
+# everything else down; so the tables are computed once in a short child process that has it.
+_PINNED_ENV = {"MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+_CHILD = ("import json, sys\n"
+          "from safetensors.torch import save\n"
+          "from kohakumoss.diffusion.timesteps import compute_moss_tables\n"
+          "pmf, sigma, cdf = compute_moss_tables(**json.loads(sys.argv[1]))\n"
+          "sys.stdout.buffer.write(save({'pmf': pmf, 'sigma': sigma, 'cdf': cdf}))\n")
+
+
+def _math_path_is_pinned() -> bool:
+    return (not torch.backends.mkl.is_available()
+            or os.environ.get("MKL_CBWR", "").upper().startswith("COMPATIBLE"))
+
+
+def _tables_in_pinned_child(knobs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, **_PINNED_ENV,
+           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(knobs)], env=env,
+                          capture_output=True, timeout=300, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"the child exited with {done.returncode}")
+    tables = load(done.stdout)
+    return tables["pmf"], tables["sigma"], tables["cdf"]
+
+
+@lru_cache(maxsize=16)
+def moss_tables(steps: int = 1000, mu: float = -1.09, s: float = 0.95, cutoff: float | None = 0.95,
+                uniform_mix: float = 0.01, p_full: float = 0.0, shift: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pmf, sigma, cdf), each float32 [steps]: the same bits on every x86 CPU (for one MKL)."""
+    knobs = dict(steps=steps, mu=mu, s=s, cutoff=cutoff, uniform_mix=uniform_mix, p_full=p_full,
+                 shift=shift)
+    if not _math_path_is_pinned():
+        try:
+            return _tables_in_pinned_child(knobs)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            warnings.warn(f"computing the MOSS sampler tables in this process ({err}); they may "
+                          "differ from another machine's in the last bit. Setting MKL_CBWR="
+                          "COMPATIBLE in the environment avoids the child process.", stacklevel=2)
+    return compute_moss_tables(**knobs)
 
 
 @dataclasses.dataclass(frozen=True)
