@@ -165,6 +165,22 @@ def test_exact_token_counts_from_a_tokenizer(tmp_path, catalog):
     assert m.key != m_est.key
 
 
+def test_a_tokenizer_without_chat_template_is_refused_by_planner_and_encoder(tmp_path):
+    """The planner and the text encoder open tokenizers through one helper: same refusal."""
+    from kohakumoss.configlib import ConfigError
+    from kohakumoss.data.tokens import TokenCounter
+    from kohakumoss.encoders.text import TextEncoderError, load_tokenizer
+
+    fast = _tiny_tokenizer(tmp_path / "tok")
+    fast.chat_template = None
+    fast.save_pretrained(tmp_path / "bare")
+    (tmp_path / "bare" / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="no chat template.*caption.tokenizer"):
+        TokenCounter(str(tmp_path / "bare"))
+    with pytest.raises(TextEncoderError, match="no chat template.*tokenizer/ folder"):
+        load_tokenizer(tmp_path, str(tmp_path / "bare"))
+
+
 def test_failed_plan_loses_nothing(tmp_path, catalog):
     _plan(tmp_path, catalog, "p")
     snapshot = {f.name: f.read_bytes() for f in (tmp_path / "p").iterdir()}

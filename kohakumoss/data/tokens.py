@@ -18,6 +18,34 @@ def chat_messages(caption: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": caption}]
 
 
+def render_caption(tokenizer, caption: str) -> str:
+    """The caption as the text encoder reads it: the tokenizer's own chat template, one user
+    message, generation prompt, thinking on."""
+    return tokenizer.apply_chat_template(chat_messages(caption), tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=True)
+
+
+def templated_ids(tokenizer, captions: list[str], max_tokens: int) -> list[list[int]]:
+    """Token ids of the rendered captions, truncated at ``max_tokens``: what the planner counts
+    and the text encoder encodes (one function, so the two cannot disagree)."""
+    if not captions:
+        return []
+    return tokenizer([render_caption(tokenizer, c) for c in captions], add_special_tokens=False,
+                     truncation=True, max_length=max_tokens)["input_ids"]
+
+
+def open_tokenizer(folder: Path, error: type[Exception], fix: str):
+    """``AutoTokenizer`` from ``folder``, refusing one without a chat template (``error``,
+    with ``fix`` saying what to do)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if not getattr(tok, "chat_template", None):
+        raise error(f"the tokenizer in {folder} has no chat template, and MOSS-Image wraps every "
+                    f"caption in one; {fix}")
+    return tok
+
+
 @lru_cache(maxsize=4)
 def load_tokenizer(path: str):
     """A Hugging Face tokenizer from a folder (``tokenizer.json`` / ``tokenizer_config.json``),
@@ -32,13 +60,8 @@ def load_tokenizer(path: str):
                           f"folder (tokenizer.json + tokenizer_config.json with a chat template, "
                           f"e.g. MOSS-Image's tokenizer/ folder), 'tiny' (the tiny test model's) "
                           f"or '' to estimate")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    if not getattr(tok, "chat_template", None):
-        raise ConfigError(f"the tokenizer in {path} has no chat template; MOSS-Image wraps every "
-                          f"caption in one (use the pipeline's tokenizer/ folder)")
-    return tok
+    return open_tokenizer(folder, ConfigError, "point caption.tokenizer at the pipeline's "
+                          "tokenizer/ folder")
 
 
 def tokenizer_identity(path: str) -> str:
@@ -58,16 +81,9 @@ class TokenCounter:
         self.max_tokens = max_tokens
         self._memo: dict[str, int] = {}
 
-    def render(self, caption: str) -> str:
-        return self.tokenizer.apply_chat_template(
-            chat_messages(caption), tokenize=False, add_generation_prompt=True,
-            enable_thinking=True)
-
     def count_many(self, captions: list[str]) -> list[int]:
         todo = sorted({c for c in captions if c not in self._memo})
         if todo:
-            texts = [self.render(c) for c in todo]
-            ids = self.tokenizer(texts, add_special_tokens=False, truncation=True,
-                                 max_length=self.max_tokens)["input_ids"]
+            ids = templated_ids(self.tokenizer, todo, self.max_tokens)
             self._memo.update((c, len(i)) for c, i in zip(todo, ids))
         return [self._memo[c] for c in captions]

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen
 from safetensors import SafetensorError, safe_open
-from transformers import AutoTokenizer, Qwen3_5TextConfig
+from transformers import Qwen3_5TextConfig
 
-from kohakumoss.data.tokens import chat_messages
+from kohakumoss.data.tokens import open_tokenizer, render_caption, templated_ids
 from kohakumoss.encoders.common import dtype_name, resolve_device, resolve_dtype
 from kohakumoss.encoders.tiny_tokenizer import tiny_tokenizer
 from kohakumoss.model.checkpoints.quant import SCALE_NAMES, SIDE_KEYS, parse_format, quantized_weight
@@ -271,11 +271,7 @@ def load_tokenizer(model_dir: Path, explicit: str):
     if folder is None:
         raise TextEncoderError(f"no tokenizer found (looked in {', '.join(map(str, tried))}); "
                                f"{TOKENIZER_HELP}; pass that folder as tokenizer=")
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    if not getattr(tok, "chat_template", None):
-        raise TextEncoderError(f"the tokenizer in {folder} has no chat template, and MOSS-Image "
-                               f"wraps every caption in one; {TOKENIZER_HELP}")
-    return tok
+    return open_tokenizer(folder, TextEncoderError, TOKENIZER_HELP)
 
 
 def locate(path: Path, tokenizer: str) -> tuple[list[Path], Path, Qwen3_5TextConfig | None]:
@@ -364,14 +360,10 @@ class TextEncoder:
         return self
 
     def render(self, caption: str) -> str:
-        return self.tokenizer.apply_chat_template(chat_messages(caption), tokenize=False,
-                                                  add_generation_prompt=True, enable_thinking=True)
+        return render_caption(self.tokenizer, caption)
 
     def token_ids(self, captions: list[str]) -> list[list[int]]:
-        if not captions:
-            return []
-        return self.tokenizer([self.render(c) for c in captions], add_special_tokens=False,
-                              truncation=True, max_length=self.max_length)["input_ids"]
+        return templated_ids(self.tokenizer, captions, self.max_length)
 
     @torch.inference_mode()
     def encode(self, captions: list[str], batch: int = 32, max_tokens: int = 16384) -> list[torch.Tensor]:
