@@ -16,12 +16,13 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
 import torch
-from safetensors.torch import load
+from safetensors.torch import load_file
 
 from kohakumoss.data.seeding import seed_of
 
@@ -74,10 +75,10 @@ def compute_moss_tables(steps: int = 1000, mu: float = -1.09, s: float = 0.95,
 # everything else down; so the tables are computed once in a short child process that has it.
 _PINNED_ENV = {"MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 _CHILD = ("import json, sys\n"
-          "from safetensors.torch import save\n"
+          "from safetensors.torch import save_file\n"
           "from kohakumoss.diffusion.timesteps import compute_moss_tables\n"
           "pmf, sigma, cdf = compute_moss_tables(**json.loads(sys.argv[1]))\n"
-          "sys.stdout.buffer.write(save({'pmf': pmf, 'sigma': sigma, 'cdf': cdf}))\n")
+          "save_file({'pmf': pmf, 'sigma': sigma, 'cdf': cdf}, sys.argv[2])\n")
 
 
 def _math_path_is_pinned() -> bool:
@@ -89,12 +90,14 @@ def _tables_in_pinned_child(knobs: dict) -> tuple[torch.Tensor, torch.Tensor, to
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, **_PINNED_ENV,
            "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(knobs)], env=env,
-                          capture_output=True, timeout=300, check=False)
-    if done.returncode != 0:
-        lines = done.stderr.decode(errors="replace").strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else f"the child exited with {done.returncode}")
-    tables = load(done.stdout)
+    with tempfile.TemporaryDirectory(prefix="kmoss-tables-") as tmp:
+        out = Path(tmp) / "tables.safetensors"
+        done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(knobs), str(out)],
+                              env=env, capture_output=True, timeout=300, check=False)
+        if done.returncode != 0 or not out.is_file():
+            lines = done.stderr.decode(errors="replace").strip().splitlines()
+            raise RuntimeError(lines[-1] if lines else f"the child exited with {done.returncode}")
+        tables = load_file(str(out))
     return tables["pmf"], tables["sigma"], tables["cdf"]
 
 
