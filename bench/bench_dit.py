@@ -14,8 +14,6 @@ by wrapping each block, as the memory engines will). Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -26,6 +24,7 @@ from kohakumoss.model import FLAVORS, build_layout, cast_model
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import forward_flops, train_flops
 from kohakumoss.model.parity import rel_error
+from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
 def timed(fn, warmup: int, iters: int) -> list[float]:
@@ -130,11 +129,7 @@ def main() -> None:
         res[mode] = r
         torch.cuda.empty_cache()
     res["date"] = time.strftime("%Y-%m-%d")
-    text = json.dumps(res, indent=2)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_dit.json"), "w") as f:
-            f.write(text)
+    report(res, "bench_dit")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ configuration in bf16 with random weights, encoding 1024x1024 images
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
 
 from kohakumoss.encoders import VAE, TextEncoder, tiny_tokenizer
 from kohakumoss.encoders.text import ENCODER_ID, build_model, text_config
+from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
 def cuda_time(fn) -> float:
@@ -93,11 +92,7 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d"), "vae": bench_vae(a.images)}
     torch.cuda.empty_cache()
     res["text"] = bench_text(a.captions, a.tokens)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_encoders.json"), "w") as f:
-            f.write(text)
+    report(res, "bench_encoders")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from kohakumoss.diffusion.sampler import Request, sample
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, cast_model
 from kohakumoss.model.build import random_transformer
+from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
 def random_dit() -> MOSSImageTransformer:
@@ -64,11 +64,7 @@ def main() -> None:
     vae.decode(grid)
     torch.cuda.synchronize()
     res["vae_decode_seconds"] = time.perf_counter() - t0
-    text = json.dumps(res, indent=2)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_sample.json"), "w") as f:
-            f.write(text)
+    report(res, "bench_sample")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -31,6 +30,7 @@ from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_m
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
 from kohakumoss.training.optim import build_optimizer
+from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
 def random_base(dtype: torch.dtype) -> MOSSImageTransformer:
@@ -139,11 +139,7 @@ def main() -> None:
             print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:
             res["full"] = bench_full(a.text, root)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_train.json"), "w") as f:
-            f.write(text)
+    report(res, "bench_train")
 
 
 if __name__ == "__main__":
