@@ -2,9 +2,9 @@
 
 Sigma 0 is data, 1 is pure noise. The MOSS sampler is a discrete truncated logit-normal
 pmf over a 1000-point grid, computed in float32 tensor ops exactly as the reference does
-(the vectors' tables match it bit for bit, see ``moss_tables``); a staged table switches its knobs at given
-global steps ("tech_report"). ``uniform`` and ``logit_normal`` are the usual continuous
-samplers. Every draw is a pure function of (seed, global batch index): no generator state
+(the vectors' tables match it bit for bit, see ``moss_tables``); a staged table switches
+its knobs at given global steps ("tech_report"). ``uniform`` and ``logit_normal`` are the
+usual continuous samplers. Every draw is a pure function of (seed, global batch index): no generator state
 to checkpoint, and a resumed run draws the same sigmas.
 """
 
@@ -70,9 +70,10 @@ def compute_moss_tables(steps: int = 1000, mu: float = -1.09, s: float = 0.95,
 # torch computes float32 log and erfc on x86 with MKL's vector math, whose result depends on
 # the code path MKL picks for the CPU: AVX-512 and AVX2 paths round about 3% of these values
 # 1 ulp differently from MKL's SSE path (the one it takes on AMD CPUs), which made the
-# reference tables: under it they match the vectors bit for bit. MKL's "conditional numerical reproducibility" mode COMPATIBLE gives that path's bits
-# on every x86 CPU, but it is chosen per process, before MKL's first call, and would slow
-# everything else down; so the tables are computed once in a short child process that has it.
+# reference tables: under it they match the vectors bit for bit. MKL's "conditional numerical
+# reproducibility" mode COMPATIBLE gives that path's bits on every x86 CPU, but it is chosen
+# per process, before MKL's first call, and would slow everything else down; so the tables
+# are computed once per knob set in a short child process that has it.
 _PINNED_ENV = {"MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 _CHILD = ("import json, sys\n"
           "from safetensors.torch import save_file\n"
