@@ -4,8 +4,8 @@ Sigma 0 is data, 1 is pure noise. The MOSS sampler is a discrete truncated logit
 pmf over a 1000-point grid, computed in float32 tensor ops exactly as the reference does
 (the vectors' tables match it bit for bit, see ``moss_tables``); a staged table switches
 its knobs at given global steps ("tech_report"). ``uniform`` and ``logit_normal`` are the
-usual continuous samplers. Every draw is a pure function of (seed, global batch index): no generator state
-to checkpoint, and a resumed run draws the same sigmas.
+usual continuous samplers. Every draw is a pure function of (seed, global batch index): no
+generator state to checkpoint, and a resumed run draws the same sigmas.
 """
 
 from __future__ import annotations
