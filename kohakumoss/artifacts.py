@@ -10,7 +10,12 @@ Every stage output directory holds a ``manifest.json``:
 - ``files``: per-file content hashes, ``info``: a small human-readable summary.
 
 Writes go to a temp file in the same directory, are fsynced, then renamed over the
-target, so a killed process never leaves a half-written file under a final name.
+target, so a killed process never leaves a half-written file under a final name. Files
+end up 0644 and folders 0755 (less what the umask takes away), never the 0600 / 0700 of
+``tempfile``, so a ComfyUI running as another user can read an export. Temp files are
+named ``.<name>.<random>.tmp`` (folders ``.tmp-<random>``); ``sweep_temps`` removes the
+ones a killed writer left, under ``dir_lock``, the one lock a writer of a directory
+holds (a cache, a run), so two writers never interleave.
 """
 
 from __future__ import annotations
@@ -21,16 +26,19 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kohakumoss
+from kohakumoss.errors import KohakuError
 
 MANIFEST = "manifest.json"
+LOCK = ".kmoss.lock"
 
 
-class ArtifactError(RuntimeError):
+class ArtifactError(KohakuError, RuntimeError):
     """A missing or mismatched artifact; the message says which stage rebuilds it."""
 
 
@@ -65,11 +73,40 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def public_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open``/``mkdir`` would: 0666 / 0777 less the umask
+    (0644 / 0755 with the usual 022); ``tempfile`` makes 0600 / 0700."""
+    base = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, base & ~_umask())
+
+
+def temp_dir(parent: str | os.PathLike, prefix: str = ".tmp-") -> Path:
+    """A fresh folder in ``parent`` for assembling an output, with the folder mode."""
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    public_mode(tmp)
+    return tmp
+
+
+def make_dirs(path: str | os.PathLike) -> Path:
+    """``mkdir -p`` (the folder mode follows the umask, like every folder we create)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside ``path``; on success fsync it and rename it over ``path``.
 
-    On an exception the temp file is removed and ``path`` is left untouched.
+    On an exception the temp file is removed and ``path`` is left untouched. The result has
+    the usual file mode (0644 under the usual umask).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,12 +115,18 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
+        if tmp_path.is_file():
+            with open(tmp_path, "rb+") as f:
+                os.fsync(f.fileno())
+        public_mode(tmp_path)
         os.replace(tmp_path, path)
         _fsync_dir(path.parent)
     finally:
-        if tmp_path.exists():
+        if tmp_path.is_dir():
+            import shutil
+
+            shutil.rmtree(tmp_path, ignore_errors=True)
+        elif tmp_path.exists():
             tmp_path.unlink()
 
 
@@ -180,3 +223,78 @@ def verify_files(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
         if not p.is_file() or hash_file(p) != digest:
             bad.append(name)
     return bad
+
+
+def sweep_temps(directory: str | os.PathLike, recursive: bool = True) -> list[Path]:
+    """Remove the temp files and folders killed writers left in ``directory`` (hold the
+    directory's ``dir_lock`` first, so a live writer's temp files are never touched)."""
+    import shutil
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    pattern = "**/.*" if recursive else ".*"
+    for p in directory.glob(pattern):
+        name = p.name
+        if not (name.startswith(".tmp-") or (name.startswith(".") and name.endswith(".tmp"))):
+            continue
+        found.append(p)
+    for p in found:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return found
+
+
+class LockBusy(KohakuError):
+    """Another process holds the lock of a directory we must write."""
+
+
+@contextlib.contextmanager
+def dir_lock(directory: str | os.PathLike, what: str, wait: bool = True,
+             poll: float = 0.5) -> Iterator[Path]:
+    """Hold ``directory``/.kmoss.lock while writing ``directory`` (a cache, a run).
+
+    An advisory OS lock (``flock``: the kernel drops it when the holder dies, so a kill -9
+    leaves no stale lock); the file names the holder. ``wait``: block until the other
+    writer finishes (saying once who holds it), else raise ``LockBusy``. Stale temp files
+    are swept once the lock is held. ``what`` names the writer in messages.
+    """
+    import fcntl
+    import logging
+
+    directory = make_dirs(directory)
+    path = directory / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(path)
+            if not wait:
+                raise LockBusy(f"{directory} is being written by another {what} ({holder}); wait "
+                               f"for it to finish, or stop it, then run this again") from None
+            logging.getLogger(__name__).warning("%s is being written by another %s (%s); waiting "
+                                                "for it to finish", directory, what, holder)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(poll)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {os.uname().nodename} {what}\n".encode(), 0)
+        sweep_temps(directory)
+        yield path
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        pid, host = path.read_text().split()[:2]
+        return f"pid {pid} on {host}"
+    except (OSError, ValueError):
+        return "pid unknown"

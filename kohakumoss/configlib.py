@@ -16,8 +16,10 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from kohakumoss.errors import KohakuError
 
-class ConfigError(ValueError):
+
+class ConfigError(KohakuError, ValueError):
     """A bad value in params.yaml; the message names the key, the value and the fix."""
 
 

@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kohakumoss.artifacts import atomic_path, atomic_write_json, hash_file
+from kohakumoss.errors import KohakuError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
            "fp8": torch.float8_e4m3fn}
 
 
-class CacheMiss(KeyError):
+class CacheMiss(KohakuError, KeyError):
     """Entries an offline cache does not hold; the message names them and the rebuild."""
 
     def __str__(self) -> str:  # KeyError would repr() the message

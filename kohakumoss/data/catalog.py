@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from kohakumoss.artifacts import atomic_path
 from kohakumoss.data.rows import STAMP_LEN, Row, WalkItem, caption_char_counts
+from kohakumoss.errors import KohakuError
 
 SCHEMA_VERSION = 1
 CHAR_COLUMNS = ("tags_chars", "nl_chars", "artist_chars", "rating_chars", "json_chars")
@@ -55,7 +56,7 @@ CATALOG_SCHEMA = pa.schema([
 ])
 
 
-class CatalogError(RuntimeError):
+class CatalogError(KohakuError, RuntimeError):
     """An unreadable catalog file or a catalog of another layout."""
 
 

@@ -33,9 +33,10 @@ from kohakumoss.data.captions import estimate_text_tokens, render_caption
 from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.resolution import Resolver
 from kohakumoss.data.seeding import rng_of
+from kohakumoss.errors import KohakuError
 
 
-class PlanError(RuntimeError):
+class PlanError(KohakuError, RuntimeError):
     """The data and knobs cannot yield the planned run (empty epoch, nothing fits)."""
 
 

@@ -26,6 +26,7 @@ from kohakumoss.artifacts import (Manifest, atomic_path, atomic_write_json, code
 from kohakumoss.config import Params, stage_params
 from kohakumoss.configlib import to_plain
 from kohakumoss.data.catalog import ScanStats, catalog_name, read_catalog, update_catalog
+from kohakumoss.errors import KohakuError
 
 KIND = "catalog"
 SCHEMA = 1
@@ -34,7 +35,7 @@ CODE = ("kohakumoss.data.sources", "kohakumoss.data.catalog", "kohakumoss.data.s
         "kohakumoss.data.rows")
 
 
-class ScanError(RuntimeError):
+class ScanError(KohakuError, RuntimeError):
     """A dataset yields no usable image at all."""
 
 

@@ -36,6 +36,7 @@ from transformers import Qwen3_5TextConfig
 from kohakumoss.data.tokens import open_tokenizer, render_caption, templated_ids
 from kohakumoss.encoders.common import dtype_name, resolve_device, resolve_dtype
 from kohakumoss.encoders.tiny_tokenizer import tiny_tokenizer
+from kohakumoss.errors import KohakuError
 from kohakumoss.model.checkpoints.quant import SCALE_NAMES, SIDE_KEYS, parse_format, quantized_weight
 from kohakumoss.model.checkpoints.reader import QUANT_DTYPES
 
@@ -65,7 +66,7 @@ WHAT = ("give 'tiny', a MOSS-Image pipeline folder (with text_encoder/), a text-
         "or a ComfyUI text_encoders/*.safetensors file")
 
 
-class TextEncoderError(ValueError):
+class TextEncoderError(KohakuError, ValueError):
     """A path or setting the text encoder cannot use; says what it expected."""
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kohakumoss.encoders.common import dtype_name, resolve_device, resolve_dtype
+from kohakumoss.errors import KohakuError
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLFlux2
@@ -45,7 +46,7 @@ WHAT = ("give 'tiny', a MOSS-Image pipeline folder (with vae/), its vae/ folder,
         "ComfyUI vae/*.safetensors file")
 
 
-class VAEError(ValueError):
+class VAEError(KohakuError, ValueError):
     """A path or input the VAE cannot use; says what was expected."""
 
 

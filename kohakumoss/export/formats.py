@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from kohakumoss.config import AdapterConfig, Params
 from kohakumoss.encoders.common import DTYPES
+from kohakumoss.errors import KohakuError
 from kohakumoss.model.build import load_dit
 from kohakumoss.model.checkpoints import save_comfy, save_official
 from kohakumoss.model.dit import MOSSImageTransformer
@@ -31,7 +32,7 @@ from kohakumoss.model.dit import MOSSImageTransformer
 FORMATS = ("comfy", "lycoris", "merged", "diffusers")
 
 
-class ExportError(ValueError):
+class ExportError(KohakuError, ValueError):
     """An export that cannot be made from this source; the message says what can."""
 
 

@@ -29,13 +29,14 @@ from kohakumoss.artifacts import hash_bytes as content_hash
 from kohakumoss.artifacts import hash_file as file_content_hash
 from kohakumoss.configlib import ConfigError, coerce
 from kohakumoss.data.rows import IMAGE_EXTENSIONS, MISSING, STAMP_LEN, Row, WalkItem, split_tags
+from kohakumoss.errors import KohakuError
 
 ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
 EXIF_ORIENTATION = 0x0112
 SIDECAR_EXTS = (".txt", ".caption", ".json")
 
 
-class SourceError(ValueError):
+class SourceError(KohakuError, ValueError):
     """Bad source configuration or layout; the message names the path and the fix."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kohakumoss.errors import KohakuError
 from kohakumoss.model.checkpoints.keys import FUSED_QKV, ROPE_KEY, common_prefix, qkv_parts
 from kohakumoss.model.checkpoints.quant import (SCALE_NAMES, SIDE_KEYS, QuantizedWeight,
                                                 parse_format, quantized_weight)
@@ -25,7 +26,7 @@ INDEX = "diffusion_pytorch_model.safetensors.index.json"
 QUANT_DTYPES = {"I8", "F8_E4M3", "F8_E5M2"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(KohakuError, ValueError):
     """A path that holds no recognisable MOSS-Image transformer; says what was expected."""
 
 
