@@ -10,7 +10,10 @@ the sub-configs (dataset sources, caption templates) those sections contain.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -34,6 +37,21 @@ def knob(default: Any = dataclasses.MISSING, *, check: Callable[[Any], bool] | N
 
 def fail(where: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"{where} = {value!r} is not allowed: {allowed}")
+
+
+# a number in scientific notation: YAML 1.1 (PyYAML) reads ``1e-4``, ``5E-5``, ``+1e-3`` and
+# ``1.0e4`` (no dot, or no exponent sign) as strings, and ``dvc exp run -S optim.lr=1e-4``
+# writes them that way
+SCIENTIFIC = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d+", re.ASCII)
+
+
+def _scientific(value: Any) -> decimal.Decimal | None:
+    """The exact value of a string in scientific notation (a finite float), else None."""
+    if isinstance(value, str) and SCIENTIFIC.fullmatch(value.strip()):
+        number = decimal.Decimal(value.strip())
+        if abs(number) <= decimal.Decimal(sys.float_info.max):
+            return number
+    return None
 
 
 def _type_name(tp: Any) -> str:
@@ -78,10 +96,16 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
+        number = _scientific(value)
+        if number is not None and abs(number) < 2**63 and number == number.to_integral_value():
+            return int(number)
         fail(where, value, "an integer")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        number = _scientific(value)
+        if number is not None:
+            return float(number)
         fail(where, value, "a number")
     if tp is str:
         if isinstance(value, str):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from kohakumoss.config import load_params, parse_params, stage_params
-from kohakumoss.configlib import ConfigError
+from kohakumoss.configlib import ConfigError, coerce
 
 from conftest import BASE, ROOT, make_params
 
@@ -84,3 +84,38 @@ def test_stage_params_selects_declared_keys():
     sp = stage_params(p, ["run.seed", "batching"])
     assert sp["run.seed"] == 0 and sp["batching"]["max_tokens"] == 96
     yaml.safe_dump(sp)  # plain data only
+
+
+@pytest.mark.parametrize("text, value", [("1e-4", 1e-4), ("5E-5", 5e-5), ("+1e-3", 1e-3),
+                                         (".5e-3", 5e-4), ("1.0e4", 1e4), ("-2e-1", -0.2)])
+def test_scientific_strings_are_numbers(text, value):
+    """YAML 1.1 reads ``1e-4`` (no dot) as a string; a float field takes it as the number."""
+    assert coerce(float, text, "optim.lr") == value
+    assert coerce(float | None, text, "optim.lr") == value
+
+
+def test_scientific_strings_for_integers_only_when_integral():
+    assert coerce(int, "1e3", "train.steps") == 1000 and coerce(int, "2.5E+2", "train.steps") == 250
+    for bad in ("1e-3", "1.5e0", "1e30"):
+        with pytest.raises(ConfigError, match=r"train.steps = .* is not allowed: an integer"):
+            coerce(int, bad, "train.steps")
+
+
+@pytest.mark.parametrize("text", ["abc", "1e", "e5", "0x10", "nan", "inf", "1e999", "1_0e3", "1e-4x"])
+def test_non_numeric_strings_still_refused(text):
+    with pytest.raises(ConfigError, match=r"optim.lr = .* is not allowed: a number"):
+        coerce(float, text, "optim.lr")
+
+
+def test_params_file_with_lr_in_scientific_notation(tmp_path):
+    """What `dvc exp run -S optim.lr=1e-4` writes into params.yaml loads as 0.0001."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    text = yaml.safe_dump(raw).replace("lr: 0.002", "lr: 1e-4")
+    assert "lr: 1e-4" in text
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    assert yaml.safe_load(text)["optim"]["lr"] == "1e-4"  # what YAML 1.1 makes of it
+    assert load_params(path).optim.lr == 1e-4
+    path.write_text(text.replace("lr: 1e-4", "lr: fast"))
+    with pytest.raises(ConfigError, match="optim.lr = 'fast' is not allowed: a number"):
+        load_params(path)
