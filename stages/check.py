@@ -11,6 +11,38 @@ from rich.console import Console
 from stages.common import stage
 
 out = Console()
+BATCH_KEYS = ("img", "text", "sigma", "hw", "text_len")  # what every comparison of a set reads
+
+
+def check_vector_set(folder: Path) -> None:
+    """A vector set's folder, its batch file and one weights file exist and read, else an
+    ``ArtifactError`` naming what is missing."""
+    from safetensors import SafetensorError, safe_open
+
+    from kohakumoss.artifacts import ArtifactError
+    from kohakumoss.model.parity import WEIGHT_FILES
+
+    form = ("a reference vector set: a folder with batch.safetensors and "
+            f"{' or '.join(WEIGHT_FILES.values())} (e.g. tests/data/vectors)")
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder} {'is not a folder' if folder.exists() else 'does not exist'}"
+                            f": expected {form}")
+    batch = folder / "batch.safetensors"
+    weights = [folder / f for f in WEIGHT_FILES.values() if (folder / f).is_file()]
+    if not batch.is_file() or not weights:
+        missing = (["batch.safetensors"] if not batch.is_file() else []) + (
+            [] if weights else [" or ".join(WEIGHT_FILES.values())])
+        raise ArtifactError(f"{folder} lacks {' and '.join(missing)}: expected {form}")
+    for f in [batch, *weights]:
+        try:
+            with safe_open(str(f), "pt") as sf:
+                keys = set(sf.keys())
+        except SafetensorError as e:
+            raise ArtifactError(f"{f} is not a readable safetensors file ({e}): expected {form}"
+                                ) from None
+        if f == batch and not set(BATCH_KEYS) <= keys:
+            raise ArtifactError(f"{f} lacks the tensors {sorted(set(BATCH_KEYS) - keys)}: "
+                                f"expected {form}")
 
 app = typer.Typer(help="Checks of this install against reference numbers.", no_args_is_help=True)
 
@@ -24,6 +56,7 @@ def parity(folder: Path = typer.Argument(..., help="A reference vector set (the 
     relative error and PASS/FAIL. Exit code 1 on any FAIL."""
     from kohakumoss.model.parity import all_comparisons
 
+    check_vector_set(folder)
     failed = 0
     for c in all_comparisons(folder):
         out.print(c.line(), style=None if c.passed else "bold red", highlight=False)

@@ -36,7 +36,9 @@ def checkpoint(
     path: Path = typer.Argument(..., help="A checkpoint (runs/<name>/checkpoints/step-N) or an "
                                           "adapter file (LyCORIS or ComfyUI) to convert."),
     format: str = typer.Option("comfy", "--format", "-f", help="comfy | lycoris | merged | diffusers"),
-    out: Path = typer.Option(None, help="Output file (folder for diffusers); default beside PATH."),
+    out: Path = typer.Option(None, help="Output file (folder for diffusers); default "
+                                        "runs/<name>/exports/ for a checkpoint, beside PATH for a "
+                                        "file (see docs/exports.md)."),
     strength: float = typer.Option(1.0, help="Adapter strength merged into merged/diffusers."),
     fused_qkv: bool = typer.Option(True, help="ComfyUI's fused layers.N.proj.qkv layout."),
     style: str = typer.Option("lora_unet", help="ComfyUI key style: lora_unet | diffusion_model."),
@@ -46,10 +48,11 @@ def checkpoint(
 ) -> None:
     """Re-export any saved step, or convert an adapter file between layouts."""
     from kohakumoss.config import load_params
-    from kohakumoss.export.formats import load_source, output_name, write_export
+    from kohakumoss.export.formats import load_source, write_export
+    from kohakumoss.export.stage import default_output
 
     src = load_source(load_params(params), path, ema=ema)
-    target = out or path.parent / output_name(path.stem if path.is_file() else path.name, format)
+    target = out or default_output(src, path, format)
     written = write_export(src, format, target, strength=strength, fused_qkv=fused_qkv, style=style,
                            dtype=dtype)
     console.print(f"wrote {written}")

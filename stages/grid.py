@@ -7,6 +7,8 @@ from pathlib import Path
 import typer
 
 from stages.common import PARAMS_OPTION, console, stage
+from stages.sample import (DTYPES, OptionError, check_adapters, check_choice, check_positive,
+                           parse_size)
 
 
 @stage
@@ -30,17 +32,25 @@ def main(
     from kohakumoss.diffusion.generate import Generator, Settings, grid, save_png, split_strength
     from kohakumoss.encoders.common import DTYPES, resolve_device
 
+    w, h = parse_size(size)
+    check_positive(steps=steps)
+    check_choice(dtype, DTYPES, "--dtype")
+    check_adapters(adapter)
     if strengths:
         if len(adapter) != 1:
-            raise typer.BadParameter("--strengths needs exactly one --adapter")
+            raise OptionError(f"--strengths {strengths!r} needs exactly one --adapter (got "
+                              f"{len(adapter)})")
         path = split_strength(adapter[0])[0]
-        values = [float(v) for v in strengths.split(",")]
+        try:
+            values = [float(v) for v in strengths.split(",")]
+        except ValueError:
+            raise OptionError(f"--strengths {strengths!r}: expected numbers separated by commas, "
+                              f"e.g. 0,0.5,1") from None
         variants = [[f"{path}:{v}"] if v else [] for v in values]
         names = [f"x{v:g}" for v in values]
     else:
         variants = [[a] for a in adapter] or [[]]
         names = [Path(split_strength(a)[0]).name for a in adapter] or ["base"]
-    w, h = (int(v) for v in size.lower().split("x"))
     p = load_params(params)
     dt = DTYPES[dtype]
     gen = Generator(p, resolve_device(p.encoders.device), dt)

@@ -2,12 +2,60 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
 import typer
 
+from kohakumoss.errors import KohakuError
 from stages.common import PARAMS_OPTION, console, stage
+
+SIZE = re.compile(r"(\d+)x(\d+)")
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+class OptionError(KohakuError, ValueError):
+    """A bad command-line value; the message names the option, the value and the allowed form."""
+
+
+def parse_size(value: str, option: str = "--size") -> tuple[int, int]:
+    """``WIDTHxHEIGHT``, both sides positive multiples of 16 (what the sampler takes)."""
+    m = SIZE.fullmatch(value.strip().lower())
+    w, h = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    if not m or w % 16 or h % 16 or min(w, h) < 16:
+        raise OptionError(f"{option} {value!r}: expected WIDTHxHEIGHT with both sides positive "
+                          f"multiples of 16, e.g. 1024x1024 or 832x1216")
+    return w, h
+
+
+def check_adapters(specs: list[str], option: str = "--adapter") -> None:
+    """Each ``PATH[:STRENGTH]`` names an existing checkpoint folder or adapter file."""
+    from kohakumoss.diffusion.generate import split_strength
+
+    for spec in specs:
+        path = split_strength(spec)[0]
+        if not path.exists():
+            problem = "does not exist"
+        elif path.is_dir() and not (path / "trainable.safetensors").is_file():
+            problem = "is a folder but not a training checkpoint"
+        else:
+            continue
+        raise OptionError(f"{option} {spec!r}: {path} {problem}; expected PATH[:STRENGTH] with "
+                          f"PATH a checkpoint folder (runs/<name>/checkpoints/step-N) or an "
+                          f"adapter file (.safetensors)")
+
+
+def check_choice(value: str, allowed: tuple[str, ...], option: str) -> str:
+    if value not in allowed:
+        raise OptionError(f"{option} {value!r}: one of {', '.join(allowed)}")
+    return value
+
+
+def check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise OptionError(f"--{name} {value}: expected a whole number >= 1")
 
 
 @stage
@@ -38,11 +86,17 @@ def main(
     from kohakumoss.diffusion.generate import Generator, Settings, contact_sheet, save_png
     from kohakumoss.encoders.common import DTYPES, resolve_device
 
+    if prompts_file is not None and not prompts_file.is_file():
+        raise OptionError(f"--prompts-file {prompts_file}: no such file; expected a text file with "
+                          f"one prompt per line")
     prompts = list(prompt) + ([ln.strip() for ln in prompts_file.read_text().splitlines() if ln.strip()]
                               if prompts_file else [])
     if not prompts:
-        raise typer.BadParameter("give at least one --prompt or a --prompts-file")
-    w, h = (int(v) for v in size.lower().split("x"))
+        raise OptionError("no prompt: give at least one --prompt (-P) or a --prompts-file")
+    w, h = parse_size(size)
+    check_positive(steps=steps, count=count, batch=batch)
+    check_choice(dtype, DTYPES, "--dtype")
+    check_adapters(adapter)
     p = load_params(params)
     device = resolve_device(p.encoders.device)
     dt = DTYPES[dtype]

@@ -27,7 +27,7 @@ def _inputs():
             build_layout(hw, lens))
 
 
-def _adapter_checkpoint(tmp_path, algo="lora", **kw):
+def _adapter_checkpoint(tmp_path, algo="lora", directory=None, step=7, **kw):
     cfg = AdapterConfig(algo=algo, dim=4, alpha=4, **kw)
     ad = apply_adapters(tiny_transformer(), cfg, seed=P.run.seed)
     g = torch.Generator().manual_seed(1)
@@ -35,7 +35,7 @@ def _adapter_checkpoint(tmp_path, algo="lora", **kw):
              else v for k, v in ad.state_dict().items()}
     trained = {"algo": algo, "preset": cfg.preset, "targets": [], "dim": 4, "alpha": 4.0, "dora": cfg.dora,
                "algo_kwargs": {}, "train_norms": False}
-    return save_checkpoint(tmp_path / "ck", 7, state, {}, {"trained": trained, "steps": 7})
+    return save_checkpoint(directory or tmp_path / "ck", step, state, {}, {"trained": trained, "steps": 7})
 
 
 def _out(model, x):
@@ -146,3 +146,86 @@ def test_vector_lycoris_file_converts_to_the_fused_comfy_layout(tmp_path):
     bad = runner.invoke(app, ["check", "export", str(tmp_path / "broken.safetensors"), "--source",
                               str(vec / "lora_lycoris.safetensors"), "--params", str(params)])
     assert bad.exit_code == 1 and "FAIL" in bad.output and "not loaded by ComfyUI" in bad.output
+
+
+def _run_params(tmp_path, name):
+    import yaml
+
+    from kohakumoss.config import parse_params
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["run"]["name"] = name
+    return parse_params(raw, str(tmp_path / "params.yaml"))
+
+
+def test_export_stage_names_carry_run_experiment_and_step_and_replace_the_last_export(
+        tmp_path, monkeypatch):
+    """`runs/<name>/export/` holds only the current export, named
+    <run>[-<experiment>]-<algo>-s<step>-<format>; the previous export's files are removed."""
+    import dataclasses
+
+    from kohakumoss.artifacts import read_manifest
+    from kohakumoss.export.stage import EXPERIMENT_ENV, export_run
+
+    runs = tmp_path / "runs"
+    for step in (5, 7):
+        _adapter_checkpoint(tmp_path, directory=runs / "mine" / "checkpoints", step=step)
+    p = _run_params(tmp_path, "mine")
+    monkeypatch.delenv(EXPERIMENT_ENV, raising=False)
+    older = dataclasses.replace(p, export=dataclasses.replace(p.export, checkpoint="5"))
+    first = export_run(older, runs)
+    assert [w.name for w in first] == ["mine-lora-s5-comfy.safetensors", "mine-lora-s5-lycoris.safetensors"]
+    out = runs / "mine" / "export"
+    (out / "notes.txt").write_text("mine, not the export's")
+    monkeypatch.setenv(EXPERIMENT_ENV, "lucid-gibb")
+    second = export_run(p, runs)
+    names = ["mine-lucid-gibb-lora-s7-comfy.safetensors", "mine-lucid-gibb-lora-s7-lycoris.safetensors"]
+    assert [w.name for w in second] == names
+    assert sorted(f.name for f in out.iterdir()) == sorted([*names, "manifest.json", "notes.txt"])
+    manifest = read_manifest(out, "export")
+    assert sorted(manifest.files) == names and manifest.info["experiment"] == "lucid-gibb"
+    from safetensors import safe_open
+
+    with safe_open(str(second[0]), "pt") as f:
+        meta = f.metadata()
+    assert meta["kohakumoss_run"] == "mine" and meta["kohakumoss_experiment"] == "lucid-gibb"
+    _adapter_checkpoint(tmp_path, directory=runs / "theirs" / "checkpoints", step=7)
+    monkeypatch.delenv(EXPERIMENT_ENV)
+    theirs = export_run(_run_params(tmp_path, "theirs"), runs)
+    assert [w.name for w in theirs] == ["theirs-lora-s7-comfy.safetensors",
+                                        "theirs-lora-s7-lycoris.safetensors"]
+
+
+def test_export_checkpoint_writes_outside_the_stage_outputs(tmp_path, monkeypatch):
+    """`kmoss export checkpoint` of runs/<name>/checkpoints/step-N writes runs/<name>/exports/,
+    never into the DVC-tracked checkpoints/ or export/ folders; a file elsewhere: beside it."""
+    from typer.testing import CliRunner
+
+    from stages.cli import app
+
+    runs = tmp_path / "runs"
+    ckpts = runs / "mine" / "checkpoints"
+    step = _adapter_checkpoint(tmp_path, directory=ckpts, step=5)
+    before = sorted(p.relative_to(ckpts) for p in ckpts.rglob("*"))
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    params = str(ROOT / "params.yaml")
+    res = runner.invoke(app, ["export", "checkpoint", str(step.relative_to(tmp_path)), "--params", params])
+    assert res.exit_code == 0, res.output
+    made = runs / "mine" / "exports" / "mine-lora-s5-comfy.safetensors"
+    assert made.is_file() and "runs/mine/exports/mine-lora-s5-comfy.safetensors" in res.output
+    assert sorted(p.relative_to(ckpts) for p in ckpts.rglob("*")) == before
+    # a file inside the run (the stage's export/) -> exports/ too; a file elsewhere -> beside it
+    (runs / "mine" / "export").mkdir()
+    inside = runs / "mine" / "export" / "mine-lora-s5-lycoris.safetensors"
+    src = load_source(P, step)
+    write_export(src, "lycoris", inside)
+    res = runner.invoke(app, ["export", "checkpoint", str(inside), "--params", params])
+    assert res.exit_code == 0, res.output
+    assert (runs / "mine" / "exports" / "mine-lora-s5-lycoris-comfy.safetensors").is_file()
+    assert sorted(f.name for f in inside.parent.iterdir()) == [inside.name]
+    loose = tmp_path / "elsewhere" / "adapter.safetensors"
+    write_export(src, "lycoris", loose)
+    res = runner.invoke(app, ["export", "checkpoint", str(loose), "--format", "merged", "--params", params])
+    assert res.exit_code == 0, res.output
+    assert (loose.parent / "adapter-merged.safetensors").is_file()

@@ -82,19 +82,20 @@ def test_dvc_repro_then_override_with_exp_run(project):
     metrics = json.loads((project / "runs/default/dvclive/metrics.json").read_text())
     assert metrics["step"] == m1["info"]["batches"] and metrics["train"]["loss"] > 0
     assert (project / "runs/default/checkpoints" / f"step-{metrics['step']:06d}").is_dir()
-    comfy = project / "runs/default/export/default-comfy.safetensors"
-    assert comfy.is_file() and (project / "runs/default/export/default-lycoris.safetensors").is_file()
+    name = f"default-lora-s{metrics['step']}"  # <run.name>-<algo>-s<step>-<format> (docs/exports.md)
+    comfy = project / f"runs/default/export/{name}-comfy.safetensors"
+    assert comfy.is_file() and (project / f"runs/default/export/{name}-lycoris.safetensors").is_file()
     kmoss = Path(sys.executable).with_name("kmoss")
     check = subprocess.run([str(kmoss), "check", "export", str(comfy), "--source",
                             str(project / "runs/default/checkpoints" / f"step-{metrics['step']:06d}")],
                            cwd=project, capture_output=True, text=True)
     assert check.returncode == 0 and "every key loads" in check.stdout, check.stdout + check.stderr
     old = project / "runs/default/checkpoints/step-000150"  # re-export an older step
-    again = subprocess.run([str(kmoss), "export", "checkpoint", str(old), "--format", "comfy",
-                            "--out", str(project / "old-comfy.safetensors")], cwd=project,
-                           capture_output=True, text=True)
-    assert again.returncode == 0 and (project / "old-comfy.safetensors").is_file(), again.stderr
-    out = _dvc(project, "repro")  # nothing changed: the plan is not re-run
+    again = subprocess.run([str(kmoss), "export", "checkpoint", str(old), "--format", "comfy"],
+                           cwd=project, capture_output=True, text=True)
+    old_comfy = project / "runs/default/exports/default-lora-s150-comfy.safetensors"
+    assert again.returncode == 0 and old_comfy.is_file(), again.stderr
+    out = _dvc(project, "repro")  # nothing changed (the re-export is outside every stage's outputs)
     assert "Stage 'plan' didn't change" in out and "Stage 'train' didn't change" in out
     assert "train.loss" in _dvc(project, "metrics", "show")
     _dvc(project, "exp", "run", "-S", "run.seed=7", "-S", "resolution.mode=square")

@@ -6,6 +6,8 @@ adapter file, maps its stems to the model's layers (``X``, ``lora_unet_<X_>``,
 splits fused ``layers.N.proj.qkv`` layers into q/k/v, builds the modules with LyCORIS's
 ``create_lycoris_from_weights`` and attaches them (``bypass``) or merges them into the
 weights (``merge``). The returned handle's ``remove()`` restores the model exactly.
+``read_adapter_file`` refuses, naming the file, what is not a safetensors file or holds no
+adapter tensors of these layouts (``AdapterFileError``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from pathlib import Path
 import torch
 from lycoris import LycorisNetwork, create_lycoris_from_weights
 from lycoris.modules import IA3Module, get_module
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kohakumoss.adapters.inject import PREFIX, lora_name
 from kohakumoss.adapters.norms import NormDelta
 from kohakumoss.adapters.runtime import (Attached, master_dtype, merged_weight,
                                          quiet_lycoris)
+from kohakumoss.errors import KohakuError
 from kohakumoss.model.checkpoints.keys import PREFIXES
 from kohakumoss.model.dit import RMSNormWeight
 
@@ -36,6 +39,39 @@ SUFFIXES = sorted([
 RANK_OF = ("lora_down.weight", "hada_w1_b", "lokr_w1_b", "lokr_w2_b", "a2.weight")
 PLAIN_LORA = {"lora_up.weight", "lora_down.weight", "alpha"}
 FUSED = re.compile(r"^layers\.(\d+)\.proj\.qkv$")
+LAYOUTS = ("LyCORIS or ComfyUI adapter tensors (<stem>.lora_up.weight, .hada_w1_a, .lokr_w1, "
+           ".diff ...)")
+
+
+class AdapterFileError(KohakuError, ValueError):
+    """An adapter file that cannot be read or applied; the message names the file."""
+
+
+def _suffix(key: str) -> str | None:
+    return next((s for s in SUFFIXES if key.endswith("." + s)), None)
+
+
+def read_adapter_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of an adapter file: a readable ``.safetensors`` file holding
+    at least one LyCORIS / ComfyUI adapter tensor, else an ``AdapterFileError`` naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise AdapterFileError(f"{path} does not exist: expected an adapter file (.safetensors)")
+    if path.is_dir():
+        raise AdapterFileError(f"{path} is a folder: expected an adapter file (.safetensors)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            keys = list(f.keys())
+            if not any(_suffix(k) not in (None, "weight") for k in keys):
+                held = f"{len(keys)} tensor(s) such as {sorted(keys)[:3]}" if keys else "no tensors"
+                raise AdapterFileError(f"{path} holds no adapter weights of a known layout "
+                                       f"(LyCORIS / ComfyUI): {held}; expected {LAYOUTS}")
+            return {k: f.get_tensor(k) for k in keys}, f.metadata() or {}
+    except SafetensorError as e:
+        size = path.stat().st_size
+        what = "an empty file" if size == 0 else f"{size} bytes that do not parse: {e}"
+        raise AdapterFileError(f"{path} is not a safetensors file ({what}); expected a complete "
+                               f"adapter file (.safetensors, LyCORIS or ComfyUI)") from None
 
 
 def _layer_names(model: nn.Module) -> dict[str, str]:
@@ -59,17 +95,18 @@ def group_keys(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str, dict[
     """``{module path: {tensor suffix: tensor}}``; an unmatched key is an error naming it."""
     names, groups, bad = _layer_names(model), {}, []
     for key, t in sd.items():
-        suffix = next((s for s in SUFFIXES if key.endswith("." + s)), None)
+        suffix = _suffix(key)
         path = suffix and _path_of(key[:-len(suffix) - 1], names)
         if path is None:
             bad.append(key)
         else:
             groups.setdefault(path, {})[suffix] = t
     if bad:
-        raise ValueError(f"adapter file keys match no layer of this model: {bad[:6]}"
-                         f"{f' (+{len(bad) - 6} more)' if len(bad) > 6 else ''}; accepted stems "
-                         f"are X, lora_unet_<X with . -> _>, lycoris_<X_>, diffusion_model.X, "
-                         f"transformer.X for a module path X such as layers.0.proj.q")
+        raise AdapterFileError(f"adapter file keys match no layer of this model: {bad[:6]}"
+                               f"{f' (+{len(bad) - 6} more)' if len(bad) > 6 else ''}; accepted "
+                               f"stems are X, lora_unet_<X with . -> _>, lycoris_<X_>, "
+                               f"diffusion_model.X, transformer.X for a module path X such as "
+                               f"layers.0.proj.q")
     return groups
 
 
@@ -97,8 +134,8 @@ def split_fused_qkv(groups: dict[str, dict[str, torch.Tensor]]) -> dict[str, dic
                     out[name] = {"lora_up.weight": up_part[:, used], "lora_down.weight": down[used],
                                  "alpha": torch.tensor(alpha * len(used) / total)}
         else:
-            raise ValueError(f"fused {path} holds {sorted(t)}: only a plain LoRA or a dense diff "
-                             f"can be split into q/k/v")
+            raise AdapterFileError(f"fused {path} holds {sorted(t)}: only a plain LoRA or a dense "
+                                   f"diff can be split into q/k/v")
     return out
 
 
@@ -114,7 +151,7 @@ def _build(model: nn.Module, groups: dict[str, dict[str, torch.Tensor]], multipl
         base = model.get_submodule(path)
         if isinstance(base, RMSNormWeight):
             if set(t) != {"w_norm"}:
-                raise ValueError(f"{path}: a norm takes only w_norm, got {sorted(t)}")
+                raise AdapterFileError(f"{path}: a norm takes only w_norm, got {sorted(t)}")
             n = norms[path] = NormDelta(lora_name(path), base, master_dtype(base.weight))
             n.w_norm.data.copy_(t["w_norm"])
         elif "on_input" in t:
@@ -134,8 +171,10 @@ def _build(model: nn.Module, groups: dict[str, dict[str, torch.Tensor]], multipl
     sd = {f"{lora_name(p)}.{k}": v for p, t in rest.items() for k, v in t.items()}
     unknown = [p for p in rest if get_module(sd, lora_name(p))[0] is None]
     if unknown:
-        raise ValueError(f"no adapter kind has the tensors {sorted(rest[unknown[0]])} "
-                         f"(layer {unknown[0]}); see spec/adapters-export.md 8.1")
+        raise AdapterFileError(f"no adapter kind has the tensors {sorted(rest[unknown[0]])} (layer "
+                               f"{unknown[0]}): expected one kind's set: LoRA lora_up/lora_down, "
+                               f"LoHa hada_*, LoKr lokr_*, OFT oft_blocks, GLoRA a1..b2, IA3 "
+                               f"weight + on_input, or diff")
     with quiet_lycoris():
         network, _ = create_lycoris_from_weights(multiplier, None, model, weights_sd=sd)
     made = {lyco.lora_name: lyco for lyco in network.loras}
@@ -178,12 +217,13 @@ def load_adapter_file(model: nn.Module, path: str | Path, multiplier: float = 1.
     ``handle.remove()`` restores the model exactly."""
     if mode not in ("bypass", "merge"):
         raise ValueError(f"adapter mode {mode!r}: bypass or merge")
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-        sd = {k: f.get_tensor(k) for k in f.keys()}
+    sd, meta = read_adapter_file(path)
     own_comfy = meta.get("kohakumoss_format") == "comfy"
-    groups = split_fused_qkv(group_keys(sd, model))
-    modules, norms = _build(model, groups, multiplier, own_comfy)
+    try:
+        groups = split_fused_qkv(group_keys(sd, model))
+        modules, norms = _build(model, groups, multiplier, own_comfy)
+    except AdapterFileError as e:
+        raise AdapterFileError(f"{path}: {e}") from None
     handle = Attached(modules, norms, multiplier, bypass=mode == "bypass")
     handle.train(False)
     if mode == "merge":

@@ -30,6 +30,8 @@ from kohakumoss.model.checkpoints import save_comfy, save_official
 from kohakumoss.model.dit import MOSSImageTransformer
 
 FORMATS = ("comfy", "lycoris", "merged", "diffusers")
+SOURCES = ("a training checkpoint folder (runs/<name>/checkpoints/step-N) or an adapter file "
+           "(.safetensors, LyCORIS or ComfyUI)")
 
 
 class ExportError(KohakuError, ValueError):
@@ -49,6 +51,8 @@ class Source:
 def load_source(p: Params, path: str | Path, ema: bool = False) -> Source:
     """The base model of ``p.model.transformer`` (float32, CPU) with the source applied."""
     path = Path(path)
+    if not path.exists():
+        raise ExportError(f"{path} does not exist: expected {SOURCES}")
     model = load_dit(p.model.transformer, torch.float32, "cpu").eval()
     if path.is_dir() and (path / "trainable.safetensors").is_file():
         state = json.loads((path / "state.json").read_text())
@@ -75,8 +79,8 @@ def load_source(p: Params, path: str | Path, ema: bool = False) -> Source:
 
         attached = load_adapter_file(model, path, multiplier=1.0, mode="bypass")
         return Source(model, "file", attached, {"algo": "file"}, None, path)
-    raise ExportError(f"{path} is neither a training checkpoint (runs/<name>/checkpoints/step-N) "
-                      f"nor an adapter file")
+    raise ExportError(f"{path} is a folder but not a training checkpoint (none of a "
+                      f"checkpoint's files is in it): expected {SOURCES}")
 
 
 def _metadata(src: Source, fmt: str, extra: dict[str, str]) -> dict[str, str]:
@@ -111,6 +115,12 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fused_qkv: bool = True,
                  style: str = "lora_unet", dtype: str = "bf16", metadata: dict[str, str] | None = None
                  ) -> Path:
+    from kohakumoss.export.comfy import STYLES
+
+    for what, value, allowed in (("format", fmt, FORMATS), ("dtype", dtype, tuple(DTYPES)),
+                                 ("style", style, STYLES)):
+        if value not in allowed:
+            raise ExportError(f"export {what} {value!r}: one of {', '.join(allowed)}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     dt = DTYPES[dtype]
@@ -148,7 +158,3 @@ def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fus
     else:
         raise ExportError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
     return out
-
-
-def output_name(run: str, fmt: str) -> str:
-    return f"{run}-{fmt}" if fmt == "diffusers" else f"{run}-{fmt}.safetensors"

@@ -1,13 +1,25 @@
-"""The export stage: the run's newest (or chosen) checkpoint in the configured formats."""
+"""The export stage: the run's newest (or chosen) checkpoint in the configured formats, and
+where exports go and what they are called (``export_name``, ``default_output``).
+
+Names carry the run, the experiment, the algorithm and the step, so the files of different
+runs and experiments can sit side by side in ComfyUI's ``models/loras``:
+``<run.name>[-<experiment>]-<algo>-s<step>-<format>.safetensors`` (a diffusers folder has no
+suffix). The experiment is ``DVC_EXP_NAME``, which ``dvc exp run`` sets for every stage it
+runs; a plain ``dvc repro`` or ``kmoss export`` has none.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import shutil
 from pathlib import Path
 
-from kohakumoss.artifacts import code_version, hash_json, make_manifest, write_manifest
+from kohakumoss.artifacts import (ArtifactError, code_version, hash_json, make_manifest,
+                                  read_manifest, write_manifest)
 from kohakumoss.config import Params, stage_params
-from kohakumoss.export.formats import ExportError, load_source, output_name, write_export
+from kohakumoss.export.formats import ExportError, Source, load_source, write_export
 from kohakumoss.training.checkpoint import list_checkpoints
 
 log = logging.getLogger(__name__)
@@ -16,6 +28,57 @@ PARAMS = ["run.name", "run.seed", "model.transformer", "export"]
 TRAINING_KEYS = ["adapter", "optim", "objective", "train"]
 ADAPTER_DEFAULT = ("comfy", "lycoris")
 FULL_DEFAULT = ("merged",)
+EXPERIMENT_ENV = "DVC_EXP_NAME"  # dvc/repo/experiments/queue/base.py puts it in run_env
+RUN_FOLDERS = ("checkpoints", "history", "export")  # what a run folder holds (runs/<name>/...)
+
+
+def _part(text: str) -> str:
+    """``text`` fit for a file name: anything but letters, digits, ``.``, ``_``, ``+`` and
+    ``-`` becomes ``_``."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("._")
+
+
+def _suffix(fmt: str) -> str:
+    return "" if fmt == "diffusers" else ".safetensors"
+
+
+def export_name(run: str, src: Source, fmt: str, experiment: str = "") -> str:
+    """``<run>[-<experiment>]-<algo>-s<step>-<fmt>.safetensors`` for a checkpoint source."""
+    step = f"s{src.step}" if src.step is not None else ""
+    parts = (run, experiment, str(src.describe.get("algo", "")), step, fmt)
+    return "-".join(p for p in map(_part, parts) if p) + _suffix(fmt)
+
+
+def run_folder(path: Path) -> Path | None:
+    """The run folder (``runs/<name>``) that ``path`` lies in: the parent of a
+    ``checkpoints/``, ``history/`` or ``export/`` folder above it, beside ``checkpoints/``."""
+    for folder in Path(os.path.abspath(path)).parents:
+        if folder.name in RUN_FOLDERS and (folder.parent / "checkpoints").is_dir():
+            return folder.parent
+    return None
+
+
+def default_output(src: Source, path: str | Path, fmt: str) -> Path:
+    """Where ``kmoss export checkpoint PATH`` writes without ``--out``: never inside a stage's
+    output (DVC would see the train or export stage changed and re-run it).
+
+    A checkpoint ``<run>/checkpoints/step-N`` (or an archived ``<run>/history/<label>/step-N``)
+    -> ``<run>/exports/<run>[-<label>]-<algo>-s<step>-<fmt>``; an adapter file inside a run
+    folder -> ``<run>/exports/<file stem>-<fmt>``; any other adapter file -> beside it.
+    """
+    path = Path(os.path.abspath(path))
+    run = run_folder(path)
+    if src.kind == "file":
+        name = f"{path.stem}-{fmt}{_suffix(fmt)}"
+        out = (run / "exports" if run else path.parent) / name
+    else:
+        run = run or path.parent.parent
+        label = path.parent.name if path.parent.parent.name == "history" else ""
+        out = run / "exports" / export_name(run.name, src, fmt, label)
+    try:
+        return out.relative_to(Path.cwd())
+    except ValueError:
+        return out
 
 
 def pick_checkpoint(run_dir: Path, which: str) -> Path:
@@ -35,7 +98,27 @@ def pick_checkpoint(run_dir: Path, which: str) -> Path:
     return found[0].path
 
 
+def _previous_outputs(out: Path) -> set[str]:
+    """The names the last export wrote into ``out`` (its manifest), if it left one."""
+    try:
+        manifest = read_manifest(out, "export")
+    except ArtifactError:
+        return set()
+    names = set(manifest.files) | set(manifest.info.get("outputs", []))
+    plain = (n for n in names if isinstance(n, str) and n not in ("", ".", ".."))
+    return {n for n in plain if n == Path(n).name}
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def export_run(p: Params, runs: str | Path) -> list[Path]:
+    """Write the export into ``runs/<name>/export/``, replacing what the last export wrote
+    there: the new files first, then the old ones (by the old manifest), then the manifest."""
     run_dir = Path(runs) / p.run.name
     out = run_dir / "export"
     ckpt = pick_checkpoint(run_dir, p.export.checkpoint)
@@ -44,18 +127,28 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
     if formats == ["auto"]:
         formats = list(FULL_DEFAULT if src.kind == "full" else ADAPTER_DEFAULT)
     e = p.export
+    experiment = os.environ.get(EXPERIMENT_ENV, "")
+    previous = _previous_outputs(out)
     written = []
     meta = {"kohakumoss_params_hash": hash_json(stage_params(p, TRAINING_KEYS)),
-            "kohakumoss_base_model": p.model.transformer}
+            "kohakumoss_base_model": p.model.transformer, "kohakumoss_run": p.run.name}
+    if experiment:
+        meta["kohakumoss_experiment"] = experiment
     for fmt in formats:
-        path = write_export(src, fmt, out / output_name(p.run.name, fmt), strength=e.strength,
-                            fused_qkv=e.fused_qkv, style=e.style, dtype=e.dtype, metadata=meta)
+        path = write_export(src, fmt, out / export_name(p.run.name, src, fmt, experiment),
+                            strength=e.strength, fused_qkv=e.fused_qkv, style=e.style,
+                            dtype=e.dtype, metadata=meta)
         log.info("wrote %s", path)
         written.append(path)
+    names = [w.name for w in written]
+    for name in sorted(previous - set(names)):
+        log.info("removing %s (an earlier export)", out / name)
+        _remove(out / name)
     files = [w.name for w in written if w.is_file()]
     manifest = make_manifest("export", 1, params=stage_params(p, PARAMS), inputs={},
                              code=code_version("kohakumoss.export", "kohakumoss.adapters"),
                              directory=out, files=files,
-                             info={"checkpoint": ckpt.name, "formats": formats})
+                             info={"checkpoint": ckpt.name, "formats": formats, "outputs": names,
+                                   "experiment": experiment})
     write_manifest(out, manifest)
     return written
