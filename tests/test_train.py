@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from kohakumoss.config import load_params
 from kohakumoss.data.planfile import make_plan
 from kohakumoss.data.scan import scan
 from kohakumoss.training import checkpoint as ckpt_mod
+from kohakumoss.training.statefile import flatten_state
 from kohakumoss.training.trainer import RunPaths, Trainer
 
 from conftest import BASE, make_kohya
@@ -110,8 +112,6 @@ def test_checkpoint_of_another_plan_is_refused(small):
     params = _write_params(tmp, ds, train={"steps": 8})
     paths = _prepare(tmp, params)
     Trainer(load_params(params), paths).run(progress=False)
-    import shutil
-
     shutil.rmtree(paths.checkpoints / "step-000008")  # as if killed after step 4
     first = load_params(params)
     p = load_params(_write_params(tmp, ds, run={"seed": 5}, train={"steps": 8}))
@@ -169,6 +169,41 @@ def test_sigkill_then_resume_is_bit_identical(small):
     ea = load_file(str(straight.checkpoints / "step-000016" / "ema.safetensors"))
     eb = load_file(str(killed.checkpoints / "step-000016" / "ema.safetensors"))
     assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    _same_checkpoints(straight.checkpoints / "step-000016", killed.checkpoints / "step-000016")
+
+
+def _same_checkpoints(a: Path, b: Path) -> None:
+    """Two checkpoints hold the same weights, EMA, optimiser / schedule / EMA / RNG states and
+    state, bit for bit, in the verified pickle-free format."""
+    ca, cb = ckpt_mod.open_checkpoint(a), ckpt_mod.open_checkpoint(b)
+    for c in (ca, cb):
+        c.verify()
+        assert not list(c.path.glob("*.pt"))
+    assert ca.state == cb.state
+    ta, tb = ca.trainable(), cb.trainable()
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    if ca.ema() is not None:
+        assert all(torch.equal(v, cb.ema()[k]) for k, v in ca.ema().items())
+    xa, xb = flatten_state(ca.extra()), flatten_state(cb.extra())
+    assert xa[1] == xb[1] and xa[0].keys() == xb[0].keys()
+    assert all(xa[0][k].dtype == xb[0][k].dtype and torch.equal(xa[0][k], xb[0][k]) for k in xa[0])
+
+
+@pytest.mark.parametrize("adapter, optim", [
+    ({"algo": "lora", "dim": 4, "alpha": 4, "dropout": 0.1}, {"lr": 3e-3, "ema": 0.9}),
+    ({"algo": "full"}, {"name": "muon", "lr": 1e-2, "muon_lr": 0.02, "ema": 0.5,
+                        "warmup_steps": 2, "schedule": "cosine"}),
+])
+def test_resume_from_an_earlier_checkpoint_is_bit_identical(small, adapter, optim):
+    tmp, ds = small
+    params = _write_params(tmp, ds, train={"steps": 4, "checkpoint_every": 2}, adapter=adapter,
+                           optim=optim)
+    paths = _prepare(tmp, params)
+    assert Trainer(load_params(params), paths).run(progress=False).start_step == 0
+    resumed = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp / "runs" / "b")
+    shutil.copytree(paths.checkpoints / "step-000002", resumed.checkpoints / "step-000002")
+    assert Trainer(load_params(params), resumed).run(progress=False).start_step == 2
+    _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")
 
 
 def test_previews_at_planned_steps_do_not_change_training(small):

@@ -54,16 +54,17 @@ def load_source(p: Params, path: str | Path, ema: bool = False) -> Source:
     if not path.exists():
         raise ExportError(f"{path} does not exist: expected {SOURCES}")
     model = load_dit(p.model.transformer, torch.float32, "cpu").eval()
-    if path.is_dir() and (path / "trainable.safetensors").is_file():
-        state = json.loads((path / "state.json").read_text())
-        trained = dict(state["trained"])
-        weights_file = path / ("ema.safetensors" if ema else "trainable.safetensors")
-        if ema and not weights_file.is_file():
+    from kohakumoss.training.checkpoint import is_checkpoint, open_checkpoint
+
+    if is_checkpoint(path):
+        ckpt = open_checkpoint(path, legacy_weights=True)  # every file read is verified
+        trained = dict(ckpt.state["trained"])
+        weights = ckpt.ema() if ema else ckpt.trainable()
+        if weights is None:
             raise ExportError(f"{path} holds no EMA weights (train with optim.ema > 0)")
-        weights = load_file(str(weights_file))
         if trained["algo"] == "full":
             model.load_state_dict(weights)
-            return Source(model, "full", None, trained, state.get("step"), path)
+            return Source(model, "full", None, trained, ckpt.step, path)
         from kohakumoss.adapters import apply_adapters
 
         trained["targets"] = tuple(trained.get("targets", ()))
@@ -73,7 +74,7 @@ def load_source(p: Params, path: str | Path, ema: bool = False) -> Source:
             weights = {k: weights.get(k, v) for k, v in own.items()}
         adapters.load_state_dict(weights)
         adapters.eval()
-        return Source(model, "adapter", adapters, trained, state.get("step"), path)
+        return Source(model, "adapter", adapters, trained, ckpt.step, path)
     if path.is_file():
         from kohakumoss.adapters import load_adapter_file
 

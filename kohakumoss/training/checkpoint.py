@@ -1,72 +1,214 @@
-"""Training checkpoints: written atomically, the newest complete one resumed from.
+"""Training checkpoints: written atomically, verified on every read, the newest good one resumed.
 
-A checkpoint is a directory ``step-000050/`` under ``runs/<name>/checkpoints/`` holding
-``trainable.safetensors`` (adapter state or full weights, fp32), ``ema.safetensors`` (when
-EMA is on), ``optimizer.pt`` (optimizer, LR schedule, EMA and RNG states) and
-``state.json`` (step, plan hash, params hash, what was trained). It is assembled in a
-``.tmp-*`` directory, every file fsynced, then renamed into place: a kill at any moment
-leaves either the old set of checkpoints or the old set plus one complete new one. The
-last ``keep`` checkpoints are kept.
+A checkpoint is a folder ``step-000050/`` under ``runs/<name>/checkpoints/`` holding
+
+- ``trainable.safetensors``: the adapter state or the full weights, fp32;
+- ``ema.safetensors``: the EMA averages (when EMA is on);
+- ``optimizer.safetensors`` + ``optimizer.json``: the optimiser, LR-schedule, EMA and RNG
+  states as tensors plus the JSON structure that names them (``statefile``): no pickle;
+- ``state.json``: step, plan hash, params hash, what was trained; ``log.json``: the run's
+  metrics so far (when given);
+- ``manifest.json``, written last: every other file's size and blake2b hash.
+
+It is assembled in a ``.tmp-*`` folder, every file fsynced, then renamed into place: a kill
+at any moment leaves either the old set of checkpoints or the old set plus one complete
+new one. The last ``keep`` checkpoints are kept.
+
+Every read checks what it reads against the manifest (a safetensors file is hashed while it
+is read, once) and raises ``IntegrityError`` naming the file. ``load_newest`` (resume) skips
+a newest checkpoint that fails, moves it aside with a warning, and takes the previous one.
+A folder with an ``optimizer.pt`` and no manifest is the old, pickled format: it is never
+unpickled; resuming from it is refused, and only its weights can be exported (unverified).
+Files in a checkpoint that its manifest does not list are ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
+import math
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from kohakumoss.artifacts import ArtifactError
+from kohakumoss.artifacts import ArtifactError, hash_bytes, hash_file, public_mode, temp_dir
+from kohakumoss.errors import IntegrityError, KohakuError
+from kohakumoss.training.statefile import dumps_state, flatten_state, loads_state, unflatten_state
+
+logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
+FORMAT, SCHEMA = "kohakumoss-checkpoint", 2
+MANIFEST, STATE, LOG = "manifest.json", "state.json", "log.json"
+TRAINABLE, EMA_FILE = "trainable.safetensors", "ema.safetensors"
+OPT_TENSORS, OPT_TREE = "optimizer.safetensors", "optimizer.json"
+LEGACY = "optimizer.pt"  # the old format's pickle: never opened
+
+# safetensors dtype names -> torch
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16,
+          "U32": torch.uint32, "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn,
+          "F8_E5M2": torch.float8_e5m2}
+
+
+class LegacyCheckpointError(KohakuError):
+    """A checkpoint of the old format (``optimizer.pt``, a pickle), which is never loaded."""
+
+
+class Damaged(IntegrityError):
+    """A checkpoint file that is missing, unreadable or not what its manifest records."""
+
+    def __init__(self, folder: Path, problem: str):
+        self.folder, self.problem = folder, problem
+        super().__init__(f"{problem}; the checkpoint {folder} is damaged: export or resume from "
+                         f"another step (training skips a damaged newest checkpoint by itself), "
+                         f"or delete it")
+
+
+@dataclasses.dataclass
+class CheckpointData:
+    """What a resume needs, every byte verified."""
+
+    trainable: dict[str, torch.Tensor]
+    ema: dict[str, torch.Tensor] | None
+    extra: Any
 
 
 @dataclasses.dataclass
 class Checkpoint:
+    """One checkpoint folder. ``state`` is its state.json (verified when the checkpoint came
+    from ``open_checkpoint``; read as is by the cheap ``list_checkpoints``); every method
+    verifies the files it reads."""
+
     path: Path
     step: int
     state: dict[str, Any]
+    manifest: dict[str, Any] | None = None  # read on first use
+    legacy: bool = False  # old format opened for its weights only
+
+    def files(self) -> dict[str, dict[str, Any]]:
+        """The manifest's ``{name: {"size", "blake2b"}}``."""
+        if self.manifest is None:
+            self.manifest = _read_manifest(self.path)
+        return self.manifest["files"]
 
     def trainable(self) -> dict[str, torch.Tensor]:
-        return load_file(str(self.path / "trainable.safetensors"))
+        if self.legacy:
+            return load_file(str(self.path / TRAINABLE))
+        return _read_safetensors(self.path / TRAINABLE, self._entry(TRAINABLE))
 
     def ema(self) -> dict[str, torch.Tensor] | None:
-        f = self.path / "ema.safetensors"
-        return load_file(str(f)) if f.is_file() else None
+        if self.legacy:
+            f = self.path / EMA_FILE
+            return load_file(str(f)) if f.is_file() else None
+        if EMA_FILE not in self.files():
+            return None
+        return _read_safetensors(self.path / EMA_FILE, self._entry(EMA_FILE))
 
-    def extra(self) -> dict[str, Any]:
-        return torch.load(self.path / "optimizer.pt", map_location="cpu", weights_only=False)
+    def extra(self) -> Any:
+        """The ``extra`` state given to ``save_checkpoint`` (optimiser, schedule, RNG ...)."""
+        tensors = _read_safetensors(self.path / OPT_TENSORS, self._entry(OPT_TENSORS))
+        text = _read_small(self.path / OPT_TREE, self._entry(OPT_TREE))
+        try:
+            return unflatten_state(loads_state(text), tensors)
+        except ValueError as e:  # verified bytes that do not decode: a writer's bug
+            raise Damaged(self.path, f"{self.path / OPT_TREE} does not decode ({e})") from None
+
+    def log(self) -> dict[str, Any] | None:
+        """The metrics log saved with the checkpoint, or None when none was."""
+        if LOG not in self.files():
+            return None
+        return _parse_json(self.path / LOG, _read_small(self.path / LOG, self._entry(LOG)))
+
+    def load(self) -> CheckpointData:
+        """Trainable weights, EMA and ``extra``, each file read once and verified."""
+        return CheckpointData(self.trainable(), self.ema(), self.extra())
+
+    def verify(self) -> None:
+        """Hash every file the manifest lists; ``IntegrityError`` names each one that is
+        missing, of another size, or changed."""
+        bad = [problem for name, entry in self.files().items()
+               if (problem := _size_problem(self.path / name, entry)
+                   or _hash_problem(self.path / name, hash_file(self.path / name), entry))]
+        if bad:
+            raise Damaged(self.path, "; ".join(bad))
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        files = self.files()
+        if name not in files:
+            raise Damaged(self.path, f"{self.path / name} is not listed in {self.path / MANIFEST}")
+        return files[name]
 
 
-def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder with a checkpoint's files (whole or not)."""
+    path = Path(path)
+    return path.is_dir() and any((path / n).is_file() for n in (MANIFEST, STATE, TRAINABLE, LEGACY))
+
+
+def open_checkpoint(path: str | os.PathLike, *, legacy_weights: bool = False) -> Checkpoint:
+    """The checkpoint in ``path``, its manifest read and its state.json verified (the big
+    files are verified as they are read, or all at once by ``verify``).
+
+    An old-format checkpoint raises ``LegacyCheckpointError``; with ``legacy_weights`` (an
+    export) it opens for its weights only, unverified, with a warning.
+    """
+    path = Path(path)
+    try:
+        manifest = _read_manifest(path)
+    except LegacyCheckpointError:
+        if not legacy_weights:
+            raise
+        logger.warning("%s is an old-format checkpoint (no %s): its weights are read without "
+                       "verification, and its %s is never opened", path, MANIFEST, LEGACY)
+        if not (path / STATE).is_file():
+            raise Damaged(path, f"{path / STATE} is missing") from None
+        state = _parse_json(path / STATE, (path / STATE).read_bytes())
+        return Checkpoint(path, int(state.get("step", 0)), state, legacy=True)
+    ckpt = Checkpoint(path, 0, {}, manifest)
+    ckpt.state = _parse_json(path / STATE, _read_small(path / STATE, ckpt._entry(STATE)))
+    ckpt.step = int(ckpt.state["step"])
+    stray = sorted(p.name for p in path.iterdir() if p.name not in manifest["files"]
+                   and p.name != MANIFEST)
+    if stray:
+        logger.warning("%s: ignoring %s, not part of the checkpoint (its manifest does not list "
+                       "them)", path, ", ".join(stray))
+    return ckpt
 
 
 def save_checkpoint(directory: str | Path, step: int, trainable: dict[str, torch.Tensor],
-                    extra: dict[str, Any], state: dict[str, Any],
+                    extra: Any, state: dict[str, Any],
                     ema: dict[str, torch.Tensor] | None = None, keep: int = 3,
-                    metadata: dict[str, str] | None = None) -> Path:
+                    metadata: dict[str, str] | None = None,
+                    log: dict[str, Any] | None = None) -> Path:
+    """Write ``step-NNNNNN/`` atomically; ``extra`` is any nested state ``statefile`` takes
+    (the optimiser, schedule, EMA counters, RNG), ``log`` the metrics so far."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory))
+    tmp = temp_dir(directory)
     try:
-        tensors = {k: v.detach().float().contiguous().cpu() for k, v in trainable.items()}
-        save_file(tensors, str(tmp / "trainable.safetensors"), metadata=metadata or {})
+        save_file(_fp32(trainable), str(tmp / TRAINABLE), metadata=metadata or {})
         if ema is not None:
-            save_file({k: v.detach().float().contiguous().cpu() for k, v in ema.items()},
-                      str(tmp / "ema.safetensors"), metadata=metadata or {})
-        torch.save(extra, tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
+            save_file(_fp32(ema), str(tmp / EMA_FILE), metadata=metadata or {})
+        tensors, tree = flatten_state(extra)
+        save_file(tensors, str(tmp / OPT_TENSORS))
+        (tmp / OPT_TREE).write_text(dumps_state(tree), encoding="utf-8")
+        (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
+        if log is not None:
+            (tmp / LOG).write_text(json.dumps(log, indent=1), encoding="utf-8")
+        files = {f.name: {"size": f.stat().st_size, "blake2b": hash_file(f)}
+                 for f in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "schema": SCHEMA, "step": step,
+                                                "files": files}, indent=2, sort_keys=True))
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -80,21 +222,42 @@ def save_checkpoint(directory: str | Path, step: int, trainable: dict[str, torch
 
 
 def list_checkpoints(directory: str | Path) -> list[Checkpoint]:
-    """Complete checkpoints, oldest first (temp directories of killed writes are ignored)."""
-    directory = Path(directory)
+    """Checkpoints that look complete, oldest first: a ``step-N`` folder with a readable
+    state.json (temp folders of killed writes are ignored). Cheap: nothing is hashed; a
+    checkpoint's methods verify what they read."""
     out = []
-    if not directory.is_dir():
-        return out
-    for d in directory.iterdir():
-        m = STEP_DIR.match(d.name)
-        if not (m and d.is_dir() and (d / "state.json").is_file()):
-            continue
+    for d in _step_dirs(Path(directory)):
         try:
-            state = json.loads((d / "state.json").read_text())
-        except json.JSONDecodeError:
+            state = json.loads((d / STATE).read_text())
+        except (OSError, ValueError):
             continue
-        out.append(Checkpoint(d, int(m.group(1)), state))
-    return sorted(out, key=lambda c: c.step)
+        out.append(Checkpoint(d, int(STEP_DIR.match(d.name).group(1)), state))
+    return out
+
+
+def load_newest(directory: str | Path, aside: str | Path) -> tuple[Checkpoint, CheckpointData] | None:
+    """The newest checkpoint of ``directory`` that reads back whole, and its contents.
+
+    Each newer one that fails verification (a missing, truncated or changed file, no
+    manifest, an unreadable state.json) is moved to ``aside/`` with a warning naming it and
+    why; None (with a warning) when no good one is left. An old-format checkpoint raises
+    ``LegacyCheckpointError``.
+    """
+    directory, aside = Path(directory), Path(aside)
+    skipped = 0
+    for d in reversed(_step_dirs(directory)):
+        try:
+            ckpt = open_checkpoint(d)
+            return ckpt, ckpt.load()
+        except Damaged as e:
+            dest = _move_aside(d, aside)
+            skipped += 1
+            logger.warning("checkpoint %s is damaged (%s) and is skipped: moved to %s, outside the "
+                           "DVC-tracked checkpoints folder (inspect it, then delete it); trying the "
+                           "previous checkpoint", d.name, e.problem, dest)
+    if skipped:
+        logger.warning("no good checkpoint is left in %s; training starts from step 0", directory)
+    return None
 
 
 def clean_partial(directory: str | Path) -> None:
@@ -123,3 +286,142 @@ def archive_checkpoints(directory: str | Path, history: str | Path, label: str) 
             shutil.rmtree(dest)
         os.replace(c.path, dest)
     return target
+
+
+# -- reading, verified ----------------------------------------------------------------------
+def _legacy(folder: Path) -> str:
+    return (f"{folder / LEGACY} is an old-format checkpoint (a pickle), which can not be loaded "
+            f"safely, so it is not read. Re-train from the last step: move {folder.parent} aside "
+            f"and run again (training starts from step 0), or export its weights with `kmoss "
+            f"export checkpoint {folder}`")
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    f = folder / MANIFEST
+    if not f.is_file():
+        if (folder / LEGACY).is_file():
+            raise LegacyCheckpointError(_legacy(folder))
+        raise Damaged(folder, f"{f} is missing (the checkpoint was not written by this version "
+                              f"or was damaged)")
+    try:
+        m = json.loads(f.read_bytes())
+        ok = m["format"] == FORMAT and isinstance(m["files"], dict) and all(
+            Path(n).name == n and n not in ("", ".", "..", MANIFEST) and type(e["size"]) is int
+            and isinstance(e["blake2b"], str) for n, e in m["files"].items())
+    except (ValueError, KeyError, TypeError) as e:
+        raise Damaged(folder, f"{f} is unreadable ({e})") from None
+    if not ok:
+        raise Damaged(folder, f"{f} is not a checkpoint manifest")
+    return m
+
+
+def _size_problem(f: Path, entry: dict[str, Any]) -> str | None:
+    try:
+        size = f.stat().st_size
+    except FileNotFoundError:
+        return f"{f} is missing"
+    if size != entry["size"]:
+        return (f"{f} has {size} bytes, its manifest records {entry['size']} (truncated or "
+                f"overwritten)")
+    return None
+
+
+def _hash_problem(f: Path, digest: str, entry: dict[str, Any]) -> str | None:
+    if digest != entry["blake2b"]:
+        return f"{f} does not match the blake2b hash its manifest records (its bytes changed)"
+    return None
+
+
+def _check_size(f: Path, entry: dict[str, Any]) -> None:
+    if problem := _size_problem(f, entry):
+        raise Damaged(f.parent, problem)
+
+
+def _check_hash(f: Path, digest: str, entry: dict[str, Any]) -> None:
+    if problem := _hash_problem(f, digest, entry):
+        raise Damaged(f.parent, problem)
+
+
+def _read_small(f: Path, entry: dict[str, Any]) -> bytes:
+    _check_size(f, entry)
+    data = f.read_bytes()
+    _check_hash(f, hash_bytes(data), entry)
+    return data
+
+
+def _parse_json(f: Path, data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise Damaged(f.parent, f"{f} is not valid JSON ({e})") from None
+
+
+def _read_safetensors(f: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Read a safetensors file once, each tensor into its own memory, hashing the bytes as
+    they come; the result is returned only if the hash matches. The (not yet verified)
+    header's offsets are bounds-checked before anything is allocated."""
+    _check_size(f, entry)
+    size, h, out = entry["size"], hashlib.blake2b(digest_size=16), {}  # = artifacts.hash_file
+
+    def broken(why: str) -> Damaged:
+        return Damaged(f.parent, f"{f} is not a whole safetensors file ({why})")
+
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= size - 8:
+            raise broken("bad header length")
+        header_bytes = fh.read(n)
+        h.update(head)
+        h.update(header_bytes)
+        try:
+            header = json.loads(header_bytes)
+            spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), k,
+                            DTYPES[v["dtype"]], [int(s) for s in v["shape"]])
+                           for k, v in header.items() if k != "__metadata__")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise broken(f"unreadable header: {e!r}") from None
+        pos = 0
+        for begin, end, name, dtype, shape in spans:
+            if begin != pos or min(shape, default=0) < 0 or \
+                    end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
+                raise broken(f"tensor {name!r} lies outside the file")
+            t = torch.empty(shape, dtype=dtype)
+            buf = t.reshape(-1).view(torch.uint8).numpy()
+            if fh.readinto(buf) != len(buf):
+                raise broken("ends early")
+            h.update(buf)
+            out[name], pos = t, end
+        if 8 + n + pos != size:
+            raise broken("bytes after the last tensor")
+    _check_hash(f, h.hexdigest(), entry)
+    return out
+
+
+# -- writing -------------------------------------------------------------------------------
+def _fp32(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file of ``path`` and give it the usual mode (safetensors writes 0600)."""
+    for f in path.iterdir():
+        public_mode(f)
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _step_dirs(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    found = [d for d in directory.iterdir() if STEP_DIR.match(d.name) and d.is_dir()]
+    return sorted(found, key=lambda d: int(STEP_DIR.match(d.name).group(1)))
+
+
+def _move_aside(folder: Path, aside: Path) -> Path:
+    aside.mkdir(parents=True, exist_ok=True)
+    dest, n = aside / folder.name, 1
+    while dest.exists():
+        dest, n = aside / f"{folder.name}-{n}", n + 1
+    shutil.move(str(folder), str(dest))
+    return dest

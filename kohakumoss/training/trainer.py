@@ -32,7 +32,7 @@ from kohakumoss.diffusion.objective import flow_loss
 from kohakumoss.encoders.common import DTYPES, resolve_device
 from kohakumoss.model.build import load_dit
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
-                                            list_checkpoints, save_checkpoint)
+                                            list_checkpoints, load_newest, save_checkpoint)
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
 from kohakumoss.training.inputs import build_inputs, make_sampler
@@ -102,22 +102,29 @@ class Trainer:
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, log: dict[str, Any] | None = None) -> Path:
+        """Write the checkpoint of ``step``; ``log`` (the metrics so far) goes with it."""
+        # the EMA's averages go to ema.safetensors only, its counters with the optimiser
+        ema = {k: v for k, v in self.ema.state_dict().items() if k != "shadow"} if self.ema else None
         extra = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "ema": self.ema.state_dict() if self.ema else None, "rng": self._rng_state()}
+                 "ema": ema, "rng": self._rng_state()}
         return save_checkpoint(self.paths.checkpoints, step, self.trainable.state_dict(), extra,
                                {**self.identity, "steps": self.p.train.steps},
                                ema=self.ema.shadow if self.ema else None,
                                keep=self.p.train.keep_checkpoints,
                                metadata={"kohakumoss_state": "1",
-                                         "kohakumoss_trained": str(self.identity["trained"])})
+                                         "kohakumoss_trained": str(self.identity["trained"])},
+                               log=log)
 
     def resume(self) -> int:
+        """Restore the newest good checkpoint (a damaged newer one is moved to
+        ``runs/<name>/corrupt/`` with a warning) and return its step; 0 to start fresh."""
         clean_partial(self.paths.checkpoints)
-        ckpts = list_checkpoints(self.paths.checkpoints)
-        if not ckpts:
+        self.resumed_from = None
+        found = load_newest(self.paths.checkpoints, self.paths.run / "corrupt")
+        if found is None:
             return 0
-        ckpt = ckpts[-1]
+        ckpt, data = found
         if ckpt.step >= ckpt.state.get("steps", 0) and any(
                 ckpt.state.get(k) != v for k, v in self.identity.items()):
             # the newest checkpoint ended a run made with other params (a new experiment):
@@ -127,15 +134,16 @@ class Trainer:
             log.info("a finished run of other params was moved to %s; starting fresh", aside)
             return 0
         check_resumable(ckpt, self.identity)
-        self.trainable.load_state_dict(ckpt.trainable())
-        extra = ckpt.extra()
+        self.trainable.load_state_dict(data.trainable)
+        extra = data.extra
         self.optimizer.load_state_dict(extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
-        if self.ema is not None and extra.get("ema"):
-            self.ema.load_state_dict(extra["ema"])
+        if self.ema is not None and extra.get("ema") is not None and data.ema is not None:
+            self.ema.load_state_dict({**extra["ema"], "shadow": data.ema})
         torch.set_rng_state(extra["rng"]["torch"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+        self.resumed_from = ckpt
         log.info("resuming from %s (step %d of %d)", ckpt.path, ckpt.step, self.p.train.steps)
         return ckpt.step
 
