@@ -21,6 +21,7 @@ def main(
 
     Entries already cached are skipped; a killed run keeps its completed shards; corrupt
     shards are re-encoded; an image that fails to decode is reported and skipped.
+    A second run on the same directory waits for the first, then finds its entries cached.
     """
     from kohakumoss.cache.build import build_latent_cache
     from kohakumoss.config import load_params

@@ -20,6 +20,7 @@ def main(
 
     Entries already cached are skipped (the encoder is not even loaded when nothing is
     missing); a killed run keeps its completed shards; corrupt shards are re-encoded.
+    A second run on the same directory waits for the first, then finds its entries cached.
     """
     from kohakumoss.cache.build import build_text_cache
     from kohakumoss.config import load_params

@@ -133,3 +133,45 @@ def test_text_items_cover_used_captions_and_the_empty_one():
     items = text_items(plan, "enc", "bf16")
     assert sorted(items.values()) == ["", "a", "c"]
     assert json.dumps(items)  # plain data
+
+
+def test_entry_digests_name_the_content_not_the_layout(tmp_path):
+    data = {f"{i:032x}": torch.randn(3 + i, 8) for i in range(6)}
+    small, big = TensorStore(tmp_path / "s", "fp8", shard_bytes=100), TensorStore(tmp_path / "b", "fp8")
+    for k, v in data.items():
+        small.add(k, v)
+    for k, v in reversed(data.items()):
+        big.add(k, v)
+    small.flush()
+    big.flush()
+    assert len(list((tmp_path / "s").glob("shard-*"))) > 2
+    assert len(list((tmp_path / "b").glob("shard-*"))) == 1
+    assert small.content_digest(data) == big.content_digest(reversed(list(data)))
+    assert small.content_digest(list(data)[:3]) != small.content_digest(data)
+    index = json.loads((tmp_path / "s" / "index.json").read_text())
+    assert index["schema"] == 2 and all(len(e) == 3 for e in index["entries"].values())
+
+
+def test_every_read_checks_the_entry_digest(tmp_path):
+    from kohakumoss.errors import IntegrityError
+
+    store = TensorStore(tmp_path, "bf16", stage="cache_text")
+    store.add("a" * 32, torch.ones(64, 8))
+    store.flush()
+    shard = next(tmp_path.glob("shard-*"))
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x01  # one bit of the payload
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match=f"{shard.name} is corrupt: entry a+ .*`kmoss cache_text`"):
+        TensorStore(tmp_path, "bf16", stage="cache_text").get("a" * 32)
+
+
+def test_shard_numbering_ignores_temp_files_and_foreign_names(tmp_path):
+    (tmp_path / ".shard-00004.safetensors.k2j3.tmp").write_bytes(b"killed")
+    (tmp_path / "shard-notes.safetensors").write_bytes(b"not ours")
+    store = TensorStore(tmp_path, "bf16")
+    store.add("a" * 32, torch.ones(1, 2))
+    store.flush()
+    assert sorted(json.loads((tmp_path / "index.json").read_text())["shards"]) == ["shard-00000.safetensors"]
+    assert not (tmp_path / ".shard-00004.safetensors.k2j3.tmp").exists()  # swept under the lock
+    assert store.verify() == [] and (tmp_path / "shard-notes.safetensors").exists()

@@ -157,3 +157,17 @@ def test_training_reads_per_mode(tmp_path, kohya_dataset, mode):
     empty.flush()
     again = empty.read_latents(batch)
     assert all(torch.equal(a, b) for a, b in zip(used, again))  # a miss trains on what a hit reads
+
+
+def test_manifest_records_content_not_the_fill(tmp_path, kohya_dataset):
+    import json
+
+    p = _params(kohya_dataset)
+    (tm, ts), (lm, _) = _pipeline(tmp_path, p)
+    for m in (tm, lm):
+        assert m.schema == 2 and set(m.info) == {"encoder", "storage", "entries", "failed"}
+        assert "index.json" not in m.files and "builds.json" not in m.files
+    first = (tmp_path / "text" / "manifest.json").read_bytes()
+    assert json.loads(first)["info"]["entries"] == ts.wanted
+    _, again = build_text_cache(p, tmp_path / "plan", tmp_path / "text")
+    assert again.encoded == 0 and (tmp_path / "text" / "manifest.json").read_bytes() == first

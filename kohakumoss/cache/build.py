@@ -1,31 +1,42 @@
 """The cache stages' library side: plan -> keys -> fill the missing entries -> manifest.
 
 Each cache is one persisted directory (``artifacts/cache/text``, ``artifacts/cache/latents``)
-holding a ``TensorStore`` plus ``builds.json`` and ``manifest.json``. The encoder's
-identity (id + compute spec) is known before any weight is loaded, so a re-run that finds
-everything cached loads no encoder at all; once loaded, the encoder must report that same
-identity or the fill is refused.
+holding a ``TensorStore`` plus ``builds.json`` and ``manifest.json``, written under the
+directory's lock (a second fill waits for the first, then finds its entries cached). The
+encoder's identity (id + compute spec) is known before any weight is loaded, so a re-run
+that finds everything cached loads no encoder at all; once loaded, the encoder must report
+that same identity or the fill is refused.
+
+The manifest is a function of what training will read, never of how the fill went or of
+what merely produced it: its ``content_hash`` covers the encoder identity, the storage
+dtype, the sorted (key, entry digest) pairs of the entries this plan wants and
+``failed.json``; not ``index.json`` (which shard holds what), ``builds.json`` (every fill's
+settings), entries of older plans, the fill's counts (printed, not recorded), nor the
+stage's other params, input manifests or code version (``dvc.lock`` records those): an
+identical cache is an identical manifest, and nothing downstream re-runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from kohakumoss.artifacts import (Manifest, atomic_write_json, code_version, make_manifest,
-                                  write_manifest)
+import kohakumoss
+from kohakumoss.artifacts import Manifest, atomic_write_json, hash_json, make_manifest, write_manifest
 from kohakumoss.cache.fill import FillStats, fill_latents, fill_text, latent_items, record_build, text_items
 from kohakumoss.cache.store import TensorStore
-from kohakumoss.config import Params, stage_params
+from kohakumoss.config import Params
 from kohakumoss.data.catalogset import load_catalogs
 from kohakumoss.data.planfile import read_plan
 
+# the params each stage reads (dvc.yaml declares them; the manifest does not record them)
 TEXT_PARAMS = ["model.text_encoder", "model.tokenizer", "encoders.device", "encoders.text_dtype",
                "encoders.text_batch", "encoders.text_batch_tokens", "cache.dtype", "cache.shard_mb"]
 LATENT_PARAMS = ["data.datasets", "resolution.background", "resolution.resample", "model.vae",
                  "encoders.device", "encoders.vae_dtype", "encoders.draw", "encoders.vae_batch",
                  "encoders.vae_batch_pixels", "encoders.decode_workers", "cache.dtype",
                  "cache.shard_mb"]
-CODE = ("kohakumoss.cache", "kohakumoss.encoders", "kohakumoss.data.loader")
+SCHEMA = 2  # content_hash over the wanted entries' digests (1: over index.json and builds.json)
 
 
 def text_identity(p: Params) -> str:
@@ -47,18 +58,22 @@ def _checked(encoder, expected: str):
     return encoder
 
 
-def _finish(kind: str, p: Params, keys: list[str], out: Path, inputs: dict[str, Manifest],
-            stats: FillStats, identity: str) -> Manifest:
+def _finish(kind: str, p: Params, out: Path, store: TensorStore, items: dict, stats: FillStats,
+            identity: str) -> Manifest:
     record_build(out, {"encoder": identity, "storage": p.cache.dtype})
     (out / "failed.json").unlink(missing_ok=True)
-    files = ["index.json", "builds.json"]
+    files = []
     if stats.failed:
         atomic_write_json(out / "failed.json", stats.failed)
         files.append("failed.json")
-    manifest = make_manifest(kind, 1, params=stage_params(p, keys), inputs=inputs,
-                             code=code_version(*CODE), directory=out, files=files,
-                             info={"encoder": identity, "wanted": stats.wanted, "cached": stats.cached,
-                                   "encoded": stats.encoded, "failed": len(stats.failed)})
+    shaping = {"encoder": identity, "storage": p.cache.dtype}
+    manifest = make_manifest(kind, SCHEMA, params=shaping, inputs={}, code=kohakumoss.__version__,
+                             directory=out, files=files,
+                             info={**shaping, "entries": len(items) - len(stats.failed),
+                                   "failed": len(stats.failed)})
+    entries = store.content_digest(k for k in items if k not in stats.failed)
+    content = hash_json({"kind": kind, **shaping, "entries": entries, "files": manifest.files})
+    manifest = dataclasses.replace(manifest, content_hash=content)
     write_manifest(out, manifest)
     return manifest
 
@@ -67,17 +82,19 @@ def build_text_cache(p: Params, plan_dir: str | Path, out: str | Path) -> tuple[
     from kohakumoss.encoders.text import TextEncoder
 
     out = Path(out)
-    table, plan = read_plan(plan_dir)
+    table, _ = read_plan(plan_dir)
     identity = text_identity(p)
-    store = TensorStore(out, p.cache.dtype, p.cache.shard_mb << 20)
+    store = TensorStore(out, p.cache.dtype, p.cache.shard_mb << 20, stage="cache_text")
     items = text_items(table, identity, p.cache.dtype)
 
     def encoder():
         return _checked(TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
                                          dtype=p.encoders.text_dtype, device=p.encoders.device), identity)
 
-    stats = fill_text(store, items, encoder, p.encoders.text_batch, p.encoders.text_batch_tokens)
-    return _finish("text_cache", p, TEXT_PARAMS, out, {"plan": plan}, stats, identity), stats
+    with store.writing():
+        stats = fill_text(store, items, encoder, p.encoders.text_batch, p.encoders.text_batch_tokens)
+        manifest = _finish("text_cache", p, out, store, items, stats, identity)
+    return manifest, stats
 
 
 def build_latent_cache(p: Params, plan_dir: str | Path, catalog_dir: str | Path, out: str | Path
@@ -85,16 +102,17 @@ def build_latent_cache(p: Params, plan_dir: str | Path, catalog_dir: str | Path,
     from kohakumoss.encoders.vae import VAE
 
     out = Path(out)
-    table, plan = read_plan(plan_dir)
+    table, _ = read_plan(plan_dir)
     cs = load_catalogs(catalog_dir, p.data.datasets)
     identity = vae_identity(p)
-    store = TensorStore(out, p.cache.dtype, p.cache.shard_mb << 20)
+    store = TensorStore(out, p.cache.dtype, p.cache.shard_mb << 20, stage="cache_latents")
     items = latent_items(table, cs, p, identity)
 
     def encoder():
         return _checked(VAE.load(p.model.vae, dtype=p.encoders.vae_dtype, device=p.encoders.device),
                         identity)
 
-    stats = fill_latents(store, items, p, encoder)
-    return _finish("latent_cache", p, LATENT_PARAMS, out, {"plan": plan, "catalog": cs.manifest},
-                   stats, identity), stats
+    with store.writing():
+        stats = fill_latents(store, items, p, encoder)
+        manifest = _finish("latent_cache", p, out, store, items, stats, identity)
+    return manifest, stats

@@ -1,10 +1,19 @@
 """What the cache stages encode: exactly the captions and crops the plan will use.
 
 ``text_items`` / ``latent_items`` turn a plan into ``{key: item}`` (deduplicated); the
-``fill_*`` functions encode the items a store lacks, batched by a token or pixel budget,
-and write them shard by shard, so a killed fill resumes from its last complete shard.
-Encoders are built lazily by the caller's factory: a fill with nothing missing never
-loads a 9B text encoder.
+``fill_*`` functions encode the items a store lacks and write them shard by shard, so a
+killed fill resumes from its last complete shard. A fill holds the store's lock throughout
+(a second fill of the same directory waits, then finds the entries cached).
+
+Encoders are batched, and batching changes the last bits of a result (padding width, the
+kernels picked for a batch size), so the batches are fixed by the whole item set, never by
+what happens to be missing: the items are cut into fixed groups (text: ``batch`` captions
+in (length, text) order; latents: ``batch_groups`` of same-size crops in (size, key)
+order) and a group with any missing entry is encoded whole, storing only the missing ones.
+A resumed, repaired or re-run fill therefore stores the very bytes an uninterrupted one
+does (given an encoder that is deterministic for a given batch: CPU, or deterministic CUDA
+kernels; ``draw: sample`` is random by design). Encoders are built lazily by the caller's
+factory: a fill with nothing missing never loads a 9B text encoder.
 """
 
 from __future__ import annotations
@@ -48,22 +57,28 @@ def text_items(plan: pa.Table, encoder_key_id: str, storage: str) -> dict[str, s
 
 
 def fill_text(store: TensorStore, items: dict[str, str], encoder: Callable[[], object],
-              batch: int, max_tokens: int, chunk: int = 512) -> FillStats:
-    stats = FillStats(wanted=len(items), dropped_shards=store.verify())
-    missing = store.missing(items)
-    stats.cached = stats.wanted - len(missing)
-    if not missing:
-        return stats
-    enc = encoder()
-    with tqdm(total=len(missing), desc="cache_text", unit="caption", disable=None) as bar:
-        for i in range(0, len(missing), chunk):
-            keys = missing[i:i + chunk]
-            for key, emb in zip(keys, enc.encode([items[k] for k in keys], batch=batch,
-                                                 max_tokens=max_tokens)):
-                store.add(key, emb)
-            bar.update(len(keys))
-            stats.encoded += len(keys)
-    store.flush()
+              batch: int, max_tokens: int, chunk: int | None = None) -> FillStats:
+    """Encode the missing captions in fixed chunks of ``chunk`` (default ``batch``) captions
+    of the whole set, ordered by (length, text): each chunk is about one encoder call."""
+    with store.writing():
+        stats = FillStats(wanted=len(items), dropped_shards=store.verify())
+        missing = set(store.missing(items))
+        stats.cached = stats.wanted - len(missing)
+        if not missing:
+            return stats
+        order = sorted(items, key=lambda k: (len(items[k]), items[k]))
+        step = chunk or batch
+        todo = [c for c in (order[i:i + step] for i in range(0, len(order), step)) if missing.intersection(c)]
+        enc = encoder()
+        with tqdm(total=len(missing), desc="cache_text", unit="caption", disable=None) as bar:
+            for keys in todo:
+                embs = enc.encode([items[k] for k in keys], batch=batch, max_tokens=max_tokens)
+                new = [(k, e) for k, e in zip(keys, embs) if k in missing]
+                for key, emb in new:
+                    store.add(key, emb)
+                bar.update(len(new))
+                stats.encoded += len(new)
+        store.flush()
     return stats
 
 
@@ -100,16 +115,26 @@ def latent_items(plan: pa.Table, cs: CatalogSet, p: Params, encoder_key_id: str)
 
 def fill_latents(store: TensorStore, items: dict[str, LatentItem], p: Params,
                  encoder: Callable[[], object], generator: torch.Generator | None = None) -> FillStats:
-    """Decode (threads) and encode the missing crops, same-size images batched together."""
-    stats = FillStats(wanted=len(items), dropped_shards=store.verify())
-    missing = store.missing(items)
-    stats.cached = stats.wanted - len(missing)
-    if not missing:
-        return stats
+    """Decode (threads) and encode the groups of same-size crops that miss an entry."""
+    with store.writing():
+        stats = FillStats(wanted=len(items), dropped_shards=store.verify())
+        missing = set(store.missing(items))
+        stats.cached = stats.wanted - len(missing)
+        if not missing:
+            return stats
+        _encode_groups(store, items, missing, p, encoder, generator, stats)
+        store.flush()
+    return stats
+
+
+def _encode_groups(store: TensorStore, items: dict[str, LatentItem], missing: set[str], p: Params,
+                   encoder: Callable[[], object], generator: torch.Generator | None,
+                   stats: FillStats) -> None:
     res, e = p.resolution, p.encoders
-    order = sorted(missing, key=lambda k: (items[k].target, k))  # same sizes adjacent
+    order = sorted(items, key=lambda k: (items[k].target, k))  # same sizes adjacent
     groups = [[order[i] for i in g] for g in
               batch_groups([items[k].target for k in order], e.vae_batch_pixels, e.vae_batch)]
+    groups = [g for g in groups if missing.intersection(g)]
 
     def decode(key: str) -> torch.Tensor:
         it = items[key]
@@ -123,9 +148,10 @@ def fill_latents(store: TensorStore, items: dict[str, LatentItem], p: Params,
                 pixels.append(decode(key))
                 ok.append(key)
             except Exception as err:  # a broken image is reported and skipped, never fatal
-                it = items[key]
-                stats.failed[key] = f"dataset {it.dataset} {it.locator}: {type(err).__name__}: {err}"
-                log.warning("cache_latents: skipping %s", stats.failed[key])
+                if key in missing:  # (a cached entry stays usable)
+                    it = items[key]
+                    stats.failed[key] = f"dataset {it.dataset} {it.locator}: {type(err).__name__}: {err}"
+                    log.warning("cache_latents: skipping %s", stats.failed[key])
         return ok, (torch.stack(pixels) if pixels else None)
 
     vae = encoder()
@@ -140,18 +166,21 @@ def fill_latents(store: TensorStore, items: dict[str, LatentItem], p: Params,
                 futures.append(pool.submit(stack, groups[i + ahead]))
             if pixels is not None:
                 latents = vae.encode(pixels, draw=e.draw, generator=generator)
-                for key, tokens in zip(keys, to_tokens(latents)):
+                new = [(k, t) for k, t in zip(keys, to_tokens(latents)) if k in missing]
+                for key, tokens in new:
                     store.add(key, tokens)
-            bar.update(len(group))
-            stats.encoded += len(keys)
-    store.flush()
-    return stats
+                stats.encoded += len(new)
+            bar.update(len(missing.intersection(group)))
 
 
 def record_build(directory: Path, settings: dict) -> None:
     """Append the key-shaping settings of a fill to ``builds.json`` (for miss messages)."""
     path = directory / "builds.json"
-    builds = json.loads(path.read_text()) if path.is_file() else []
+    try:
+        builds = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+    except ValueError:  # informative only (not part of the manifest): start it again
+        builds = []
+    builds = builds if isinstance(builds, list) else []
     if settings not in builds:
         from kohakumoss.artifacts import atomic_write_json
 

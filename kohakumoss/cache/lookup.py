@@ -7,6 +7,12 @@
   fresh tensors to ``write_back``, which stores them and returns them rounded exactly as a
   later hit would read them.
 - ``off``: always ``None``; nothing is read or written.
+
+Reads need no lock: the index is replaced atomically, and every entry read is checked
+against its digest (``TensorStore.get``), so a corrupt shard or index is an
+``IntegrityError`` naming the file and ``kmoss cache_text`` / ``kmoss cache_latents``.
+``online`` write-backs take the cache directory's lock for each shard they write (waiting
+while a cache stage fills the same directory).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from kohakumoss.cache.store import TensorStore, storage_round_trip
 from kohakumoss.config import Params
 from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.loader import HostBatch
+from kohakumoss.errors import IntegrityError
 
 
 @dataclasses.dataclass
@@ -58,14 +65,13 @@ class BatchCaches:
         self.p, self.cs = p, catalogs
         self.text_id, self.vae_id = text_identity, vae_identity
         shard = p.cache.shard_mb << 20
-        self.text = CacheView(TensorStore(text_dir, p.cache.dtype, shard) if p.cache.text != "off" else None,
-                              p.cache.text, "kmoss cache_text")
-        self.latents = CacheView(TensorStore(latent_dir, p.cache.dtype, shard)
+        self.text = CacheView(TensorStore(text_dir, p.cache.dtype, shard, stage="cache_text")
+                              if p.cache.text != "off" else None, p.cache.text, "kmoss cache_text")
+        self.latents = CacheView(TensorStore(latent_dir, p.cache.dtype, shard, stage="cache_latents")
                                  if p.cache.latents != "off" else None, p.cache.latents,
                                  "kmoss cache_latents")
         self._pos = {int(u): i for i, u in enumerate(catalogs.uid)}
-        failed = Path(latent_dir) / "failed.json"
-        self.failed = set(json.loads(failed.read_text())) if failed.is_file() else set()
+        self.failed = _read_failed(Path(latent_dir) / "failed.json")
 
     def usable(self, batch: HostBatch) -> list[int]:
         """Positions of the samples whose image did not fail in the latent cache fill."""
@@ -99,3 +105,14 @@ class BatchCaches:
         for view in (self.text, self.latents):
             if view.store is not None and view.mode == "online":
                 view.store.flush()
+
+
+def _read_failed(path: Path) -> set[str]:
+    """The keys of images that failed to decode in the latent fill (``failed.json``)."""
+    if not path.is_file():
+        return set()
+    try:
+        return set(json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, TypeError):
+        raise IntegrityError(f"{path} is unreadable; rebuild it with `kmoss cache_latents` "
+                             f"(or `dvc repro`)") from None

@@ -3,7 +3,8 @@
 Planning columns are numpy arrays over the concatenation of the catalogs in params order;
 ``uid`` = ``dataset << 40 | local id`` names a row stably (adding images to one dataset
 does not rename the rows of another), and every seeded draw of the planner is keyed by it.
-Caption fields are materialised per row on demand.
+Caption fields are materialised per row on demand. ``load_catalogs`` checks every file
+against the hash the scan's manifest records (``check_files``) before reading it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kohakumoss.artifacts import ArtifactError, Manifest, read_manifest
+from kohakumoss.artifacts import MANIFEST, ArtifactError, Manifest, read_manifest, verify_files
 from kohakumoss.config import DatasetEntry
 from kohakumoss.configlib import to_plain
 from kohakumoss.data.catalog import CHAR_COLUMNS, catalog_name, read_catalog, row_from_record
 from kohakumoss.data.rows import Row
+from kohakumoss.errors import IntegrityError
 
 UID_SHIFT = 40
 
@@ -68,10 +70,22 @@ class CatalogSet:
         return row_from_record(self._records[d][p - int(self.offsets[d])])
 
 
+def check_files(directory: Path, manifest: Manifest, made_by: str) -> None:
+    """Every file ``manifest`` lists must have the bytes it records, else a one-line
+    ``IntegrityError`` naming the first that does not and the stage that rebuilds it."""
+    bad = verify_files(directory, manifest)
+    if bad:
+        path = directory / bad[0]
+        state = ("is missing" if not path.is_file() else
+                 f"does not match the hash {directory / MANIFEST} records (changed, truncated or corrupt)")
+        raise IntegrityError(f"{path} {state}; rebuild it with `kmoss {made_by}` (or `dvc repro`)")
+
+
 def load_catalogs(directory: str | Path, datasets: tuple[DatasetEntry, ...]) -> CatalogSet:
-    """Open the scan's output for ``datasets``; a stale or foreign directory is refused."""
+    """Open the scan's output for ``datasets``; a stale, foreign or damaged directory is refused."""
     directory = Path(directory)
     manifest = read_manifest(directory, "catalog", made_by="scan")
+    check_files(directory, manifest, "scan")
     index = json.loads((directory / "index.json").read_text(encoding="utf-8"))
     expected = [catalog_name(d.source, to_plain(d.args)) for d in datasets]
     if [e["catalog"] for e in index] != expected:

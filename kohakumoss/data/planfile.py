@@ -6,6 +6,8 @@ Directory layout (a DVC output)::
     <out>/summary.json    statistics a person can read (spec/data.md section 8)
     <out>/manifest.json   kind "plan"; its content_hash names the run's data order
 
+``read_plan`` checks both files against the hashes the manifest records before reading.
+
 Columns: ``batch`` global batch g; ``index``/``rank`` (g // world, g % world); ``step`` and
 ``micro`` (index // grad_accum, index % grad_accum); ``slot``; ``epoch``/``position`` in the
 epoch order; ``dataset``/``row``/``uid`` catalog identity; ``src_w``/``src_h``; ``target_h``/
@@ -24,11 +26,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kohakumoss.artifacts import (Manifest, atomic_path, atomic_write_json, code_version,
-                                  make_manifest, read_manifest, write_manifest)
+from kohakumoss.artifacts import (ArtifactError, Manifest, atomic_path, atomic_write_json,
+                                  code_version, make_manifest, read_manifest, write_manifest)
 from kohakumoss.config import Params, stage_params
 from kohakumoss.data.captions import text_dropped
-from kohakumoss.data.catalogset import CatalogSet, load_catalogs
+from kohakumoss.data.catalogset import CatalogSet, check_files, load_catalogs
 from kohakumoss.data.plan import EpochResult, Occurrence, Planner, budget_mode, total_batches
 
 KIND = "plan"
@@ -152,6 +154,18 @@ def make_plan(params: Params, catalog_dir: str | Path, out: str | Path) -> tuple
 
 
 def read_plan(directory: str | Path) -> tuple[pa.Table, Manifest]:
+    """The plan table and manifest; a missing, changed or unreadable file is a one-line
+    error naming it and `kmoss plan`."""
     directory = Path(directory)
     manifest = read_manifest(directory, KIND, made_by="plan")
-    return pq.read_table(directory / "plan.parquet"), manifest
+    check_files(directory, manifest, "plan")
+    path = directory / "plan.parquet"
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ArtifactError(f"{path} is unreadable ({e}); rebuild it with `kmoss plan` "
+                            f"(or `dvc repro`)") from None
+    if not table.schema.equals(PLAN_SCHEMA, check_metadata=False):
+        raise ArtifactError(f"{path} has another layout than this version writes; rebuild it "
+                            f"with `kmoss plan` (or `dvc repro`)")
+    return table, manifest
