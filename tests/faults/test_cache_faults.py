@@ -251,6 +251,22 @@ def test_stale_temp_files_are_swept_and_never_taken_for_shards(work):
     assert {f.name for f in _shards(d)} == set(json.loads((d / INDEX).read_text())["shards"])
 
 
+@pytest.mark.parametrize("kind", ["text", "lat"])
+def test_a_training_run_on_a_damaged_cache_stops_naming_the_shard(tmp_path, kind):
+    from kohakumoss.training.trainer import Trainer
+
+    from test_train import _prepare, _write_params
+
+    ds = make_kohya(tmp_path / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
+    params = _write_params(tmp_path, ds, train={"steps": 4})
+    paths = _prepare(tmp_path, params)
+    shard = _shards(tmp_path / kind)[0]
+    _flip16(shard)
+    with pytest.raises(IntegrityError, match=re.escape(str(shard))):
+        Trainer(load_params(params), paths).run(progress=False)
+    assert not paths.checkpoints.exists() or not list(paths.checkpoints.glob("step-*"))
+
+
 # -- the plan and the catalogs ------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "not parquet", "missing"])
 def test_damaged_plan_is_one_line_naming_the_file(ref, tmp_path, damage):
