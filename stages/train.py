@@ -21,9 +21,10 @@ def main(
     """Train on the plan's batches in order: latents and text from the caches, the MOSS
     rectified-flow objective, checkpoints every train.checkpoint_every steps.
 
-    A killed run resumes from its newest complete checkpoint when started again (a
-    checkpoint made against another plan or other training params is refused). Metrics and
-    plots go to runs/<name>/dvclive (dvc exp show, dvc plots show).
+    A killed run resumes from its newest good checkpoint when started again (a checkpoint
+    made against another plan or other training params is refused). Metrics and plots go to
+    runs/<name>/dvclive (dvc exp show, dvc plots show); they are rebuilt from the
+    checkpoints on every start, so a finished run started again only rebuilds them.
     """
     from kohakumoss.config import load_params
     from kohakumoss.training.trainer import RunPaths, Trainer
@@ -31,13 +32,14 @@ def main(
     p = load_params(params)
     trainer = Trainer(p, RunPaths(plan, catalog, text_cache, latent_cache, runs / p.run.name))
     result = trainer.run()
-    first = result.losses[0] if result.losses else float("nan")
-    last = result.losses[-1] if result.losses else float("nan")
+    if not result.losses:
+        console.print(f"the run is complete at step {result.end_step}; its metrics and summary were "
+                      f"rebuilt from {result.checkpoint}")
+        return
     console.print(f"trained steps {result.start_step}..{result.end_step} "
-                  f"(loss {first:.4f} -> {last:.4f}"
+                  f"(loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
                   + (f", {len(result.skipped_steps)} skipped" if result.skipped_steps else "")
                   + f"); checkpoint {result.checkpoint}")
-
 
 if __name__ == "__main__":
     typer.run(main)

@@ -22,6 +22,7 @@ import dataclasses
 from pathlib import Path
 
 import kohakumoss
+from kohakumoss import faults
 from kohakumoss.artifacts import Manifest, atomic_write_json, hash_json, make_manifest, write_manifest
 from kohakumoss.cache.fill import FillStats, fill_latents, fill_text, latent_items, record_build, text_items
 from kohakumoss.cache.store import TensorStore
@@ -74,6 +75,7 @@ def _finish(kind: str, p: Params, out: Path, store: TensorStore, items: dict, st
     entries = store.content_digest(k for k in items if k not in stats.failed)
     content = hash_json({"kind": kind, **shaping, "entries": entries, "files": manifest.files})
     manifest = dataclasses.replace(manifest, content_hash=content)
+    faults.point("cache.manifest")
     write_manifest(out, manifest)
     return manifest
 

@@ -29,6 +29,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
+from kohakumoss import faults
 from kohakumoss.cache.keys import background_name, content_identity, latent_key, text_key
 from kohakumoss.cache.store import TensorStore
 from kohakumoss.config import Params
@@ -66,6 +67,7 @@ def fill_text(store: TensorStore, items: dict[str, str], encoder: Callable[[], o
         stats.cached = stats.wanted - len(missing)
         if not missing:
             return stats
+        faults.point("cache.fill")
         order = sorted(items, key=lambda k: (len(items[k]), items[k]))
         step = chunk or batch
         todo = [c for c in (order[i:i + step] for i in range(0, len(order), step)) if missing.intersection(c)]
@@ -122,6 +124,7 @@ def fill_latents(store: TensorStore, items: dict[str, LatentItem], p: Params,
         stats.cached = stats.wanted - len(missing)
         if not missing:
             return stats
+        faults.point("cache.fill")
         _encode_groups(store, items, missing, p, encoder, generator, stats)
         store.flush()
     return stats

@@ -42,6 +42,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from kohakumoss import faults
 from kohakumoss.artifacts import atomic_path, atomic_write_json, dir_lock, hash_file
 from kohakumoss.errors import IntegrityError, KohakuError
 
@@ -290,6 +291,7 @@ class TensorStore:
         path = self.dir / name
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata={"storage": self.storage})
+        faults.point("cache.shard")  # the shard in place, the index not yet naming it
         self.index["shards"][name] = {"bytes": path.stat().st_size, "hash": hash_file(path),
                                       "entries": len(entries)}
         self.index["entries"].update(entries)

@@ -16,7 +16,8 @@ import re
 import shutil
 from pathlib import Path
 
-from kohakumoss.artifacts import (ArtifactError, code_version, hash_json, make_manifest,
+from kohakumoss import faults
+from kohakumoss.artifacts import (ArtifactError, code_version, dir_lock, hash_json, make_manifest,
                                   read_manifest, write_manifest)
 from kohakumoss.config import Params, stage_params
 from kohakumoss.export.formats import ExportError, Source, load_source, write_export
@@ -128,27 +129,30 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
         formats = list(FULL_DEFAULT if src.kind == "full" else ADAPTER_DEFAULT)
     e = p.export
     experiment = os.environ.get(EXPERIMENT_ENV, "")
-    previous = _previous_outputs(out)
-    written = []
-    meta = {"kohakumoss_params_hash": hash_json(stage_params(p, TRAINING_KEYS)),
-            "kohakumoss_base_model": p.model.transformer, "kohakumoss_run": p.run.name}
-    if experiment:
-        meta["kohakumoss_experiment"] = experiment
-    for fmt in formats:
-        path = write_export(src, fmt, out / export_name(p.run.name, src, fmt, experiment),
-                            strength=e.strength, fused_qkv=e.fused_qkv, style=e.style,
-                            dtype=e.dtype, metadata=meta)
-        log.info("wrote %s", path)
-        written.append(path)
-    names = [w.name for w in written]
-    for name in sorted(previous - set(names)):
-        log.info("removing %s (an earlier export)", out / name)
-        _remove(out / name)
-    files = [w.name for w in written if w.is_file()]
-    manifest = make_manifest("export", 1, params=stage_params(p, PARAMS), inputs={},
-                             code=code_version("kohakumoss.export", "kohakumoss.adapters"),
-                             directory=out, files=files,
-                             info={"checkpoint": ckpt.name, "formats": formats, "outputs": names,
-                                   "experiment": experiment})
-    write_manifest(out, manifest)
+    with dir_lock(out, "kmoss export", wait=False):
+        previous = _previous_outputs(out)
+        written = []
+        meta = {"kohakumoss_params_hash": hash_json(stage_params(p, TRAINING_KEYS)),
+                "kohakumoss_base_model": p.model.transformer, "kohakumoss_run": p.run.name}
+        if experiment:
+            meta["kohakumoss_experiment"] = experiment
+        for fmt in formats:
+            path = write_export(src, fmt, out / export_name(p.run.name, src, fmt, experiment),
+                                strength=e.strength, fused_qkv=e.fused_qkv, style=e.style,
+                                dtype=e.dtype, metadata=meta)
+            log.info("wrote %s", path)
+            written.append(path)
+            faults.point("export.write")
+        names = [w.name for w in written]
+        for name in sorted(previous - set(names)):
+            log.info("removing %s (an earlier export)", out / name)
+            _remove(out / name)
+        files = [w.name for w in written if w.is_file()]
+        manifest = make_manifest("export", 1, params=stage_params(p, PARAMS), inputs={},
+                                 code=code_version("kohakumoss.export", "kohakumoss.adapters"),
+                                 directory=out, files=files,
+                                 info={"checkpoint": ckpt.name, "formats": formats,
+                                       "outputs": names, "experiment": experiment})
+        faults.point("export.manifest")
+        write_manifest(out, manifest)
     return written

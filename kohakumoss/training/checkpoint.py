@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from kohakumoss import faults
 from kohakumoss.artifacts import ArtifactError, hash_bytes, hash_file, public_mode, temp_dir
 from kohakumoss.errors import IntegrityError, KohakuError
 from kohakumoss.training.statefile import dumps_state, flatten_state, loads_state, unflatten_state
@@ -80,6 +81,7 @@ class CheckpointData:
     trainable: dict[str, torch.Tensor]
     ema: dict[str, torch.Tensor] | None
     extra: Any
+    log: dict[str, Any] | None
 
 
 @dataclasses.dataclass
@@ -129,8 +131,14 @@ class Checkpoint:
         return _parse_json(self.path / LOG, _read_small(self.path / LOG, self._entry(LOG)))
 
     def load(self) -> CheckpointData:
-        """Trainable weights, EMA and ``extra``, each file read once and verified."""
-        return CheckpointData(self.trainable(), self.ema(), self.extra())
+        """Everything in the checkpoint, each file read once and verified; the files that are
+        not read (state.json, any this version does not know) are hashed, so a checkpoint
+        that loads is whole."""
+        data = CheckpointData(self.trainable(), self.ema(), self.extra(), self.log())
+        for name in sorted(self.files().keys() - {TRAINABLE, EMA_FILE, OPT_TENSORS, OPT_TREE, LOG}):
+            _check_size(self.path / name, self.files()[name])
+            _check_hash(self.path / name, hash_file(self.path / name), self.files()[name])
+        return data
 
     def verify(self) -> None:
         """Hash every file the manifest lists; ``IntegrityError`` names each one that is
@@ -210,6 +218,7 @@ def save_checkpoint(directory: str | Path, step: int, trainable: dict[str, torch
         (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "schema": SCHEMA, "step": step,
                                                 "files": files}, indent=2, sort_keys=True))
         _fsync_tree(tmp)
+        faults.point("checkpoint.write")  # complete, not yet in place
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

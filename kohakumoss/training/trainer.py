@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kohakumoss.artifacts import atomic_write_json, hash_json
+from kohakumoss import faults
+from kohakumoss.artifacts import atomic_write_json, dir_lock, hash_json
 from kohakumoss.cache.build import text_identity, vae_identity
 from kohakumoss.cache.lookup import BatchCaches
 from kohakumoss.config import Params, stage_params
@@ -36,7 +37,7 @@ from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
 from kohakumoss.training.inputs import build_inputs, make_sampler
-from kohakumoss.training.metrics import Metrics
+from kohakumoss.training.metrics import RunLog, rows_of
 from kohakumoss.training.optim import build_optimizer, build_scheduler, clip_and_check
 from kohakumoss.training.trainable import make_trainable
 
@@ -91,8 +92,12 @@ class Trainer:
         self.encoder = BatchEncoder(p, self.caches, self.device)
         self.batches = PlanBatches(paths.plan, p.data.datasets, p.resolution, paths.catalog,
                                    pixels=p.cache.latents != "offline")
+        # what makes an old checkpoint of the run unusable: the data order, the training
+        # params, what is trained, and what the caches encoded the data with
         self.identity = {"plan": self.plan.content_hash,
                          "params": hash_json(stage_params(p, RESUME_KEYS)),
+                         "encoders": hash_json([self.caches.text_id, self.caches.vae_id,
+                                                p.cache.dtype, p.encoders.draw]),
                          "trained": self.trainable.describe()}
 
     # -- state -------------------------------------------------------------------------------
@@ -186,51 +191,76 @@ class Trainer:
         return total, grad_norm, finite, samples
 
     # -- the run -------------------------------------------------------------------------
+    def _rows_at(self, step: int) -> list[dict[str, Any]]:
+        """The metric rows the checkpoint of ``step`` recorded (none before the first)."""
+        for ckpt in reversed(list_checkpoints(self.paths.checkpoints)):
+            if ckpt.step == step:
+                return rows_of(ckpt.log())
+        return []
+
     def run(self, progress: bool = True) -> TrainResult:
+        """Train from the newest good checkpoint to ``train.steps`` (nothing to do for a
+        finished run), holding the run's lock; always leaves dvclive/ and summary.json
+        rebuilt from what the checkpoints persist."""
+        with dir_lock(self.paths.run, "kmoss train", wait=False):
+            return self._run(progress)
+
+    def _run(self, progress: bool) -> TrainResult:
         p = self.p
         start = self.resume()
         acc, steps = p.train.grad_accum, p.train.steps
         self.model.train()
-        metrics = Metrics(self.paths.run / "dvclive", resume=start > 0, start_step=start)
+        self.log = RunLog(self.paths.run / "dvclive", self.paths.run / "previews",
+                          self._rows_at(start), upto=start)
         previews = None
-        if p.preview.every > 0 and p.preview.prompts:
+        if p.preview.every > 0 and p.preview.prompts and start < steps:
             from kohakumoss.training.previews import Previewer
 
             previews = Previewer(p, self.model, self.trainable, self.device, self.dtype)
-        loader = iter(make_loader(self.batches, start=start * acc, end=steps * acc,
-                                  num_workers=p.data.num_workers, prefetch=p.data.prefetch))
-        losses, skipped, last = [], [], None
-        bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=None if progress else True)
+        losses, skipped = [], []
+        if start < steps:
+            loader = iter(make_loader(self.batches, start=start * acc, end=steps * acc,
+                                      num_workers=p.data.num_workers, prefetch=p.data.prefetch))
+        bar = tqdm(total=steps, initial=start, desc="train", unit="step",
+                   disable=None if progress else True)
         t0 = time.perf_counter()
+        faults.point("train.start")
         for step in range(start, steps):
             micro = [next(loader) for _ in range(acc)]
             loss, grad_norm, finite, samples = self.step(step, micro)
             losses.append(loss)
             if not finite:
-                skipped.append(step)
+                skipped.append(step + 1)
                 log.warning("step %d: non-finite gradient norm (%s); the update was skipped",
                             step + 1, grad_norm)
             dt = time.perf_counter() - t0
             t0 = time.perf_counter()
             if (step + 1) % p.train.log_every == 0 or step + 1 == steps:
-                metrics.log(step + 1, loss=loss, lr=self.scheduler.get_last_lr()[0],
-                            grad_norm=grad_norm, samples_per_s=samples / max(dt, 1e-9),
-                            skipped=int(not finite), memory_gib=_memory_gib(self.device))
+                self.log.log(step + 1, loss=loss, lr=self.scheduler.get_last_lr()[0],
+                             grad_norm=grad_norm, samples_per_s=samples / max(dt, 1e-9),
+                             skipped=int(not finite), memory_gib=_memory_gib(self.device))
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
-                            sps=f"{samples / max(dt, 1e-9):.1f}", mem=f"{_memory_gib(self.device):.1f}G")
+                            sps=f"{samples / max(dt, 1e-9):.1f}",
+                            mem=f"{_memory_gib(self.device):.1f}G")
             bar.update(1)
             if previews is not None and previews.due(step + 1):
-                previews.run(step + 1, metrics)
+                previews.run(step + 1, self.log)
             if (step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps:
                 self.encoder.flush()
-                last = self.save(step + 1)
+                self.save(step + 1, self.log.state())
+            faults.point("train.step")
         bar.close()
-        metrics.close()
-        result = TrainResult(start, steps, losses, skipped, last)
+        faults.point("train.finish")
+        self.log.close()
+        ckpts = list_checkpoints(self.paths.checkpoints)
+        last = ckpts[-1].path if ckpts else None
+        rows = self.log.rows
+        # a pure function of the checkpoints: the same after a resume, a no-op or a re-run
         atomic_write_json(self.paths.run / "summary.json", {
-            "steps": steps, "resumed_from": start, "final_loss": losses[-1] if losses else None,
-            "skipped_steps": skipped, "checkpoint": str(last) if last else None, **self.identity})
-        return result
+            "steps": steps, "final_loss": rows[-1].get("loss") if rows else None,
+            "skipped_steps": [r["step"] for r in rows if r.get("skipped")],
+            "checkpoint": last.name if last else None, **self.identity})
+        return TrainResult(start, steps, losses, skipped, last)
 
 
 def _memory_gib(device: torch.device) -> float:

@@ -1,0 +1,28 @@
+"""Named points where the fault tests kill a stage (``tests/faults``).
+
+``point("train.checkpoint")`` does nothing unless the environment variable
+``KMOSS_KILL_AT`` names that point, as ``name`` or ``name:n`` (the n-th time it is
+reached, default the first): then the process sends itself SIGKILL, exactly as a
+``kill -9`` or the OOM killer would, at a moment the test chose instead of a moment a
+timer happened to hit. Each stage marks an early, a middle and a late point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "KMOSS_KILL_AT"
+_seen: dict[str, int] = {}
+
+
+def point(name: str) -> None:
+    target = os.environ.get(ENV)
+    if not target:
+        return
+    want, _, nth = target.partition(":")
+    if want != name:
+        return
+    _seen[name] = _seen.get(name, 0) + 1
+    if _seen[name] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
