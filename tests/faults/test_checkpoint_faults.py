@@ -4,6 +4,7 @@ the previous one and still ends bit-identical to a run that never stopped."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -228,6 +229,9 @@ def test_every_read_of_a_damaged_file_raises_an_integrity_error_naming_it(tmp_pa
         Checkpoint(path, 3, {}).verify()
     if name != "state.json":  # the cheap listing does not look at the other files
         assert [c.step for c in list_checkpoints(tmp_path)] == [3]
+    # resume: the checkpoint is moved aside; with no other one, None
+    assert load_newest(tmp_path, tmp_path / "corrupt") is None
+    assert (tmp_path / "corrupt" / "step-000003").is_dir() and not list_checkpoints(tmp_path)
 
 
 def test_damaged_manifest_or_header(tmp_path):
@@ -247,6 +251,18 @@ def test_damaged_manifest_or_header(tmp_path):
     f.write_bytes(raw[:8] + header + raw[8 + n:])
     with pytest.raises(IntegrityError, match="trainable.safetensors is not a whole safetensors"):
         open_checkpoint(path).trainable()
+
+
+def test_load_hashes_the_files_it_does_not_read(tmp_path):
+    path = _small_checkpoint(tmp_path)
+    (path / "future.bin").write_bytes(b"x" * 100)  # a file a later version adds
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["future.bin"] = {"size": 100, "blake2b": hash_file(path / "future.bin")}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert open_checkpoint(path).load().log is None
+    _flip(path / "future.bin")
+    with pytest.raises(IntegrityError, match="future.bin does not match"):
+        open_checkpoint(path).load()
 
 
 def test_list_checkpoints_hashes_nothing(tmp_path, monkeypatch):
