@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 
 from kohakumoss.configlib import ConfigError, build, coerce, fail, knob, to_plain
+from kohakumoss.data.rows import MAX_CAPTION_CHARS, MAX_IMAGE_PIXELS
 
 Background = Literal["white", "black", "gray"]
 
@@ -75,6 +76,16 @@ class DataConfig:
     scan_workers: int = knob(2, check=lambda v: v >= 0, allowed="an integer >= 0")
     num_workers: int = knob(2, check=lambda v: v >= 0, allowed="an integer >= 0")
     prefetch: int = knob(2, check=lambda v: v >= 1, allowed="an integer >= 1")
+    # the scan's defences against hostile files (docs/data.md, "Hostile and broken input")
+    max_caption_chars: int = knob(MAX_CAPTION_CHARS, check=lambda v: v >= 1,
+                                  allowed="an integer >= 1 (characters per caption field)")
+    caption_errors: Literal["skip", "replace", "strict"] = knob(
+        "skip", help="a caption that is not UTF-8: skip (report, leave the image out) | "
+                     "replace (decode as U+FFFD, warn) | strict (fail the scan)")
+    max_image_pixels: int = knob(MAX_IMAGE_PIXELS, check=lambda v: v >= 1,
+                                 allowed="an integer >= 1 (declared width x height)")
+    verify_images: bool = knob(True, help="read each new image's data once at scan time, so "
+                                          "truncated files are reported; false = headers only")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,10 @@ def main(
 ) -> None:
     """Scan every dataset of `data.datasets` into an incremental Parquet catalog.
 
-    Only new and changed files (by size and mtime) are probed, and only their headers are
-    read. Unreadable images are listed in the report with the reason and skipped.
+    Only new and changed files (by size and mtime) are probed: the header, then the image
+    data once (data.verify_images). Unreadable, truncated or oversized images, broken links
+    and unreadable sidecars are listed in the report with the reason and skipped; capped
+    captions are reported as warnings.
     """
     from kohakumoss.config import load_params
     from kohakumoss.data.scan import scan
@@ -29,11 +31,12 @@ def main(
     manifest, stats = scan(p, out, report)
     table = Table(title=f"catalogs in {out}")
     for col in ("dataset", "source", "items", "probed", "cached", "removed", "live", "rejected",
-                "seconds"):
+                "warnings", "seconds"):
         table.add_column(col, justify="right" if col not in ("source",) else "left")
     for i, (entry, s) in enumerate(zip(p.data.datasets, stats)):
         table.add_row(str(i), entry.source, str(s.items), str(s.probed), str(s.cached),
-                      str(s.removed), str(s.live), str(len(s.rejected)), f"{s.seconds:.2f}")
+                      str(s.removed), str(s.live), str(len(s.rejected)), str(len(s.warnings)),
+                      f"{s.seconds:.2f}")
     console.print(table)
     for s in stats:
         for r in s.rejected[:20]:

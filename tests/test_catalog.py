@@ -79,6 +79,29 @@ def test_corrupt_image_is_reported_and_not_reprobed(tmp_path, kohya_dataset):
     assert s3.probed == 1 and s3.live == 8 and not s3.rejected
 
 
+def test_broken_links_are_reported_until_fixed(tmp_path, kohya_dataset):
+    folder = kohya_dataset / "3_alpha"
+    link, sidecar = folder / "link.png", folder / "img_000.txt"
+    link.symlink_to("target.png")  # dangling
+    sidecar.unlink()
+    sidecar.symlink_to("img_000.txt")  # a sidecar that loops
+    cat = tmp_path / "c.parquet"
+    table, s = update_catalog(cat, "kohya", _walk(kohya_dataset))
+    errors = {r["locator"]: r["error"] for r in s.rejected}
+    assert set(errors) == {"3_alpha/link.png", "3_alpha/img_000.png"} and s.live == 6
+    assert "link.png is a symbolic link to a missing file" in errors["3_alpha/link.png"]
+    assert "img_000.txt is a symbolic link loop" in errors["3_alpha/img_000.png"]
+    ids = dict(zip(table.column("locator").to_pylist(), table.column("id").to_pylist()))
+    write_image(link.parent / "target.png", 24, 24)  # both fixed: live under the same ids
+    sidecar.unlink()
+    sidecar.write_text("fixed, tags")
+    table, s2 = update_catalog(cat, "kohya", _walk(kohya_dataset))
+    assert (s2.changed, s2.new, s2.live) == (2, 1, 9) and not s2.rejected  # new: target.png
+    live = {r["locator"]: r["id"] for r in table.to_pylist() if r["live"]}
+    assert live["3_alpha/link.png"] == ids["3_alpha/link.png"]
+    assert live["3_alpha/img_000.png"] == ids["3_alpha/img_000.png"]
+
+
 def test_parallel_probe_matches_serial(tmp_path):
     ds = make_kohya(tmp_path / "big", {"1_a": [(20 + i, 30) for i in range(70)]}, tags=False)
     serial, _ = update_catalog(tmp_path / "s.parquet", "kohya", _walk(ds), workers=0)

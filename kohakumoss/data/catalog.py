@@ -6,7 +6,8 @@ changed, rewrites a changed item's rows in place when the row count is unchanged
 stay stable), otherwise tombstones the old ids and appends; items that disappeared are
 tombstoned. Ids are never reused. Images that could not be probed stay as rejected rows
 (``live`` false, ``error`` set) so the scan report lists them and an unchanged broken file
-is not probed again.
+is not probed again. A probe's warnings (a capped caption, a caption decoded with U+FFFD)
+are reported by the scan that read the file; they are not stored.
 
 Column legend: ``id`` row id inside this catalog; ``item`` walk key; ``stamp`` 8 ints;
 ``w``/``h`` oriented pixel size; ``*_chars`` caption length columns (``spec`` 4.3).
@@ -25,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kohakumoss.artifacts import atomic_path
-from kohakumoss.data.rows import STAMP_LEN, Row, WalkItem, caption_char_counts
+from kohakumoss.data.rows import (STAMP_LEN, Row, ScanLimits, WalkItem, cap_captions,
+                                  caption_char_counts)
 from kohakumoss.errors import KohakuError
 
 SCHEMA_VERSION = 1
@@ -143,8 +146,44 @@ class ScanStats:
     rows: int = 0
     live: int = 0
     rejected: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    warnings: list[dict[str, str]] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     changed_catalog: bool = False
+
+
+def rejected_rows(table: pa.Table) -> list[dict[str, str]]:
+    """``{item, locator, error}`` of every rejected row, in catalog order (the scan report)."""
+    rejected = table.filter(pc.is_valid(table["error"]))
+    return rejected.select(["item", "locator", "error"]).to_pylist()
+
+
+def limit_catalog(table: pa.Table, limits: ScanLimits
+                  ) -> tuple[pa.Table | None, list[dict[str, str]]]:
+    """A catalog taken as it is (a native shard dataset's own, never re-probed) under the
+    scan's ``limits``: a live row above ``max_image_pixels`` becomes a rejected row, captions
+    above ``max_caption_chars`` are capped. Returns ``(None, [])`` when no row is over a
+    limit (the catalog is copied byte for byte), else the new table and the warnings."""
+    pixels = pc.multiply(table["w"].cast(pa.int64()), table["h"].cast(pa.int64()))
+    over = pc.greater(pixels, limits.max_image_pixels)
+    for col in CHAR_COLUMNS:
+        over = pc.or_(over, pc.greater(table[col], limits.max_caption_chars))
+    over = pc.and_(over, table["live"]).to_pylist()
+    if not any(over):
+        return None, []
+    records, warnings = table.to_pylist(), []
+    for i in (i for i, flag in enumerate(over) if flag):
+        rec = records[i]
+        row = row_from_record(rec)
+        if row.w * row.h > limits.max_image_pixels:
+            row.error = (f"the catalogued size {row.w}x{row.h} = {row.w * row.h:,} pixels is "
+                         f"above data.max_image_pixels = {limits.max_image_pixels:,}")
+        else:
+            cap_captions(row, limits.max_caption_chars)
+            warnings += [{"item": rec["item"], "locator": row.locator, "warning": w}
+                         for w in row.warnings]
+        records[i] = _row_record(row, rec["id"], rec["item"], rec["stamp"], True)
+    info = catalog_info(table)
+    return _table(records, info.get("generation", 1), info.get("kind", "")), warnings
 
 
 def _probe(item_probe: Callable[[], list[Row]]) -> list[Row]:
@@ -210,6 +249,8 @@ def update_catalog(path: Path, kind: str, walk: list[WalkItem], *, rescan: bool 
 
     probed = probe_items(to_probe, workers, progress)
     stats.probed = len(to_probe)
+    stats.warnings = [{"item": it.key, "locator": row.locator, "warning": w}
+                      for it, rows in zip(to_probe, probed) for row in rows for w in row.warnings]
     records = [dict(r) for r in old]
     next_id = len(records)
     changed = False
@@ -245,7 +286,6 @@ def update_catalog(path: Path, kind: str, walk: list[WalkItem], *, rescan: bool 
         table = _table(records, generation, kind)
     stats.rows = len(records)
     stats.live = sum(1 for r in records if r["live"])
-    stats.rejected = [{"item": r["item"], "locator": r["locator"], "error": r["error"]}
-                      for r in records if r["error"]]
+    stats.rejected = rejected_rows(table)
     stats.seconds = time.perf_counter() - t0
     return table, stats

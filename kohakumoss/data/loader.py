@@ -29,7 +29,8 @@ import torch
 from PIL import Image, ImageOps
 
 from kohakumoss.config import DatasetEntry, ResolutionConfig
-from kohakumoss.data.sources.base import ALPHA_MODES
+from kohakumoss.data.rows import MAX_IMAGE_PIXELS
+from kohakumoss.data.sources.base import ALPHA_MODES, open_image
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,11 @@ def background_rgb(bg: str | tuple[int, int, int]) -> tuple[int, int, int]:
 
 def decode_image(data: bytes, box: tuple[int, int, int, int], target_hw: tuple[int, int],
                  flip: bool, background: str | tuple[int, int, int] = "white",
-                 resample: str = "lanczos") -> np.ndarray:
-    """Decode one planned sample to uint8 ``[H, W, 3]`` (``spec/data.md`` 7.5)."""
-    with Image.open(io.BytesIO(data)) as im:
+                 resample: str = "lanczos", max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Decode one planned sample to uint8 ``[H, W, 3]`` (``spec/data.md`` 7.5). A header
+    declaring more than ``max_pixels`` (a file swapped for a decompression bomb after the
+    scan) is a ``ValueError`` before any pixel is decoded."""
+    with open_image(io.BytesIO(data), max_pixels) as im:
         im = ImageOps.exif_transpose(im)
         im = im.crop(box)
         if im.mode in ALPHA_MODES or (im.mode == "P" and "transparency" in im.info):

@@ -7,30 +7,42 @@ Output directory layout (a DVC output, persisted so re-scans are incremental)::
     <out>/index.json                  dataset index -> catalog file, in params order
     <out>/manifest.json               kind "catalog"
 
-The scan report (rejected images with their reasons, and what this run probed) is written
-beside it, outside the catalog directory, so a re-scan that changed nothing leaves the
-catalog directory byte-identical and DVC re-runs nothing downstream.
+The scan report (rejected images with their reasons, the warnings of this run's probes,
+and what this run probed) is written beside it, outside the catalog directory, so a
+re-scan that changed nothing leaves the catalog directory byte-identical and DVC re-runs
+nothing downstream.
+
+Every probe runs under the ``data`` limits (``ScanLimits``: caption cap, caption decoding
+policy, largest declared image, data verification); the manifest records them, and a
+scan whose limits differ from the last one re-probes every file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from kohakumoss.artifacts import (Manifest, atomic_path, atomic_write_json, code_version,
-                                  make_manifest, write_manifest)
-from kohakumoss.config import Params, stage_params
+from kohakumoss.artifacts import (ArtifactError, Manifest, atomic_path, atomic_write_json,
+                                  code_version, make_manifest, read_manifest, write_manifest)
+from kohakumoss.config import DataConfig, Params, stage_params
 from kohakumoss.configlib import to_plain
-from kohakumoss.data.catalog import ScanStats, catalog_name, read_catalog, update_catalog
+from kohakumoss.data.catalog import (ScanStats, catalog_name, limit_catalog, read_catalog,
+                                     rejected_rows, update_catalog, write_catalog)
+from kohakumoss.data.rows import ScanLimits
 from kohakumoss.errors import KohakuError
+
+log = logging.getLogger(__name__)
 
 KIND = "catalog"
 SCHEMA = 1
-PARAMS = ["data.datasets"]
+PARAMS = ["data.datasets", "data.max_caption_chars", "data.caption_errors",
+          "data.max_image_pixels", "data.verify_images"]
+SHOWN = 20  # warnings logged per dataset; the report has them all
 CODE = ("kohakumoss.data.sources", "kohakumoss.data.catalog", "kohakumoss.data.scan",
         "kohakumoss.data.rows")
 
@@ -39,8 +51,26 @@ class ScanError(KohakuError, RuntimeError):
     """A dataset yields no usable image at all."""
 
 
-def _scan_entry(i: int, entry: Any, out: Path, rescan: bool | str, workers: int
-                ) -> tuple[str, ScanStats]:
+def scan_limits(data: DataConfig) -> ScanLimits:
+    return ScanLimits(max_caption_chars=data.max_caption_chars, caption_errors=data.caption_errors,
+                      max_image_pixels=data.max_image_pixels, verify_images=data.verify_images)
+
+
+def _last_limits(out: Path) -> dict[str, Any] | None:
+    """The limits the last scan into ``out`` recorded (None: no scan, or one before them)."""
+    try:
+        return read_manifest(out, KIND).info.get("limits")
+    except ArtifactError:
+        return None
+
+
+def _table_stats(table: Any) -> ScanStats:
+    return ScanStats(rows=table.num_rows, live=sum(table.column("live").to_pylist()),
+                     rejected=rejected_rows(table))
+
+
+def _scan_entry(i: int, entry: Any, out: Path, rescan: bool | str, workers: int,
+                limits: ScanLimits) -> tuple[str, ScanStats]:
     source = entry.args
     args = to_plain(source)
     name = catalog_name(entry.source, args)
@@ -48,14 +78,17 @@ def _scan_entry(i: int, entry: Any, out: Path, rescan: bool | str, workers: int
     own = source.own_catalog()
     if own is not None:
         table = read_catalog(own)
-        with atomic_path(path) as tmp:
-            shutil.copyfile(own, tmp)
-        stats = ScanStats(rows=table.num_rows, live=sum(table.column("live").to_pylist()))
-        return name, stats
+        limited, warnings = limit_catalog(table, limits)
+        if limited is None:
+            with atomic_path(path) as tmp:
+                shutil.copyfile(own, tmp)
+        else:
+            write_catalog(path, limited)
+            table = limited
+        return name, dataclasses.replace(_table_stats(table), warnings=warnings)
     if rescan == "never" and path.is_file():
-        table = read_catalog(path)
-        return name, ScanStats(rows=table.num_rows, live=sum(table.column("live").to_pylist()))
-    walk = source.walk()
+        return name, _table_stats(read_catalog(path))
+    walk = source.walk(limits)
     with tqdm(total=len(walk), desc=f"scan [{i}] {entry.source}", unit="item", leave=False,
               disable=None) as bar:
         _, stats = update_catalog(path, entry.source, walk, rescan=rescan is True,
@@ -63,13 +96,31 @@ def _scan_entry(i: int, entry: Any, out: Path, rescan: bool | str, workers: int
     return name, stats
 
 
+def _log_warnings(i: int, entry: Any, stats: ScanStats) -> None:
+    where = to_plain(entry.args).get("path", "")
+    for w in stats.warnings[:SHOWN]:
+        log.warning("dataset %d (%s at %r): %s: %s", i, entry.source, where, w["locator"],
+                    w["warning"])
+    if len(stats.warnings) > SHOWN:
+        log.warning("dataset %d: %d more warnings in the scan report", i,
+                    len(stats.warnings) - SHOWN)
+
+
 def scan(params: Params, out: str | Path, report: str | Path | None = None) -> tuple[Manifest, list[ScanStats]]:
     """Scan every dataset of ``params.data.datasets`` into catalogs under ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    limits = scan_limits(params.data)
+    rescan = params.data.rescan
+    last = _last_limits(out)
+    if rescan is False and last is not None and last != dataclasses.asdict(limits):
+        log.info("the data limits changed since the last scan (%s -> %s): re-probing every file",
+                 last, dataclasses.asdict(limits))
+        rescan = True
     index, all_stats = [], []
     for i, entry in enumerate(params.data.datasets):
-        name, stats = _scan_entry(i, entry, out, params.data.rescan, params.data.scan_workers)
+        name, stats = _scan_entry(i, entry, out, rescan, params.data.scan_workers, limits)
+        _log_warnings(i, entry, stats)
         if stats.live == 0:
             where = to_plain(entry.args).get("path", "")
             reasons = "; ".join(f"{r['locator']}: {r['error']}" for r in stats.rejected[:3])
@@ -83,7 +134,8 @@ def scan(params: Params, out: str | Path, report: str | Path | None = None) -> t
         KIND, SCHEMA, params=stage_params(params, PARAMS), inputs={}, code=code_version(*CODE),
         directory=out, files=["index.json", *(e["catalog"] for e in index)],
         info={"datasets": [{**e, "rows": s.rows, "live": s.live, "rejected": len(s.rejected)}
-                           for e, s in zip(index, all_stats)]})
+                           for e, s in zip(index, all_stats)],
+              "limits": dataclasses.asdict(limits)})
     write_manifest(out, manifest)
     if report is not None:
         atomic_write_json(report, {"datasets": [

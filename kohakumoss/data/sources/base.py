@@ -4,22 +4,32 @@ A source is a frozen dataclass of its own arguments (so ``params.yaml`` validate
 strictly, like every other section) registered under a name with ``@register_source``.
 It offers:
 
-- ``walk() -> list[WalkItem]``: cheap enumeration (stat only) for the incremental catalog;
+- ``walk(limits) -> list[WalkItem]``: cheap enumeration (stat only) for the incremental
+  catalog; ``limits`` (``ScanLimits``, the ``data`` knobs) is bound into every probe;
 - ``open(locator) -> bytes``: the encoded image bytes of one row, for the loader;
 - ``own_catalog() -> Path | None``: a prebuilt catalog (native shards) used instead of a walk.
 
 Sources are picklable and open files lazily, so loader workers can reopen them.
+
+Hostile input never stops a scan: an image or sidecar that cannot be read, a header that
+declares a decompression bomb, a caption that is not UTF-8 (under ``caption_errors:
+skip``) or a broken symbolic link becomes a rejected row whose error names the file;
+only ``caption_errors: strict`` fails the scan, with ``CaptionEncodingError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import io
 import json
 import os
+import stat
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -28,7 +38,8 @@ from PIL import Image, UnidentifiedImageError
 from kohakumoss.artifacts import hash_bytes as content_hash
 from kohakumoss.artifacts import hash_file as file_content_hash
 from kohakumoss.configlib import ConfigError, coerce
-from kohakumoss.data.rows import IMAGE_EXTENSIONS, MISSING, STAMP_LEN, Row, WalkItem, split_tags
+from kohakumoss.data.rows import (IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, MISSING, STAMP_LEN, Row,
+                                  ScanLimits, WalkItem, cap_captions, split_tags)
 from kohakumoss.errors import KohakuError
 
 ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
@@ -40,11 +51,15 @@ class SourceError(KohakuError, ValueError):
     """Bad source configuration or layout; the message names the path and the fix."""
 
 
+class CaptionEncodingError(KohakuError, RuntimeError):
+    """A caption that is not UTF-8 under ``data.caption_errors: strict`` (fails the scan)."""
+
+
 @runtime_checkable
 class Source(Protocol):
     name: ClassVar[str]
 
-    def walk(self) -> list[WalkItem]: ...
+    def walk(self, limits: ScanLimits = ScanLimits()) -> list[WalkItem]: ...
 
     def open(self, locator: str) -> bytes: ...
 
@@ -71,22 +86,62 @@ def is_image_name(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def probe_image(fp: str | os.PathLike | io.BytesIO | Any) -> tuple[int, int, bool]:
-    """Header-only probe: (w, h, has_alpha) after EXIF orientation. Never decodes pixels.
+@contextlib.contextmanager
+def open_image(fp: str | os.PathLike | io.BytesIO | Any, max_pixels: int) -> Iterator[Image.Image]:
+    """``Image.open`` that refuses a header declaring more than ``max_pixels`` pixels (a
+    decompression bomb) with a ``ValueError`` naming the size, before any pixel is decoded.
 
-    Raises ``ValueError`` with the reason for an unreadable file.
+    PIL's own process-wide check (a warning above ``Image.MAX_IMAGE_PIXELS``, an error above
+    twice that) is raised, never lowered, to agree: with the default ``max_pixels`` it
+    stays PIL's default.
+    """
+    if Image.MAX_IMAGE_PIXELS is not None and 2 * Image.MAX_IMAGE_PIXELS < max_pixels:
+        Image.MAX_IMAGE_PIXELS = (max_pixels + 1) // 2
+    try:
+        im = Image.open(fp)
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"a decompression bomb: {e} (data.max_image_pixels = "
+                         f"{max_pixels:,}; raise it if the image is real)") from None
+    with im:
+        w, h = im.size
+        if w * h > max_pixels:
+            raise ValueError(f"a decompression bomb: the header declares {w}x{h} = {w * h:,} "
+                             f"pixels, above data.max_image_pixels = {max_pixels:,} (raise it "
+                             "if the image is real)")
+        yield im
+
+
+def check_image_data(im: Image.Image) -> None:
+    """Decode the image once so a truncated or corrupt file fails now: a JPEG at 1/8 scale
+    (every coefficient is still read), anything else in full (a PNG's EXIF lookup decodes
+    it anyway). ``im.size`` may shrink: read it first."""
+    im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))  # JPEG only
+    im.load()
+
+
+def probe_image(fp: str | os.PathLike | io.BytesIO | Any, max_pixels: int = MAX_IMAGE_PIXELS,
+                verify: bool = False) -> tuple[int, int, bool]:
+    """(w, h, has_alpha) after EXIF orientation, from the header; ``verify`` then reads the
+    image data once (``check_image_data``) without keeping it.
+
+    Raises ``ValueError`` with the reason for an unreadable or oversized file.
     """
     try:
-        with Image.open(fp) as im:
+        with open_image(fp, max_pixels) as im:
             w, h = im.size
             mode = im.mode
             alpha = mode in ALPHA_MODES or (mode == "P" and "transparency" in im.info)
+            if verify:
+                try:
+                    check_image_data(im)
+                except Exception as e:  # whatever a decoder raises on hostile bytes
+                    raise ValueError(f"truncated or corrupt image data ({e})") from None
             try:
                 orientation = im.getexif().get(EXIF_ORIENTATION, 1)
             except Exception:  # a broken EXIF block does not make the image unusable
                 orientation = 1
-    except UnidentifiedImageError as e:
-        raise ValueError(f"not a recognised image ({e})") from None
+    except UnidentifiedImageError:
+        raise ValueError("not a recognised image format") from None
     except (OSError, SyntaxError) as e:
         raise ValueError(f"unreadable image header ({e})") from None
     if w <= 0 or h <= 0:
@@ -122,8 +177,70 @@ def apply_text(row: Row, text: str, txt_as: str) -> None:
         row.caption_nl = text.strip()
 
 
-def read_text(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")
+def decode_caption(data: bytes, where: str, policy: str, warnings: list[str]) -> str:
+    """Caption bytes as UTF-8 text under ``data.caption_errors`` (``policy``). Bytes that are
+    not UTF-8 fail the scan (strict: ``CaptionEncodingError``), reject the row (skip: a
+    ``ValueError``), or become U+FFFD with a note in ``warnings`` (replace). ``where`` names
+    the file."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        problem = f"{where}: invalid UTF-8 at byte {e.start} (data.caption_errors: {policy})"
+    if policy == "strict":
+        raise CaptionEncodingError(f"{problem}; fix the file, or set data.caption_errors to "
+                                   "skip (leave the image out) or replace (decode as U+FFFD)")
+    if policy == "skip":
+        raise ValueError(problem)
+    warnings.append(f"{problem}: decoded with U+FFFD")
+    return data.decode("utf-8", errors="replace")
+
+
+def unreadable(path: str | os.PathLike, e: OSError) -> str:
+    """Why ``path`` cannot be read, naming it (a missing file, a broken or looping link...)."""
+    if e.errno == errno.ELOOP:
+        return f"{path} is a symbolic link loop"
+    if e.errno == errno.ENOENT and os.path.islink(path):
+        return f"{path} is a symbolic link to a missing file"
+    if e.errno == errno.ENOENT:
+        return f"file not found: {path}"
+    return f"{path} is unreadable ({e.strerror})"
+
+
+def entry_problem(path: str | os.PathLike) -> str:
+    """Why a directory entry that should be a file (or a followed folder) cannot be read."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return unreadable(path, e)
+    return f"{path} is not a regular file"
+
+
+def read_sidecar(path: Path) -> bytes | None:
+    """A sidecar's bytes, None when there is none. A sidecar name that exists but cannot be
+    read (a directory, a FIFO, a broken or looping link, no permission) is a ``ValueError``
+    naming it: its image is rejected rather than trained without its caption."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"sidecar {path} is not a regular file")
+        return path.read_bytes()
+    except FileNotFoundError as e:
+        if os.path.islink(path):
+            raise ValueError(f"sidecar {unreadable(path, e)}") from None
+        return None
+    except OSError as e:
+        raise ValueError(f"sidecar {unreadable(path, e)}") from None
+
+
+def stat_or_lstat(path: str | os.PathLike) -> tuple[int, int]:
+    """(size, mtime_ns) of a file, else of the broken link itself, else ``(-1, -1)``."""
+    for follow in (True, False):
+        try:
+            st = os.stat(path, follow_symlinks=follow)
+            return st.st_size, st.st_mtime_ns
+        except OSError:
+            continue
+    return MISSING
 
 
 def sidecar_stamp(stem: Path, present: set[str]) -> tuple[int, ...]:
@@ -131,26 +248,26 @@ def sidecar_stamp(stem: Path, present: set[str]) -> tuple[int, ...]:
     out: list[int] = []
     for ext in SIDECAR_EXTS:
         p = stem.with_name(stem.name + ext)
-        if os.path.normcase(p.name) in present:
-            st = p.stat()
-            out += [st.st_size, st.st_mtime_ns]
-        else:
-            out += list(MISSING)
+        out += stat_or_lstat(p) if os.path.normcase(p.name) in present else MISSING
     return tuple(out)
 
 
-def apply_sidecars(row: Row, stem: Path, txt_as: str) -> None:
+def apply_sidecars(row: Row, stem: Path, txt_as: str, caption_errors: str = "skip") -> None:
     """.txt (tags or nl), then .caption (nl), then .json (mapping); later ones win."""
-    txt = stem.with_name(stem.name + ".txt")
-    if txt.is_file():
-        apply_text(row, read_text(txt).strip(), txt_as)
-    cap = stem.with_name(stem.name + ".caption")
-    if cap.is_file():
-        row.caption_nl = read_text(cap).strip()
-    js = stem.with_name(stem.name + ".json")
-    if js.is_file():
+    texts = {}
+    for ext in SIDECAR_EXTS:
+        path = stem.with_name(stem.name + ext)
+        data = read_sidecar(path)
+        if data is not None:
+            texts[ext] = decode_caption(data, f"sidecar {path}", caption_errors, row.warnings)
+    if ".txt" in texts:
+        apply_text(row, texts[".txt"].strip(), txt_as)
+    if ".caption" in texts:
+        row.caption_nl = texts[".caption"].strip()
+    if ".json" in texts:
+        js = stem.with_name(stem.name + ".json")
         try:
-            meta = json.loads(read_text(js))
+            meta = json.loads(texts[".json"])
         except json.JSONDecodeError as e:
             raise ValueError(f"sidecar {js} is not valid JSON ({e})") from None
         if not isinstance(meta, dict):
@@ -191,15 +308,6 @@ def line_hash(text: str) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def stat_pair(path: str | os.PathLike) -> tuple[int, int]:
-    """(size, mtime_ns) of a file, ``(-1, -1)`` when it does not exist."""
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return MISSING
-    return st.st_size, st.st_mtime_ns
-
-
 def pad_stamp(*values: int) -> tuple[int, ...]:
     """A stamp of ``STAMP_LEN`` ints: the given values followed by -1."""
     assert len(values) <= STAMP_LEN, values
@@ -215,28 +323,40 @@ def relative_locator(value: Any) -> str:
 
 @dataclasses.dataclass
 class Listing:
-    """One ``scandir`` of a folder: image files and subfolders (sorted by name) and the
-    OS-case-normalised names present, used to test for sidecars without more stats."""
+    """One ``scandir`` of a folder: image files and subfolders (sorted by name), the
+    OS-case-normalised names present, used to test for sidecars without more stats, and
+    the broken entries (sorted): image names that are no readable file (a broken or looping
+    link, a FIFO) and, when links to folders are followed, links that resolve to nothing."""
 
     images: list[os.DirEntry]
     dirs: list[os.DirEntry]
     present: set[str]
+    broken: list[tuple[os.DirEntry, str]]
 
 
 def list_dir(path: Path, *, follow_dir_links: bool) -> Listing:
     images: list[os.DirEntry] = []
     dirs: list[os.DirEntry] = []
     present: set[str] = set()
+    broken: list[tuple[os.DirEntry, str]] = []
     with os.scandir(path) as it:
         for entry in it:
             present.add(os.path.normcase(entry.name))
-            if entry.is_dir(follow_symlinks=follow_dir_links):
-                dirs.append(entry)
-            elif is_image_name(entry.name) and entry.is_file():
-                images.append(entry)
+            wanted = is_image_name(entry.name)
+            try:
+                if entry.is_dir(follow_symlinks=follow_dir_links):
+                    dirs.append(entry)
+                elif wanted and entry.is_file():
+                    images.append(entry)
+                elif wanted or (follow_dir_links and entry.is_symlink()
+                                and not os.path.exists(entry.path)):
+                    broken.append((entry, entry_problem(entry.path)))
+            except OSError as e:  # a symbolic link loop
+                broken.append((entry, unreadable(entry.path, e)))
     images.sort(key=lambda e: e.name)
     dirs.sort(key=lambda e: e.name)
-    return Listing(images, dirs, present)
+    broken.sort(key=lambda b: b[0].name)
+    return Listing(images, dirs, present, broken)
 
 
 def image_stem(path: Path) -> Path:
@@ -254,27 +374,49 @@ def sidecar_file_item(entry: os.DirEntry, present: set[str], locator: str, **fie
     return WalkItem(locator, stamp, functools.partial(probe_file, str(path), locator, **fields))
 
 
-def probe_file(path: str, locator: str, *, group: str = "", weight: float = 1.0,
-               artist: str | None = None, txt_as: str | None = None,
-               meta: dict[str, Any] | None = None, hash_content: bool = False) -> list[Row]:
-    """Probe one image file (header only) into a one-row list; never raises for bad data.
+def error_rows(locator: str, error: str, **fields: Any) -> list[Row]:
+    return [Row(locator, error=error, **fields)]
+
+
+def broken_item(entry: os.DirEntry, locator: str, error: str, **fields: Any) -> WalkItem:
+    """Walk item of a broken directory entry (``Listing.broken``): one rejected row, stamped
+    with the entry's own (link) stats, so it is reported until it changes."""
+    stamp = pad_stamp(*stat_or_lstat(entry.path))
+    return WalkItem(locator, stamp, functools.partial(error_rows, locator, error, **fields))
+
+
+def probe_file(path: str, locator: str, *, limits: ScanLimits = ScanLimits(), group: str = "",
+               weight: float = 1.0, artist: str | None = None, txt_as: str | None = None,
+               meta: dict[str, Any] | None = None, hash_content: bool = False,
+               warnings: tuple[str, ...] = ()) -> list[Row]:
+    """Probe one image file (header, and the data once with ``limits.verify_images``) into
+    a one-row list; never raises for bad data (only ``CaptionEncodingError`` under
+    ``caption_errors: strict``).
 
     ``txt_as`` set -> read the .txt/.caption/.json sidecars (2.1); ``meta`` -> apply the
-    JSON mapping of a manifest record. ``extra.hash`` is the stat fingerprint, or the
-    content hash with ``hash_content`` (9.2). A missing or unreadable image, or a broken
-    sidecar, gives a row with ``error`` set and a zero size.
+    JSON mapping of a manifest record; captions are then capped (``cap_captions``).
+    ``extra.hash`` is the stat fingerprint, or the content hash with ``hash_content`` (9.2).
+    A missing, unreadable or oversized image, or a broken sidecar, gives a row with
+    ``error`` set (naming the file) and a zero size. ``warnings`` are the walk's notes.
     """
-    row = Row(locator, group=group, weight=weight, artist=artist)
+    row = Row(locator, group=group, weight=weight, artist=artist, warnings=list(warnings))
     try:
         st = os.stat(path)
-    except OSError:
-        return [Row(locator, group=group, weight=weight, error=f"file not found: {path}")]
+    except OSError as e:
+        return [Row(locator, group=group, weight=weight, error=unreadable(path, e))]
     try:
-        row.w, row.h, row.has_alpha = probe_image(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        try:
+            row.w, row.h, row.has_alpha = probe_image(path, limits.max_image_pixels,
+                                                      limits.verify_images)
+        except ValueError as e:
+            raise ValueError(f"image {path}: {e}") from None
         if txt_as is not None:
-            apply_sidecars(row, image_stem(Path(path)), txt_as)
+            apply_sidecars(row, image_stem(Path(path)), txt_as, limits.caption_errors)
         if meta:
             apply_json_meta(row, meta)
+        cap_captions(row, limits.max_caption_chars)
         identity = file_content_hash(path) if hash_content else stat_identity(Path(path), st)
         row.extra["hash"] = identity
     except (ValueError, TypeError, OSError) as e:
@@ -282,12 +424,14 @@ def probe_file(path: str, locator: str, *, group: str = "", weight: float = 1.0,
     return [row]
 
 
-def probe_bytes(data: bytes | None, locator: str, **fields: Any) -> Row:
-    """Probe in-memory image bytes (container sources); ``extra.hash`` = content hash."""
+def probe_bytes(data: bytes | None, locator: str, limits: ScanLimits = ScanLimits(),
+                **fields: Any) -> Row:
+    """Probe in-memory image bytes (container sources); ``extra.hash`` = content hash.
+    The caller applies the captions, then ``cap_captions``."""
     if not data:
         return Row(locator, error="no image bytes", **fields)
     try:
-        w, h, alpha = probe_image(io.BytesIO(data))
+        w, h, alpha = probe_image(io.BytesIO(data), limits.max_image_pixels, limits.verify_images)
     except ValueError as e:
         return Row(locator, error=str(e), **fields)
     row = Row(locator, w=w, h=h, has_alpha=alpha, **fields)

@@ -3,7 +3,8 @@
 Depth-first, top-down: a directory's image files (sorted) come before its subdirectories
 (sorted); symlinked directories are not entered. ``group`` is the relative directory
 (``""`` for the root), the locator the relative path with ``/``. Sidecars and stamps are
-those of the kohya source (2.1, 3.1); weight is 1.
+those of the kohya source (2.1, 3.1); weight is 1. An image name that is no readable file
+(a broken or looping link) is a rejected row, after the folder's images.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from kohakumoss.data.rows import WalkItem
+from kohakumoss.data.rows import ScanLimits, WalkItem
 from kohakumoss.data.sources.base import (
     SourceError,
+    broken_item,
     check_args,
     list_dir,
     register_source,
@@ -33,7 +35,7 @@ class FolderSource:
     def __post_init__(self) -> None:
         check_args(self)
 
-    def walk(self) -> list[WalkItem]:
+    def walk(self, limits: ScanLimits = ScanLimits()) -> list[WalkItem]:
         root = Path(self.path)
         if not root.is_dir():
             raise SourceError(f"folder source: folder {str(root)!r} does not exist "
@@ -41,19 +43,23 @@ class FolderSource:
                               "directory of images (with optional img.txt / img.caption / "
                               "img.json sidecars)")
         items: list[WalkItem] = []
-        self._walk_dir(root, "", items)
+        self._walk_dir(root, "", items, limits)
         return items
 
-    def _walk_dir(self, folder: Path, rel: str, items: list[WalkItem]) -> None:
+    def _walk_dir(self, folder: Path, rel: str, items: list[WalkItem], limits: ScanLimits) -> None:
         listing = list_dir(folder, follow_dir_links=False)
         for entry in listing.images:
             locator = f"{rel}/{entry.name}" if rel else entry.name
             items.append(sidecar_file_item(entry, listing.present, locator, group=rel,
-                                           txt_as=self.txt_as,
-                                           hash_content=self.hash_content))
+                                           txt_as=self.txt_as, hash_content=self.hash_content,
+                                           limits=limits))
+        for entry, error in listing.broken:
+            items.append(broken_item(entry, f"{rel}/{entry.name}" if rel else entry.name, error,
+                                     group=rel))
         if self.recursive:
             for sub in listing.dirs:
-                self._walk_dir(Path(sub.path), f"{rel}/{sub.name}" if rel else sub.name, items)
+                self._walk_dir(Path(sub.path), f"{rel}/{sub.name}" if rel else sub.name, items,
+                               limits)
 
     def open(self, locator: str) -> bytes:
         return (Path(self.path) / locator).read_bytes()

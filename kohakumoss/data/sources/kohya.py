@@ -3,22 +3,27 @@
 Only first-level subfolders of ``path`` are read (plus, with ``include_root``, the images
 directly in ``path``, which come first). The folder's numeric prefix gives the row weight
 (``repeat_prefix``), its remainder optionally the artist (``artist_from_folder``); every
-image reads its ``.txt`` / ``.caption`` / ``.json`` sidecars (2.1).
+image reads its ``.txt`` / ``.caption`` / ``.json`` sidecars (2.1). Broken entries (an
+image name that is no readable file, a first-level link that resolves to nothing or to a
+folder enclosing the dataset) are rejected rows, so the scan report lists them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 from typing import Literal
 
 from kohakumoss.configlib import knob
-from kohakumoss.data.rows import WalkItem
+from kohakumoss.data.rows import ScanLimits, WalkItem
 from kohakumoss.data.sources.base import (
     SourceError,
+    broken_item,
     check_args,
+    is_image_name,
     list_dir,
     register_source,
     sidecar_file_item,
@@ -84,27 +89,40 @@ class KohyaSource:
     def __post_init__(self) -> None:
         check_args(self)
 
-    def walk(self) -> list[WalkItem]:
+    def walk(self, limits: ScanLimits = ScanLimits()) -> list[WalkItem]:
         root = Path(self.path)
         if not root.is_dir():
             raise SourceError(f"kohya source: folder {str(root)!r} does not exist "
                               f"(resolved to {str(root.absolute())!r}); {LAYOUT_HINT}")
         top = list_dir(root, follow_dir_links=True)
-        common = {"txt_as": self.txt_as, "hash_content": self.hash_content}
+        common = {"txt_as": self.txt_as, "hash_content": self.hash_content, "limits": limits}
         items: list[WalkItem] = []
         if self.include_root:
             for entry in top.images:
                 items.append(sidecar_file_item(entry, top.present, entry.name, group="",
                                                weight=1.0, **common))
+        for entry, error in top.broken:
+            if self.include_root or (entry.is_symlink() and not is_image_name(entry.name)):
+                items.append(broken_item(entry, entry.name, error))
+        real_root = os.path.realpath(root)
         for folder in top.dirs:
+            target = os.path.realpath(folder.path)
+            if folder.is_symlink() and os.path.commonpath([target, real_root]) == target:
+                items.append(broken_item(folder, folder.name, f"{folder.path} is a symbolic link "
+                                         f"to {target}, which holds the dataset: a loop, not "
+                                         "entered"))
+                continue
             numbers, remainder = parse_folder_name(folder.name)
             weight = repeats_of(numbers, self.repeat_prefix)
             artist = artist_of(remainder, self.artist_from_folder)
-            sub = list_dir(Path(folder.path), follow_dir_links=True)
+            sub = list_dir(Path(folder.path), follow_dir_links=False)  # subfolders are not read
             for entry in sub.images:
                 items.append(sidecar_file_item(entry, sub.present, f"{folder.name}/{entry.name}",
                                                group=folder.name, weight=weight, artist=artist,
                                                **common))
+            for entry, error in sub.broken:
+                items.append(broken_item(entry, f"{folder.name}/{entry.name}", error,
+                                         group=folder.name, weight=weight))
         if not items:
             raise SourceError(f"kohya source: no images found in {str(root)!r}; {LAYOUT_HINT}")
         return items

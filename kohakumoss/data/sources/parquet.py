@@ -8,7 +8,8 @@
   gets locator ``row:<i>`` and ``extra.hash`` = content hash; ``image_col`` is dropped.
 
 Columns ``weight`` / ``group`` are popped (null -> 1.0 / ""); other non-null fields go
-through the JSON mapping (2.1). ``open`` in bytes mode reads one row group through a
+through the JSON mapping (2.1). A text cell that is not UTF-8 (Parquet does not check)
+follows ``data.caption_errors`` like a sidecar. ``open`` in bytes mode reads one row group through a
 per-process cache (never pickled; keyed by path, mtime and pid).
 """
 
@@ -25,11 +26,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kohakumoss.data.rows import Row, WalkItem
+from kohakumoss.data.rows import Row, ScanLimits, WalkItem, cap_captions
 from kohakumoss.data.sources.base import (
+    CaptionEncodingError,
     SourceError,
     apply_json_meta,
     check_args,
+    decode_caption,
     line_hash,
     pad_stamp,
     probe_bytes,
@@ -58,13 +61,50 @@ def _json_safe(meta: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(meta, default=str))
 
 
-def probe_parquet_bytes(path: str, bytes_col: str, image_col: str) -> list[Row]:
+def batch_records(batch: pa.RecordBatch, path: str, start: int, policy: str
+                  ) -> list[tuple[dict[str, Any], list[str], str | None]]:
+    """The rows of a record batch as ``(record, warnings, error)``: a text cell that is not
+    UTF-8 follows ``data.caption_errors`` (``decode_caption``); a skipped row keeps its
+    U+FFFD text (so its image is still named) and carries the error. Nested text (a list
+    of strings) cannot be replaced: its row is rejected unless the policy is strict."""
+    try:
+        return [(record, [], None) for record in batch.to_pylist()]
+    except UnicodeDecodeError:
+        pass
+    out = []
+    for i in range(batch.num_rows):
+        record: dict[str, Any] = {}
+        notes: list[str] = []
+        error = None
+        for name, column in zip(batch.schema.names, batch.columns):
+            try:
+                record[name] = column[i].as_py()
+                continue
+            except UnicodeDecodeError:
+                where = f"{path} row {start + i} column {name!r}"
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                record[name], error = None, f"{where}: invalid UTF-8 in a nested text column"
+                if policy == "strict":
+                    raise CaptionEncodingError(f"{error} (data.caption_errors: strict)")
+                continue
+            data = column.slice(i, 1).cast(pa.large_binary())[0].as_py()
+            try:
+                record[name] = decode_caption(data, where, policy, notes)
+            except ValueError as e:  # skip
+                record[name], error = data.decode("utf-8", errors="replace"), str(e)
+        out.append((record, notes, error))
+    return out
+
+
+def probe_parquet_bytes(path: str, bytes_col: str, image_col: str,
+                        limits: ScanLimits = ScanLimits()) -> list[Row]:
     """All rows of a bytes-mode table (header probes of the in-memory bytes)."""
     rows: list[Row] = []
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS)
         for batch in batches:
-            for record in batch.to_pylist():
+            for record, notes, error in batch_records(batch, path, len(rows),
+                                                      limits.caption_errors):
                 locator = f"row:{len(rows)}"
                 data = image_bytes(record.pop(bytes_col))
                 record.pop(image_col, None)
@@ -73,12 +113,19 @@ def probe_parquet_bytes(path: str, bytes_col: str, image_col: str) -> list[Row]:
                 except SourceError as e:
                     rows.append(Row(locator, error=str(e)))
                     continue
-                row = probe_bytes(data, locator, group=group, weight=weight)
-                if row.error is None:
+                if error is not None:
+                    rows.append(Row(locator, group=group, weight=weight, error=error))
+                    continue
+                row = probe_bytes(data, locator, limits, group=group, weight=weight)
+                if row.error is not None:
+                    row.error = f"{path} {locator}: {row.error}"
+                else:
                     try:
                         apply_json_meta(row, _json_safe(_non_null(record)))
+                        cap_captions(row, limits.max_caption_chars)
                     except (TypeError, ValueError) as e:
                         row = Row(locator, group=group, weight=weight, error=str(e))
+                row.warnings[:0] = notes
                 rows.append(row)
     except (OSError, pa.ArrowException) as e:
         rows.append(Row(f"row:{len(rows)}", error=f"unreadable parquet file {path} ({e})"))
@@ -150,32 +197,35 @@ class ParquetSource:
                               ("bytes" if role == "bytes_col" else "paths"))
         return pf
 
-    def walk(self) -> list[WalkItem]:
+    def walk(self, limits: ScanLimits = ScanLimits()) -> list[WalkItem]:
         pf = self._open_table()
         if self.bytes_col is not None:
             abs_path = str(Path(self.path).absolute())
             st = os.stat(abs_path)
             probe = functools.partial(probe_parquet_bytes, abs_path, self.bytes_col,
-                                      self.image_col)
+                                      self.image_col, limits)
             return [WalkItem(f"file:{abs_path}", pad_stamp(st.st_size, st.st_mtime_ns), probe)]
         abs_root = self.image_root().absolute()
         items: list[WalkItem] = []
         seen: dict[str, int] = {}
-        n = 0
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS):
-            for record in batch.to_pylist():
-                where = f"{self.path} row {n}"
-                n += 1
-                value = record.pop(self.image_col)
-                if value is None:
-                    raise SourceError(f"{where}: image_col {self.image_col!r} is null; every "
-                                      "row needs an image path")
-                weight, group = pop_weight_group(record, where)
-                fields = _non_null(record)
-                fields_hash = line_hash(repr(sorted(fields.items())) + f"|{weight}|{group}")
-                items.append(manifest_item(abs_root, relative_locator(value), seen, fields_hash,
-                                           weight, group, _json_safe(fields),
-                                           self.hash_content))
+        try:
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS):
+                for record, notes, error in batch_records(batch, self.path, len(items),
+                                                          limits.caption_errors):
+                    where = f"{self.path} row {len(items)}"
+                    value = record.pop(self.image_col)
+                    if value is None:
+                        raise SourceError(f"{where}: image_col {self.image_col!r} is null; "
+                                          "every row needs an image path")
+                    weight, group = pop_weight_group(record, where)
+                    fields = _non_null(record)
+                    fields_hash = line_hash(repr(sorted(fields.items())) + f"|{weight}|{group}")
+                    items.append(manifest_item(abs_root, relative_locator(value), seen,
+                                               fields_hash, weight, group, _json_safe(fields),
+                                               self.hash_content, limits, notes, error))
+        except (OSError, pa.ArrowException) as e:
+            raise SourceError(f"parquet source: {str(self.path)!r} is not a readable Parquet "
+                              f"file ({e})") from None
         return items
 
     def open(self, locator: str) -> bytes:

@@ -11,7 +11,8 @@ Index record: u64 offset, u32 size, u16 width, u16 height (clamped to 65535), u8
 u8 flags (bit 0 = has alpha), 6 zero bytes, u64 content-hash prefix (first 16 hex digits
 of the blake2b-128 hex). A writer rolls to the next shard when the current one is
 non-empty and the image would push it past ``SHARD_BYTES`` (1 GiB). The dataset is read
-through its own catalog, never walked; ``import_to_shards`` builds one from any source.
+through its own catalog, never walked; ``import_to_shards`` builds one from any source
+(under the scan's ``ScanLimits``; the scan applies its own limits to the copy it takes).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import struct
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kohakumoss.data.rows import Row, WalkItem
+from kohakumoss.data.rows import Row, ScanLimits, WalkItem
 from kohakumoss.data.sources.base import SourceError, check_args, content_hash, register_source
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class MossShardSource:
                               f"dataset: {REIMPORT_HINT}")
         return shards
 
-    def walk(self) -> list[WalkItem]:
+    def walk(self, limits: ScanLimits = ScanLimits()) -> list[WalkItem]:
         raise SourceError(f"moss_shard source {self.path!r} is not walked: shard datasets "
                           f"are read through their own catalog ({CATALOG_NAME}, see "
                           "own_catalog()), written when they are imported")
@@ -189,14 +190,16 @@ class MossShardSource:
         return data
 
 
-def write_shards(source: Any, shards: Path) -> list[Row]:
-    """Walk and probe ``source``, copy every good row's bytes into shards under ``shards``
-    and return the rows with ``extra.hash``, ``extra.origin`` and shard locators. Rows with
-    a probe error are reported in the log and left out."""
+def write_shards(source: Any, shards: Path, limits: ScanLimits = ScanLimits()) -> list[Row]:
+    """Walk and probe ``source`` under ``limits``, copy every good row's bytes into shards
+    under ``shards`` and return the rows with ``extra.hash``, ``extra.origin`` and shard
+    locators. Rows with a probe error are reported in the log and left out."""
     out: list[Row] = []
     with ShardWriter(shards) as writer:
-        for item in source.walk():
+        for item in source.walk(limits):
             for row in item.probe():
+                for warning in row.warnings:
+                    log.warning("import: %s: %s", row.locator, warning)
                 if row.error is not None:
                     log.warning("import: skipping %s (%s)", row.locator, row.error)
                     continue
@@ -210,7 +213,7 @@ def write_shards(source: Any, shards: Path) -> list[Row]:
     return out
 
 
-def import_to_shards(source: Any, dest: str | Path) -> Path:
+def import_to_shards(source: Any, dest: str | Path, limits: ScanLimits = ScanLimits()) -> Path:
     """Copy ``source`` (any source object) into a native shard dataset at ``dest`` and
     write its catalog; returns the catalog path. Shards are written to a temporary folder
     renamed into place, so a failed import leaves no half dataset behind."""
@@ -225,7 +228,7 @@ def import_to_shards(source: Any, dest: str | Path) -> Path:
     tmp = dest / f"shards.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        rows = write_shards(source, tmp)
+        rows = write_shards(source, tmp, limits)
         if not rows:
             raise SourceError(f"import_to {str(dest)!r}: the source yielded no readable image")
         if shards.exists():

@@ -4,7 +4,8 @@
 group by sample key = directory + basename up to the first dot; the extension is the rest,
 lower-cased (``a.seg.png`` -> key ``a``, ext ``.seg.png``). A sample's image is its plain
 image member (``.png``, ...; first sorted) else the first sorted dotted extension ending in
-an image suffix; ``.txt`` gives tags or a caption (``txt_as``), ``.json`` the JSON mapping.
+an image suffix; ``.txt`` gives tags or a caption (``txt_as``), ``.json`` the JSON mapping
+(both decoded under ``data.caption_errors``).
 Locator ``<tar index>:<data offset>:<size>`` (random access by seek); one walk item per
 tar, key ``tar:<abs path>``, stamp ``(tar index, size, mtime_ns, -1 x 5)``.
 """
@@ -21,12 +22,13 @@ import tarfile
 from pathlib import Path
 from typing import Literal
 
-from kohakumoss.data.rows import IMAGE_EXTENSIONS, Row, WalkItem
+from kohakumoss.data.rows import IMAGE_EXTENSIONS, Row, ScanLimits, WalkItem, cap_captions
 from kohakumoss.data.sources.base import (
     SourceError,
     apply_json_meta,
     apply_text,
     check_args,
+    decode_caption,
     pad_stamp,
     probe_bytes,
     register_source,
@@ -57,8 +59,17 @@ def choose_image(exts: list[str]) -> str | None:
     return None
 
 
-def probe_tar(path: str, tar_index: int, txt_as: str) -> list[Row]:
-    """All samples of one tar; a bad member or sidecar gives an error row, never raises."""
+def member_text(tf: tarfile.TarFile, member: tarfile.TarInfo, row: Row, policy: str) -> str:
+    """A text member as UTF-8 under ``data.caption_errors`` (``policy``)."""
+    return decode_caption(tf.extractfile(member).read(), f"{tf.name} member {member.name}",
+                          policy, row.warnings)
+
+
+def probe_tar(path: str, tar_index: int, txt_as: str, limits: ScanLimits = ScanLimits()
+              ) -> list[Row]:
+    """All samples of one tar; a bad member or sidecar gives an error row naming it, never
+    raises (only ``CaptionEncodingError`` under ``caption_errors: strict``)."""
+    policy = limits.caption_errors
     group = os.path.basename(path)
     rows: list[Row] = []
     try:
@@ -76,19 +87,21 @@ def probe_tar(path: str, tar_index: int, txt_as: str) -> list[Row]:
                     continue
                 image = members[ext]
                 locator = f"{tar_index}:{image.offset_data}:{image.size}"
-                row = probe_bytes(tf.extractfile(image).read(), locator, group=group)
+                row = probe_bytes(tf.extractfile(image).read(), locator, limits, group=group)
                 row.extra["key"] = key
-                if row.error is None:
+                if row.error is not None:
+                    row.error = f"{path} member {image.name}: {row.error}"
+                else:
                     try:
                         if ".txt" in members:
-                            text = tf.extractfile(members[".txt"]).read()
-                            apply_text(row, text.decode("utf-8", errors="replace").strip(), txt_as)
+                            text = member_text(tf, members[".txt"], row, policy)
+                            apply_text(row, text.strip(), txt_as)
                         if ".json" in members:
-                            meta = json.loads(tf.extractfile(members[".json"]).read()
-                                              .decode("utf-8", errors="replace"))
+                            meta = json.loads(member_text(tf, members[".json"], row, policy))
                             if not isinstance(meta, dict):
                                 raise ValueError(f"{key}.json must hold a JSON object")
                             apply_json_meta(row, meta)
+                        cap_captions(row, limits.max_caption_chars)
                     except (ValueError, TypeError) as e:
                         row = Row(locator, group=group, error=f"sample {key!r}: {e}",
                                   extra={"key": key})
@@ -129,11 +142,11 @@ class WebdatasetSource:
                                   f"the glob {self.path!r} to *.tar")
         return paths
 
-    def walk(self) -> list[WalkItem]:
+    def walk(self, limits: ScanLimits = ScanLimits()) -> list[WalkItem]:
         items = []
         for index, p in enumerate(self.tars()):
             st = os.stat(p)
-            probe = functools.partial(probe_tar, p, index, self.txt_as)
+            probe = functools.partial(probe_tar, p, index, self.txt_as, limits)
             items.append(WalkItem(f"tar:{p}", pad_stamp(index, st.st_size, st.st_mtime_ns), probe))
         return items
 
