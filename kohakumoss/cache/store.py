@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from kohakumoss import faults
-from kohakumoss.artifacts import atomic_path, atomic_write_json, dir_lock, hash_file
+from kohakumoss.artifacts import atomic_write_bytes, atomic_write_json, dir_lock, hash_bytes, hash_file
 from kohakumoss.errors import IntegrityError, KohakuError
 
 log = logging.getLogger(__name__)
@@ -288,12 +288,12 @@ class TensorStore:
             if scale is not None:
                 tensors[f"{key}.scale"] = scale
             entries[key] = [name, int(t.shape[0]) if t.ndim else 1, entry_digest(codes, scale)]
-        path = self.dir / name
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"storage": self.storage})
+        # serialised here and written by Python, so a full disk is an OSError (ENOSPC/EFBIG)
+        # the CLI reports in one line, not safetensors' own error; and hashed without a re-read
+        data = save(tensors, metadata={"storage": self.storage})
+        atomic_write_bytes(self.dir / name, data)
         faults.point("cache.shard")  # the shard in place, the index not yet naming it
-        self.index["shards"][name] = {"bytes": path.stat().st_size, "hash": hash_file(path),
-                                      "entries": len(entries)}
+        self.index["shards"][name] = {"bytes": len(data), "hash": hash_bytes(data), "entries": len(entries)}
         self.index["entries"].update(entries)
         self._write_index()
 
