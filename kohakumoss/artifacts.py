@@ -225,6 +225,33 @@ def verify_files(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
     return bad
 
 
+def write_safetensors(tensors: dict[str, Any], path: str | os.PathLike,
+                      metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` with the same bytes for the same input every time.
+
+    safetensors writes the ``__metadata__`` mapping in hash-map order, which changes from
+    one process to the next, so equal exports, checkpoints and shards would hash apart
+    (and DVC would re-run what follows them). The header is rewritten in place with the
+    metadata keys sorted: the same length, so the tensor data never moves or is re-read.
+    """
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    if not metadata or len(metadata) < 2:
+        return
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        raw = f.read(size)
+        header = json.loads(raw)
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        body = raw.rstrip(b" ")
+        if len(text) != len(body):  # a serialisation we do not reproduce: keep it as written
+            return
+        f.seek(8)
+        f.write(text + raw[len(body):])
+
+
 def sweep_temps(directory: str | os.PathLike, recursive: bool = True) -> list[Path]:
     """Remove the temp files and folders killed writers left in ``directory`` (hold the
     directory's ``dir_lock`` first, so a live writer's temp files are never touched)."""

@@ -11,6 +11,8 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import errno
+import os
+import re
 
 # errors the user fixes on the machine, not in the code: a full disk or quota, a file-size
 # limit (RLIMIT_FSIZE), a read-only disk, a permission
@@ -26,15 +28,34 @@ class IntegrityError(KohakuError):
     """Bytes on disk that do not match the hash their manifest records."""
 
 
+# how libraries that do their own I/O report an OS error in their message: Rust crates
+# (safetensors, tokenizers) say "(os error 27)"; SQLite (DVC's state) names no errno at all
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+SQLITE_FULL = ("database or disk is full", "disk I/O error")
+
+
+def _as_os_error(e: BaseException) -> OSError | None:
+    if isinstance(e, OSError):
+        return e if e.errno in MACHINE else None
+    m = RUST_OS_ERROR.search(str(e))
+    if m and int(m.group(1)) in MACHINE:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code))
+    if type(e).__module__ == "sqlite3" and str(e) in SQLITE_FULL:
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (SQLite: {e})")
+    return None
+
+
 def find_machine_error(exc: BaseException) -> OSError | None:
-    """The ``OSError`` in ``exc``'s cause chain that a user fixes on the machine, if any
+    """The OS error in ``exc``'s cause chain that a user fixes on the machine, if any
     (libraries often re-raise a full disk as their own error type)."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in MACHINE:
-            return e
+        found = _as_os_error(e)
+        if found is not None:
+            return found
         e = e.__cause__ or e.__context__
     return None
 

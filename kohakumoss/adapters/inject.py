@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from lycoris import LycorisNetwork
 from lycoris.modules.tlora import clear_timestep_mask, compute_timestep_mask, set_timestep_mask
-from safetensors.torch import save_file
+
 from torch import nn
 
 from kohakumoss.adapters.norms import NormDelta
 from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
 from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
-from kohakumoss.artifacts import atomic_path
+from kohakumoss.artifacts import atomic_path, write_safetensors
 from kohakumoss.model.dit import RMSNormWeight
 
 PREFIX = "lora_unet"
@@ -327,5 +327,5 @@ class AdapterSet:
         """Write LyCORIS's native adapter file (keys ``lora_unet_<path>.<tensor>``)."""
         meta = {**self.lycoris_metadata(), **(metadata or {})}
         with atomic_path(path) as tmp:
-            save_file(self.lycoris_state_dict(dtype), str(tmp), metadata=meta)
+            write_safetensors(self.lycoris_state_dict(dtype), tmp, meta)
         return Path(path)

@@ -225,7 +225,19 @@ def make_loader(batches: PlanBatches, start: int = 0, end: int | None = None,
     # state a resumed run restores (dropout draws depend on it)
     return torch.utils.data.DataLoader(PlanStream(batches, start, end), batch_size=None,
                                        num_workers=num_workers, collate_fn=_identity,
+                                       worker_init_fn=_die_with_parent if num_workers else None,
                                        generator=torch.Generator().manual_seed(0), **kwargs)
+
+
+def _die_with_parent(worker_id: int) -> None:
+    """Linux: the kernel kills a worker when the process that started it dies, so a
+    ``kill -9`` of the trainer leaves no worker behind (holding its pipes and memory)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _identity(x):

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
 
 from kohakumoss.adapters.files import load_adapter_file
 from kohakumoss.adapters.runtime import dylora_rank, kind_of, merged_weight
-from kohakumoss.artifacts import atomic_path
+from kohakumoss.artifacts import atomic_path, write_safetensors
 
 STYLES = ("lora_unet", "diffusion_model")
 PLAIN_LORA = frozenset({"lora_up.weight", "lora_down.weight", "alpha"})
@@ -293,8 +293,7 @@ def save_comfy_file(path: str | Path, tensors: Mapping[str, torch.Tensor],
                     metadata: Mapping[str, str] | None = None) -> Path:
     """Write the file atomically (temp file, fsync, rename)."""
     with atomic_path(path) as tmp:
-        save_file(dict(tensors), str(tmp),
-                  metadata={k: str(v) for k, v in (metadata or {}).items()})
+        write_safetensors(dict(tensors), tmp, {k: str(v) for k, v in (metadata or {}).items()})
     return Path(path)
 
 

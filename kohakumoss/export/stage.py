@@ -129,7 +129,7 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
         formats = list(FULL_DEFAULT if src.kind == "full" else ADAPTER_DEFAULT)
     e = p.export
     experiment = os.environ.get(EXPERIMENT_ENV, "")
-    with dir_lock(out, "kmoss export", wait=False):
+    with dir_lock(run_dir, "kmoss export", wait=False):  # the run's lock: not while training
         previous = _previous_outputs(out)
         written = []
         meta = {"kohakumoss_params_hash": hash_json(stage_params(p, TRAINING_KEYS)),

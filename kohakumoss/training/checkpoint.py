@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kohakumoss import faults
-from kohakumoss.artifacts import ArtifactError, hash_bytes, hash_file, public_mode, temp_dir
+from kohakumoss.artifacts import (ArtifactError, hash_bytes, hash_file, public_mode, temp_dir,
+                                  write_safetensors)
 from kohakumoss.errors import IntegrityError, KohakuError
 from kohakumoss.training.statefile import dumps_state, flatten_state, loads_state, unflatten_state
 
@@ -204,11 +205,11 @@ def save_checkpoint(directory: str | Path, step: int, trainable: dict[str, torch
     final = directory / f"step-{step:06d}"
     tmp = temp_dir(directory)
     try:
-        save_file(_fp32(trainable), str(tmp / TRAINABLE), metadata=metadata or {})
+        write_safetensors(_fp32(trainable), tmp / TRAINABLE, metadata or {})
         if ema is not None:
-            save_file(_fp32(ema), str(tmp / EMA_FILE), metadata=metadata or {})
+            write_safetensors(_fp32(ema), tmp / EMA_FILE, metadata or {})
         tensors, tree = flatten_state(extra)
-        save_file(tensors, str(tmp / OPT_TENSORS))
+        write_safetensors(tensors, tmp / OPT_TENSORS)
         (tmp / OPT_TREE).write_text(dumps_state(tree), encoding="utf-8")
         (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
         if log is not None:

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from kohakumoss.artifacts import atomic_path, atomic_write_json
+
+from kohakumoss.artifacts import atomic_path, atomic_write_json, write_safetensors
 from kohakumoss.model.checkpoints.keys import ROPE_KEY, check_keys, fuse_qkv
 from kohakumoss.model.checkpoints.quant import encode_format, quantize_fp8, quantize_int8
 from kohakumoss.model.checkpoints.reader import INDEX, CheckpointError, TransformerReader, locate
@@ -113,7 +113,7 @@ def save_official(state, folder: str | Path, config: DiTConfig, dtype: torch.dty
     weight_map = {}
     for name, shard in zip(names, shards):
         with atomic_path(folder / name) as tmp:
-            save_file(shard, str(tmp), metadata={"format": "pt"})
+            write_safetensors(shard, tmp, {"format": "pt"})
         weight_map.update({k: name for k in shard})
     total = sum(v.numel() * v.element_size() for v in sd.values())
     atomic_write_json(folder / "config.json", config.hf_config())
@@ -151,5 +151,5 @@ def save_comfy(state, path: str | Path, config: DiTConfig, dtype: torch.dtype | 
         meta["_quantization_metadata"] = json.dumps({"format": quantize})
     path = Path(path)
     with atomic_path(path) as tmp:
-        save_file(out, str(tmp), metadata=meta)
+        write_safetensors(out, tmp, meta)
     return path
