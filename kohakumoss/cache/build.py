@@ -33,7 +33,7 @@ from kohakumoss.data.planfile import read_plan
 # the params each stage reads (dvc.yaml declares them; the manifest does not record them)
 TEXT_PARAMS = ["model.text_encoder", "model.tokenizer", "encoders.device", "encoders.text_dtype",
                "encoders.text_batch", "encoders.text_batch_tokens", "cache.dtype", "cache.shard_mb"]
-LATENT_PARAMS = ["data.datasets", "resolution.background", "resolution.resample", "model.vae",
+LATENT_PARAMS = ["data.datasets", "data.max_image_pixels", "resolution.background", "resolution.resample", "model.vae",
                  "encoders.device", "encoders.vae_dtype", "encoders.draw", "encoders.vae_batch",
                  "encoders.vae_batch_pixels", "encoders.decode_workers", "cache.dtype",
                  "cache.shard_mb"]

@@ -142,7 +142,8 @@ def _encode_groups(store: TensorStore, items: dict[str, LatentItem], missing: se
     def decode(key: str) -> torch.Tensor:
         it = items[key]
         data = p.data.datasets[it.dataset].args.open(it.locator)
-        return to_model_range(decode_image(data, it.box, it.target, it.flip, res.background, res.resample))
+        return to_model_range(decode_image(data, it.box, it.target, it.flip, res.background,
+                                           res.resample, p.data.max_image_pixels))
 
     def stack(group: list[str]) -> tuple[list[str], torch.Tensor | None]:
         ok, pixels = [], []

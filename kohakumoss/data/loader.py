@@ -106,13 +106,14 @@ class PlanBatches:
 
     def __init__(self, plan_dir: str | Path, datasets: tuple[DatasetEntry, ...],
                  resolution: ResolutionConfig, catalog_dir: str | Path, rank: int = 0,
-                 world: int = 1, pixels: bool = True):
+                 world: int = 1, pixels: bool = True, max_pixels: int = MAX_IMAGE_PIXELS):
         self.plan_dir = Path(plan_dir)
         self.catalog_dir = Path(catalog_dir)
         self.datasets = datasets
         self.resolution = resolution
         self.rank, self.world = rank, world
         self.pixels = pixels  # False: the latents come from an offline cache, decode nothing
+        self.max_pixels = max_pixels  # data.max_image_pixels: the scan's limit holds here too
         self._cols: dict[str, np.ndarray] | None = None
         self._locators: list[list[str]] | None = None
 
@@ -169,7 +170,8 @@ class PlanBatches:
             if self.pixels:
                 try:
                     data = self.datasets[d].args.open(locator)
-                    pix = decode_image(data, box, (th, tw), flip, res.background, res.resample)
+                    pix = decode_image(data, box, (th, tw), flip, res.background, res.resample,
+                                       self.max_pixels)
                 except Exception as e:  # a broken file is reported and skipped, never fatal
                     reason = f"{type(e).__name__}: {e}"
                     log.warning("batch %d: skipping dataset %d image %s (%s)", index, d, locator, reason)

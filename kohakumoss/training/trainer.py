@@ -91,7 +91,8 @@ class Trainer:
                                   text_identity(p), vae_identity(p))
         self.encoder = BatchEncoder(p, self.caches, self.device)
         self.batches = PlanBatches(paths.plan, p.data.datasets, p.resolution, paths.catalog,
-                                   pixels=p.cache.latents != "offline")
+                                   pixels=p.cache.latents != "offline",
+                                   max_pixels=p.data.max_image_pixels)
         # what makes an old checkpoint of the run unusable: the data order, the training
         # params, what is trained, and what the caches encoded the data with
         self.identity = {"plan": self.plan.content_hash,
