@@ -16,10 +16,14 @@ in ``HostBatch.skipped``; it never stops the run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import multiprocessing
+import os
+import select
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -227,19 +231,39 @@ def make_loader(batches: PlanBatches, start: int = 0, end: int | None = None,
     # state a resumed run restores (dropout draws depend on it)
     return torch.utils.data.DataLoader(PlanStream(batches, start, end), batch_size=None,
                                        num_workers=num_workers, collate_fn=_identity,
-                                       worker_init_fn=_die_with_parent if num_workers else None,
+                                       worker_init_fn=functools.partial(_die_with_trainer,
+                                                                        os.getpid()),
                                        generator=torch.Generator().manual_seed(0), **kwargs)
 
 
-def _die_with_parent(worker_id: int) -> None:
-    """Linux: the kernel kills a worker when the process that started it dies, so a
-    ``kill -9`` of the trainer leaves no worker behind (holding its pipes and memory)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+def _die_with_trainer(trainer: int, worker_id: int) -> None:
+    """End this worker when the trainer (pid ``trainer``) dies, e.g. by ``kill -9``.
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    Workers are forked by the forkserver, not by the trainer, and hold the forkserver open:
+    neither torch's watchdog (which watches the worker's parent) nor ``PR_SET_PDEATHSIG``
+    sees the trainer go, so a killed run would leave both behind for good. A daemon
+    thread waits on the trainer's pidfd (Linux 5.3+; a one-second poll elsewhere).
+    """
+    import threading
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(trainer)
+        except ProcessLookupError:
+            os._exit(1)
+        except (AttributeError, OSError):  # no pidfd: poll
+            while True:
+                try:
+                    os.kill(trainer, 0)
+                except ProcessLookupError:
+                    os._exit(1)
+                except PermissionError:
+                    pass
+                time.sleep(1.0)
+        select.select([fd], [], [])  # readable once the trainer has exited
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kmoss-trainer-watch", daemon=True).start()
 
 
 def _identity(x):

@@ -172,3 +172,51 @@ def test_kill_points_fire_only_where_named(target, printed):
     res = subprocess.run([sys.executable, "-c", KILL], env=env, capture_output=True, text=True)
     assert res.stdout.split() == printed.split()
     assert res.returncode == (0 if target == "other" else -9)
+
+
+LOADER = """
+import os, sys, time
+from kohakumoss.data.loader import make_loader
+
+
+class Batches:
+    def __len__(self):
+        return 10**6
+
+    def batch(self, index):
+        time.sleep(0.01)
+        return os.getpid()
+
+
+if __name__ == "__main__":
+    pids, batches = set(), iter(make_loader(Batches(), num_workers=2, prefetch=2))
+    while len(pids) < 2:
+        pids.add(next(batches))
+    print(*sorted(pids), flush=True)
+    time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead but not yet reaped by its parent
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process semantics")
+def test_a_killed_trainer_leaves_no_loader_worker_behind(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(LOADER)
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = [int(p) for p in trainer.stdout.readline().split()]
+    assert len(workers) == 2 and all(_alive(p) for p in workers)
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in workers)
