@@ -99,7 +99,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(small, monkeypatch)
     def dying_save(*a, **k):
         raise KeyboardInterrupt("killed while writing")
 
-    monkeypatch.setattr(ckpt_mod, "save_file", dying_save)
+    monkeypatch.setattr(ckpt_mod, "write_safetensors", dying_save)
     with pytest.raises(KeyboardInterrupt):
         ckpt_mod.save_checkpoint(paths.checkpoints, 12, {"x": torch.ones(1)}, {}, {})
     after = {c.step: (c.path / "trainable.safetensors").read_bytes()
