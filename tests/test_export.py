@@ -100,7 +100,7 @@ def test_existing_output_replaced_only_when_the_new_one_is_complete(tmp_path, mo
     def boom(*a, **k):
         raise KeyboardInterrupt("killed mid-export")
 
-    monkeypatch.setattr(ck, "save_file", boom)
+    monkeypatch.setattr(ck, "write_safetensors", boom)
     with pytest.raises(KeyboardInterrupt):
         write_export(src, "diffusers", tmp_path / "d", strength=0.3)
     assert next(folder.glob("*.safetensors")).read_bytes() == shard

@@ -98,7 +98,9 @@ def test_dvc_repro_then_override_with_exp_run(project):
     out = _dvc(project, "repro")  # nothing changed (the re-export is outside every stage's outputs)
     assert "Stage 'plan' didn't change" in out and "Stage 'train' didn't change" in out
     assert "train.loss" in _dvc(project, "metrics", "show")
-    _dvc(project, "exp", "run", "-S", "run.seed=7", "-S", "resolution.mode=square")
+    # another plan (a short run: the full-length experiment flow is in tests/faults)
+    _dvc(project, "exp", "run", "-S", "run.seed=7", "-S", "resolution.mode=square",
+         "-S", "train.steps=20")
     m2 = json.loads((project / "artifacts/plan/manifest.json").read_text())
     assert m2["content_hash"] != m1["content_hash"]
     summary = json.loads((project / "artifacts/plan/summary.json").read_text())
