@@ -50,11 +50,11 @@ def attach(model: MOSSImageTransformer, spec: str, seed: int = 0):
     or an adapter file (ours, LyCORIS, ComfyUI). Returns a handle with ``remove()`` (or None)."""
     path, m = split_strength(spec)
     if path.is_dir() and (path / "trainable.safetensors").is_file():
-        from safetensors.torch import load_file
+        from kohakumoss.training.checkpoint import open_checkpoint
 
-        state = json.loads((path / "state.json").read_text())
-        trained = dict(state["trained"])
-        weights = load_file(str(path / "trainable.safetensors"))
+        ckpt = open_checkpoint(path, legacy_weights=True)  # verified reads, never a pickle
+        trained = dict(ckpt.state["trained"])
+        weights = ckpt.trainable()
         if trained["algo"] == "full":
             model.load_state_dict({k: v.to(model.get_parameter(k).dtype) for k, v in weights.items()})
             return None

@@ -12,7 +12,6 @@ export params).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from kohakumoss.config import AdapterConfig, Params
 from kohakumoss.encoders.common import DTYPES
