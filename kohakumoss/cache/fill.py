@@ -57,17 +57,24 @@ def text_items(plan: pa.Table, encoder_key_id: str, storage: str) -> dict[str, s
     return {text_key(encoder_key_id, storage, c): c for c in used}
 
 
+def _start(store: TensorStore, items: dict) -> tuple[FillStats, set[str]]:
+    """Drop damaged shards, then what of ``items`` is still missing (lock held)."""
+    stats = FillStats(wanted=len(items), dropped_shards=store.verify())
+    missing = set(store.missing(items))
+    stats.cached = stats.wanted - len(missing)
+    if missing:
+        faults.point("cache.fill")
+    return stats, missing
+
+
 def fill_text(store: TensorStore, items: dict[str, str], encoder: Callable[[], object],
               batch: int, max_tokens: int, chunk: int | None = None) -> FillStats:
     """Encode the missing captions in fixed chunks of ``chunk`` (default ``batch``) captions
     of the whole set, ordered by (length, text): each chunk is about one encoder call."""
     with store.writing():
-        stats = FillStats(wanted=len(items), dropped_shards=store.verify())
-        missing = set(store.missing(items))
-        stats.cached = stats.wanted - len(missing)
+        stats, missing = _start(store, items)
         if not missing:
             return stats
-        faults.point("cache.fill")
         order = sorted(items, key=lambda k: (len(items[k]), items[k]))
         step = chunk or batch
         todo = [c for c in (order[i:i + step] for i in range(0, len(order), step)) if missing.intersection(c)]
@@ -119,12 +126,9 @@ def fill_latents(store: TensorStore, items: dict[str, LatentItem], p: Params,
                  encoder: Callable[[], object], generator: torch.Generator | None = None) -> FillStats:
     """Decode (threads) and encode the groups of same-size crops that miss an entry."""
     with store.writing():
-        stats = FillStats(wanted=len(items), dropped_shards=store.verify())
-        missing = set(store.missing(items))
-        stats.cached = stats.wanted - len(missing)
+        stats, missing = _start(store, items)
         if not missing:
             return stats
-        faults.point("cache.fill")
         _encode_groups(store, items, missing, p, encoder, generator, stats)
         store.flush()
     return stats
