@@ -126,7 +126,7 @@ class Trainer:
         """Restore the newest good checkpoint (a damaged newer one is moved to
         ``runs/<name>/corrupt/`` with a warning) and return its step; 0 to start fresh."""
         clean_partial(self.paths.checkpoints)
-        self.resumed_from = None
+        self.resumed_rows: list[dict[str, Any]] = []  # the metric rows up to the resumed step
         found = load_newest(self.paths.checkpoints, self.paths.run / "corrupt")
         if found is None:
             return 0
@@ -149,7 +149,7 @@ class Trainer:
         torch.set_rng_state(extra["rng"]["torch"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
-        self.resumed_from = ckpt
+        self.resumed_rows = rows_of(data.log)
         log.info("resuming from %s (step %d of %d)", ckpt.path, ckpt.step, self.p.train.steps)
         return ckpt.step
 
@@ -192,13 +192,6 @@ class Trainer:
         return total, grad_norm, finite, samples
 
     # -- the run -------------------------------------------------------------------------
-    def _rows_at(self, step: int) -> list[dict[str, Any]]:
-        """The metric rows the checkpoint of ``step`` recorded (none before the first)."""
-        for ckpt in reversed(list_checkpoints(self.paths.checkpoints)):
-            if ckpt.step == step:
-                return rows_of(ckpt.log())
-        return []
-
     def run(self, progress: bool = True) -> TrainResult:
         """Train from the newest good checkpoint to ``train.steps`` (nothing to do for a
         finished run), holding the run's lock; always leaves dvclive/ and summary.json
@@ -212,7 +205,7 @@ class Trainer:
         acc, steps = p.train.grad_accum, p.train.steps
         self.model.train()
         self.log = RunLog(self.paths.run / "dvclive", self.paths.run / "previews",
-                          self._rows_at(start), upto=start)
+                          self.resumed_rows, upto=start)
         previews = None
         if p.preview.every > 0 and p.preview.prompts and start < steps:
             from kohakumoss.training.previews import Previewer
