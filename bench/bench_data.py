@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from kohakumoss.config import parse_params
+from kohakumoss.params import parse_params
 from kohakumoss.data.catalog import write_rows_catalog
 from kohakumoss.data.rows import Row
 

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from kohakumoss.model import FLAVORS, build_layout, cast_model
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import forward_flops, train_flops
-from kohakumoss.model.parity import rel_error
+from kohakumoss.checks.parity import rel_error
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 

@@ -9,13 +9,18 @@ the value and what is allowed. Stages read only the sections (and keys) they dec
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from kohakumoss.configlib import fail, knob, to_plain
 
-from kohakumoss.configlib import ConfigError, build, coerce, fail, knob, to_plain
-from kohakumoss.data.rows import MAX_CAPTION_CHARS, MAX_IMAGE_PIXELS
+# Defaults of the data.max_* knobs (docs/data.md, "Hostile and broken input"):
+# - 16384 characters per caption field: caption.max_text_tokens (4096) at ~4 characters a
+#   token of English, so the cap never cuts what the text encoder would read; it only stops
+#   a runaway file (a 10 MB caption once took `kmoss plan` to 5.6 GB).
+# - 178,956,970 pixels (13377 x 13377, above any camera sensor): PIL's own hard limit
+#   (2 x Image.MAX_IMAGE_PIXELS), so nothing PIL opens today is refused.
+MAX_CAPTION_CHARS = 16384
+MAX_IMAGE_PIXELS = 178_956_970
 
 Background = Literal["white", "black", "gray"]
 
@@ -43,29 +48,6 @@ class DatasetEntry:
 
 
 DATASET_KEYS = ("weight", "loss_weight", "caption")
-
-
-def parse_dataset(mapping: Any, where: str) -> DatasetEntry:
-    from kohakumoss.data.captions import parse_template
-    from kohakumoss.data.sources import SOURCES
-
-    if not isinstance(mapping, dict) or "source" not in mapping:
-        raise ConfigError(f"{where} must be a mapping with a 'source' key "
-                          f"(one of {', '.join(sorted(SOURCES))}), got {mapping!r}")
-    name = mapping["source"]
-    if name not in SOURCES:
-        fail(f"{where}.source", name, "one of " + ", ".join(sorted(SOURCES)))
-    own = {k: v for k, v in mapping.items() if k != "source" and k not in DATASET_KEYS}
-    args = build(SOURCES[name], own, where)
-    weight = coerce(float, mapping.get("weight", 1.0), f"{where}.weight")
-    if weight < 0:
-        fail(f"{where}.weight", weight, "a number >= 0")
-    loss_weight = coerce(float, mapping.get("loss_weight", 1.0), f"{where}.loss_weight")
-    caption = mapping.get("caption")
-    if caption is not None:
-        caption = parse_template(caption, f"{where}.caption")
-    return DatasetEntry(source=name, args=args, weight=weight, loss_weight=loss_weight,
-                        caption=caption)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,62 +300,12 @@ class Params:
     path: str = "params.yaml"
 
 
-def parse_params(raw: Any, path: str = "params.yaml") -> Params:
-    from kohakumoss.data.captions import parse_template
-
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
-    unknown = [k for k in raw if k not in SECTIONS]
-    if unknown:
-        import difflib
-
-        near = difflib.get_close_matches(str(unknown[0]), list(SECTIONS), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError(f"{path}: unknown section {unknown[0]!r}{hint} "
-                          f"(sections: {', '.join(SECTIONS)})")
-    sections: dict[str, Any] = {}
-    for name, cls in SECTIONS.items():
-        body = dict(raw.get(name) or {})
-        where = f"{path}: {name}"
-        if name == "data":
-            datasets = body.pop("datasets", None)
-            if not isinstance(datasets, list) or not datasets:
-                raise ConfigError(f"{where}.datasets must be a non-empty list of dataset entries "
-                                  f"(e.g. - {{source: kohya, path: my_dataset}}), got {datasets!r}")
-            parsed = tuple(parse_dataset(d, f"{where}.datasets[{i}]") for i, d in enumerate(datasets))
-            sections[name] = dataclasses.replace(build(cls, body, where), datasets=parsed)
-        elif name == "caption":
-            template = body.pop("template", None)
-            spec = parse_template(template if template is not None else {"template": "tags"},
-                                  f"{where}.template")
-            sections[name] = dataclasses.replace(build(cls, body, where), template=spec)
-        else:
-            sections[name] = build(cls, body, where)
-    params = Params(**sections, path=path)
-    validate(params)
-    return params
-
-
 def validate(p: Params) -> None:
     """Cross-section rules (``spec/data.md`` section 11)."""
     where = f"{p.path}: batching.token_budget"
     if p.batching.token_budget == "exact" and not p.caption.tokenizer:
         fail(where, "exact", "'exact' needs caption.tokenizer set to a tokenizer folder; "
              "use 'auto' or 'estimate' without one")
-
-
-def load_params(path: str | Path = "params.yaml") -> Params:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"params file {path} does not exist; run from the project root or pass "
-                          f"--params PATH")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    return parse_params(raw, str(path))
 
 
 def section_plain(params: Params, name: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ def main(
     A second run on the same directory waits for the first, then finds its entries cached.
     """
     from kohakumoss.cache.build import build_latent_cache
-    from kohakumoss.config import load_params
+    from kohakumoss.params import load_params
 
     manifest, s = build_latent_cache(load_params(params), plan, catalog, out)
     console.print(f"latent cache {manifest.content_hash[:12]} ({manifest.info['encoder']}): "

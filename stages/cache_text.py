@@ -23,7 +23,7 @@ def main(
     A second run on the same directory waits for the first, then finds its entries cached.
     """
     from kohakumoss.cache.build import build_text_cache
-    from kohakumoss.config import load_params
+    from kohakumoss.params import load_params
 
     manifest, s = build_text_cache(load_params(params), plan, out)
     console.print(f"text cache {manifest.content_hash[:12]} ({manifest.info['encoder']}): "

@@ -20,7 +20,7 @@ def check_vector_set(folder: Path) -> None:
     from safetensors import SafetensorError, safe_open
 
     from kohakumoss.artifacts import ArtifactError
-    from kohakumoss.model.parity import WEIGHT_FILES
+    from kohakumoss.checks.parity import WEIGHT_FILES
 
     form = ("a reference vector set: a folder with batch.safetensors and "
             f"{' or '.join(WEIGHT_FILES.values())} (e.g. tests/data/vectors)")
@@ -54,7 +54,7 @@ def parity(folder: Path = typer.Argument(..., help="A reference vector set (the 
     """Run our model on CPU in float32 and float64 against a vector set (and the timestep
     sampler and inference schedules when it has them); one line per comparison with its
     relative error and PASS/FAIL. Exit code 1 on any FAIL."""
-    from kohakumoss.model.parity import all_comparisons
+    from kohakumoss.checks.parity import all_comparisons
 
     check_vector_set(folder)
     failed = 0
@@ -82,7 +82,7 @@ def export(
     GLoRA, diff, DoRA semantics on the fused or split layout) and report, per targeted
     weight, the relative error against the source adapter's own delta, and every key
     ComfyUI would not load. Exit code 1 on any failure."""
-    from kohakumoss.config import load_params
+    from kohakumoss.params import load_params
     from kohakumoss.export.check import check_export
 
     rows, unloaded = check_export(load_params(params), file, source)

@@ -39,7 +39,7 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
         t.add_row("cuda", "no CUDA device (CPU only: the tiny default runs, real weights need a GPU)")
     problems = 0
     if params.is_file():
-        from kohakumoss.config import load_params
+        from kohakumoss.params import load_params
 
         p = load_params(params)
         for key in ("transformer", "text_encoder", "vae", "tokenizer"):

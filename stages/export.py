@@ -23,7 +23,7 @@ def main(
     (auto: ComfyUI + LyCORIS for an adapter, a merged model for a full finetune)."""
     if ctx.invoked_subcommand is not None:
         return
-    from kohakumoss.config import load_params
+    from kohakumoss.params import load_params
     from kohakumoss.export.stage import export_run
 
     for path in export_run(load_params(params), runs):
@@ -47,7 +47,7 @@ def checkpoint(
     params: Path = PARAMS_OPTION,
 ) -> None:
     """Re-export any saved step, or convert an adapter file between layouts."""
-    from kohakumoss.config import load_params
+    from kohakumoss.params import load_params
     from kohakumoss.export.formats import load_source, write_export
     from kohakumoss.export.stage import default_output
 

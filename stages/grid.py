@@ -28,9 +28,10 @@ def main(
 ) -> None:
     """Sample every prompt with every adapter variant (same seed) into one labelled grid."""
 
-    from kohakumoss.config import load_params
-    from kohakumoss.diffusion.generate import Generator, Settings, grid, save_png, split_strength
-    from kohakumoss.encoders.common import DTYPES, resolve_device
+    from kohakumoss.params import load_params
+    from kohakumoss.generate import Generator, Settings, grid, save_png, split_strength
+    from kohakumoss.device import resolve_device
+    from kohakumoss.precision import DTYPES
 
     w, h = parse_size(size)
     check_positive(steps=steps)

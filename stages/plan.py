@@ -22,7 +22,7 @@ def main(
     The plan is a pure function of (catalogs, seed, planning knobs): the same inputs give a
     byte-identical plan.parquet. Inspect it with pandas/pyarrow or read summary.json.
     """
-    from kohakumoss.config import load_params
+    from kohakumoss.params import load_params
     from kohakumoss.data.planfile import make_plan
 
     p = load_params(params)

@@ -31,7 +31,7 @@ def parse_size(value: str, option: str = "--size") -> tuple[int, int]:
 
 def check_adapters(specs: list[str], option: str = "--adapter") -> None:
     """Each ``PATH[:STRENGTH]`` names an existing checkpoint folder or adapter file."""
-    from kohakumoss.diffusion.generate import split_strength
+    from kohakumoss.generate import split_strength
 
     for spec in specs:
         path = split_strength(spec)[0]
@@ -82,9 +82,10 @@ def main(
     settings in the metadata, and a contact sheet."""
     from tqdm.auto import tqdm
 
-    from kohakumoss.config import load_params
-    from kohakumoss.diffusion.generate import Generator, Settings, contact_sheet, save_png
-    from kohakumoss.encoders.common import DTYPES, resolve_device
+    from kohakumoss.params import load_params
+    from kohakumoss.generate import Generator, Settings, contact_sheet, save_png
+    from kohakumoss.device import resolve_device
+    from kohakumoss.precision import DTYPES
 
     if prompts_file is not None and not prompts_file.is_file():
         raise OptionError(f"--prompts-file {prompts_file}: no such file; expected a text file with "

@@ -24,7 +24,7 @@ def main(
     and unreadable sidecars are listed in the report with the reason and skipped; capped
     captions are reported as warnings.
     """
-    from kohakumoss.config import load_params
+    from kohakumoss.params import load_params
     from kohakumoss.data.scan import scan
 
     p = load_params(params)

@@ -26,7 +26,7 @@ def main(
     runs/<name>/dvclive (dvc exp show, dvc plots show); they are rebuilt from the
     checkpoints on every start, so a finished run started again only rebuilds them.
     """
-    from kohakumoss.config import load_params
+    from kohakumoss.params import load_params
     from kohakumoss.training.trainer import RunPaths, Trainer
 
     p = load_params(params)

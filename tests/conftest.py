@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from kohakumoss.config import Params, parse_params
+from kohakumoss.config import Params
+from kohakumoss.params import parse_params
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from kohakumoss.adapters import (apply_adapters, load_adapter_file, preset_patte
                                  resolve_targets, targeted_modules)
 from kohakumoss.config import AdapterConfig
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
-from kohakumoss.model.parity import lora_comparisons, rel_error
+from kohakumoss.checks.parity import lora_comparisons, rel_error
 
 from conftest import ROOT
 

@@ -55,6 +55,6 @@ def test_read_manifest_errors_name_the_stage(tmp_path):
 
 
 def test_code_version_tracks_source():
-    v = code_version("kohakumoss.data.seeding")
-    assert v.startswith("0.") and v == code_version("kohakumoss.data.seeding")
+    v = code_version("kohakumoss.seeding")
+    assert v.startswith("0.") and v == code_version("kohakumoss.seeding")
     assert v != code_version("kohakumoss.data.plan")

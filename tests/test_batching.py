@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kohakumoss.data.batching import (Fit, fit_overlong, keep_seed, kept_token_indices,
                                       pack_count, pack_ffd, pack_greedy)
-from kohakumoss.data.seeding import rng_of, seed_of
+from kohakumoss.seeding import rng_of, seed_of
 
 # -- references: the spec's loops, written as plainly as possible ------------------------
 

@@ -16,7 +16,7 @@ from kohakumoss.data.captions import (
     split_tags, text_dropped, unescape_tag,
 )
 from kohakumoss.data.rows import Row
-from kohakumoss.data.seeding import rng_of
+from kohakumoss.seeding import rng_of
 
 WHERE = "caption.template"
 

@@ -18,7 +18,7 @@ from kohakumoss.model import FLAVORS, DiTConfig, MOSSImageTransformer, build_lay
 from kohakumoss.model.checkpoints import (CheckpointError, load_transformer, read_config,
                                           save_comfy, save_official)
 from kohakumoss.model.checkpoints.keys import PREFIXES, fuse_qkv, split_qkv
-from kohakumoss.model.checkpoints.quant import hadamard, quantize_fp8, quantize_int8
+from kohakumoss.precision.quant import hadamard, quantize_fp8, quantize_int8
 from kohakumoss.model.dit import FP32_MODULES
 
 from conftest import ROOT

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import yaml
 
-from kohakumoss.config import load_params, parse_params, stage_params
+from kohakumoss.config import stage_params
+from kohakumoss.params import load_params, parse_params
 from kohakumoss.configlib import ConfigError, coerce
 
 from conftest import BASE, ROOT, make_params

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from kohakumoss.adapters import apply_adapters, load_adapter_file
-from kohakumoss.config import AdapterConfig, load_params
+from kohakumoss.config import AdapterConfig
+from kohakumoss.params import load_params
 from kohakumoss.export.formats import ExportError, load_source, merged_state, write_export
 from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.model.checkpoints import load_transformer
-from kohakumoss.model.parity import rel_error
+from kohakumoss.checks.parity import rel_error
 from kohakumoss.training.checkpoint import save_checkpoint
 
 from conftest import ROOT
@@ -151,7 +152,7 @@ def test_vector_lycoris_file_converts_to_the_fused_comfy_layout(tmp_path):
 def _run_params(tmp_path, name):
     import yaml
 
-    from kohakumoss.config import parse_params
+    from kohakumoss.params import parse_params
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["run"]["name"] = name

@@ -19,7 +19,7 @@ from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.model.checkpoints import load_transformer
 from kohakumoss.model.checkpoints.keys import fuse_qkv, split_qkv
-from kohakumoss.model.parity import load_batch, rel_error
+from kohakumoss.checks.parity import load_batch, rel_error
 
 from conftest import ROOT
 

@@ -7,7 +7,7 @@ import torch
 
 from kohakumoss.model import FLAVORS, build_layout, cast_model
 from kohakumoss.model.checkpoints import load_transformer
-from kohakumoss.model.parity import rel_error
+from kohakumoss.checks.parity import rel_error
 
 from conftest import ROOT
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kohakumoss.config import load_params
+from kohakumoss.params import load_params
 
 
 class _Recorder:  # stands in for DVCLive where it is not installed

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
 from kohakumoss.model import ops
-from kohakumoss.model.parity import rel_error, run_parity
+from kohakumoss.checks.parity import rel_error, run_parity
 from stages.cli import app
 
 from conftest import ROOT

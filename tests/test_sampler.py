@@ -7,7 +7,7 @@ import torch
 from kohakumoss.diffusion.sampler import Request, initial_noise, sample, velocity
 from kohakumoss.model import build_layout, cast_model
 from kohakumoss.model.build import tiny_transformer
-from kohakumoss.model.parity import rel_error
+from kohakumoss.checks.parity import rel_error
 
 
 def _setup():
@@ -102,8 +102,9 @@ def test_grid_strength_zero_is_the_base_and_adapters_come_off(tmp_path):
     import torch
 
     from kohakumoss.adapters import apply_adapters
-    from kohakumoss.config import AdapterConfig, load_params
-    from kohakumoss.diffusion.generate import Generator, Settings, grid
+    from kohakumoss.config import AdapterConfig
+    from kohakumoss.params import load_params
+    from kohakumoss.generate import Generator, Settings, grid
     from kohakumoss.training.checkpoint import save_checkpoint
 
     from conftest import ROOT

@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen
 from kohakumoss.data.tokens import TokenCounter
 from kohakumoss.encoders import TextEncoder, TextEncoderError, tiny_tokenizer
-from kohakumoss.encoders.common import dtype_name, resolve_dtype
+from kohakumoss.precision.dtypes import dtype_name, resolve_dtype
 from kohakumoss.encoders.text import (group_longest_first, infer_config, tiny_config,
                                       tiny_state_dict, torch_linear_attention_ops)
-from kohakumoss.model.checkpoints.quant import encode_format, quantize_fp8, quantize_int8
+from kohakumoss.precision.quant import encode_format, quantize_fp8, quantize_int8
 
 CAPTIONS = ["a cat", "", "1girl, solo, long hair, looking at viewer, " * 6, "日本語のキャプション, ümlaut",
             "x", "a very long caption about a landscape with mountains, rivers and a sunset. " * 4]

@@ -8,7 +8,7 @@ import torch
 from kohakumoss.diffusion.schedule import inference_sigmas
 from kohakumoss.diffusion.timesteps import (TECH_REPORT, LogitNormalSampler, MossSampler,
                                             UniformSampler, batch_sigmas)
-from kohakumoss.model.parity import run_parity
+from kohakumoss.checks.parity import run_parity
 
 from conftest import ROOT
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from kohakumoss.artifacts import ArtifactError
 from kohakumoss.cache.build import build_latent_cache, build_text_cache
-from kohakumoss.config import load_params
+from kohakumoss.params import load_params
 from kohakumoss.data.planfile import make_plan
 from kohakumoss.data.scan import scan
 from kohakumoss.training import checkpoint as ckpt_mod

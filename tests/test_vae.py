@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from kohakumoss.encoders import (VAE, VAEError, batch_groups, from_tokens, patchify, to_tokens,
                                  unpatchify)
 from kohakumoss.encoders.vae import build_tiny
-from kohakumoss.model.checkpoints.quant import encode_format, quantize_fp8
+from kohakumoss.precision.quant import encode_format, quantize_fp8
 
 
 @pytest.fixture(scope="module")

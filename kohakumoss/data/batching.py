@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kohakumoss.data.seeding import rng_of, seed_of
+from kohakumoss.seeding import rng_of, seed_of
 
 OVERLONG_POLICIES = ("drop", "truncate_text", "drop_tokens")
 

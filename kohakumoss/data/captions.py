@@ -27,7 +27,7 @@ import numpy as np
 
 from kohakumoss.configlib import ConfigError, build, knob
 from kohakumoss.data.rows import Row, caption_char_counts, split_tags
-from kohakumoss.data.seeding import rng_of
+from kohakumoss.seeding import rng_of
 
 # Row fields a template may read, and the catalog character column each is counted in.
 FIELD_COLUMNS = {"artist": "artist_chars", "rating": "rating_chars", "tags": "tags_chars",

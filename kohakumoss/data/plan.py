@@ -32,7 +32,7 @@ from kohakumoss.data.batching import fit_overlong, keep_seed, pack_count, pack_f
 from kohakumoss.data.captions import estimate_text_tokens, render_caption
 from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.resolution import Resolver
-from kohakumoss.data.seeding import rng_of
+from kohakumoss.seeding import rng_of
 from kohakumoss.errors import KohakuError
 
 

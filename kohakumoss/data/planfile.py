@@ -38,7 +38,7 @@ SCHEMA = 1
 PARAMS = ["run.seed", "data.datasets", "resolution", "caption", "batching", "train.steps",
           "train.grad_accum", "parallel.world_size"]
 CODE = ("kohakumoss.data.plan", "kohakumoss.data.planfile", "kohakumoss.data.captions",
-        "kohakumoss.data.resolution", "kohakumoss.data.batching", "kohakumoss.data.seeding",
+        "kohakumoss.data.resolution", "kohakumoss.data.batching", "kohakumoss.seeding",
         "kohakumoss.data.catalogset", "kohakumoss.data.tokens")
 
 I32, I64 = pa.int32(), pa.int64()

@@ -13,18 +13,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from kohakumoss.config import MAX_CAPTION_CHARS, MAX_IMAGE_PIXELS  # noqa: F401 (re-exported)
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".jxl", ".avif")
 STAMP_LEN = 8
 MISSING = (-1, -1)
 
-# Defaults of the data.max_* knobs (docs/data.md, "Hostile and broken input"):
-# - 16384 characters per caption field: caption.max_text_tokens (4096) at ~4 characters a
-#   token of English, so the cap never cuts what the text encoder would read; it only stops
-#   a runaway file (a 10 MB caption once took `kmoss plan` to 5.6 GB).
-# - 178,956,970 pixels (13377 x 13377, above any camera sensor): PIL's own hard limit
-#   (2 x Image.MAX_IMAGE_PIXELS), so nothing PIL opens today is refused.
-MAX_CAPTION_CHARS = 16384
-MAX_IMAGE_PIXELS = 178_956_970
 
 
 @dataclasses.dataclass

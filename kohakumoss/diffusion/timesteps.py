@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kohakumoss.data.seeding import seed_of
+from kohakumoss.seeding import seed_of
 
 TECH_REPORT = (
     (0, {"mu": 0.0, "s": 1.0, "shift": 3.0, "cutoff": None, "p_full": 0.01}),

@@ -33,12 +33,14 @@ import transformers.models.qwen3_5.modeling_qwen3_5 as qwen
 from safetensors import SafetensorError, safe_open
 from transformers import Qwen3_5TextConfig
 
-from kohakumoss.data.tokens import open_tokenizer, render_caption, templated_ids
-from kohakumoss.encoders.common import dtype_name, resolve_device, resolve_dtype
-from kohakumoss.encoders.tiny_tokenizer import tiny_tokenizer
+from kohakumoss.device import resolve_device
+from kohakumoss.precision.dtypes import dtype_name, resolve_dtype
+from kohakumoss.tokenizer import open_tokenizer, render_caption, templated_ids
+from kohakumoss.tokenizer.tiny import tiny_tokenizer
 from kohakumoss.errors import KohakuError
-from kohakumoss.model.checkpoints.quant import SCALE_NAMES, SIDE_KEYS, parse_format, quantized_weight
-from kohakumoss.model.checkpoints.reader import QUANT_DTYPES
+from kohakumoss.precision.quant import (QUANT_DTYPES, SCALE_NAMES, SIDE_KEYS, parse_format,
+                                       quantized_weight)
+
 
 ENCODER_ID = "qwen3.5-9b"
 TINY_ID = "qwen3.5-tiny"

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kohakumoss.encoders.common import dtype_name, resolve_device, resolve_dtype
+from kohakumoss.device import resolve_device
+from kohakumoss.precision.dtypes import dtype_name, resolve_dtype
 from kohakumoss.errors import KohakuError
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kohakumoss.config import AdapterConfig, Params
-from kohakumoss.encoders.common import DTYPES
+from kohakumoss.precision.dtypes import DTYPES
 from kohakumoss.errors import KohakuError
 from kohakumoss.model.build import load_dit
 from kohakumoss.model.checkpoints import save_comfy, save_official

@@ -14,7 +14,7 @@ import torch
 from kohakumoss.config import Params
 from kohakumoss.data.batching import kept_token_indices
 from kohakumoss.data.loader import HostBatch
-from kohakumoss.data.seeding import seed_of
+from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import noised, sigma_weight
 from kohakumoss.diffusion.timesteps import batch_sigmas
 from kohakumoss.model.layout import PackedLayout, build_layout

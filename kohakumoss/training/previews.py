@@ -14,7 +14,7 @@ import gc
 import torch
 
 from kohakumoss.config import Params
-from kohakumoss.diffusion.generate import contact_sheet
+from kohakumoss.images import contact_sheet
 from kohakumoss.diffusion.sampler import Request, sample
 
 

@@ -28,9 +28,10 @@ from kohakumoss.config import Params, stage_params
 from kohakumoss.data.catalogset import load_catalogs
 from kohakumoss.data.loader import PlanBatches, make_loader
 from kohakumoss.data.planfile import read_plan
-from kohakumoss.data.seeding import seed_of
+from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
-from kohakumoss.encoders.common import DTYPES, resolve_device
+from kohakumoss.device import resolve_device
+from kohakumoss.precision import DTYPES
 from kohakumoss.model.build import load_dit
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
                                             list_checkpoints, load_newest, save_checkpoint)

@@ -31,7 +31,7 @@ from kohakumoss.cache import build as build_mod
 from kohakumoss.cache.build import build_latent_cache, build_text_cache, text_identity, vae_identity
 from kohakumoss.cache.lookup import BatchCaches
 from kohakumoss.cache.store import INDEX, TensorStore
-from kohakumoss.config import load_params
+from kohakumoss.params import load_params
 from kohakumoss.data.catalogset import load_catalogs
 from kohakumoss.data.loader import PlanBatches
 from kohakumoss.data.planfile import make_plan, read_plan
@@ -315,7 +315,7 @@ import json, logging, sys, time
 from pathlib import Path
 logging.basicConfig(level=logging.INFO)
 from kohakumoss.cache.build import build_text_cache
-from kohakumoss.config import load_params
+from kohakumoss.params import load_params
 from kohakumoss.encoders import TextEncoder
 
 real = TextEncoder.encode

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from kohakumoss.artifacts import hash_file
-from kohakumoss.config import load_params
+from kohakumoss.params import load_params
 from kohakumoss.errors import IntegrityError, KohakuError, user_message
 from kohakumoss.export.formats import load_source
 from kohakumoss.training import checkpoint as ckpt_mod

@@ -20,7 +20,7 @@ import torch
 
 from kohakumoss.artifacts import atomic_path, atomic_write_json, write_safetensors
 from kohakumoss.model.checkpoints.keys import ROPE_KEY, check_keys, fuse_qkv
-from kohakumoss.model.checkpoints.quant import encode_format, quantize_fp8, quantize_int8
+from kohakumoss.precision.quant import encode_format, quantize_fp8, quantize_int8
 from kohakumoss.model.checkpoints.reader import INDEX, CheckpointError, TransformerReader, locate
 from kohakumoss.model.config import DiTConfig, infer_config
 from kohakumoss.model.dit import FP32_MODULES, MOSSImageTransformer, RopeBands

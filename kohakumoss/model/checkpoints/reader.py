@@ -19,11 +19,10 @@ from safetensors import SafetensorError, safe_open
 
 from kohakumoss.errors import KohakuError
 from kohakumoss.model.checkpoints.keys import FUSED_QKV, ROPE_KEY, common_prefix, qkv_parts
-from kohakumoss.model.checkpoints.quant import (SCALE_NAMES, SIDE_KEYS, QuantizedWeight,
-                                                parse_format, quantized_weight)
+from kohakumoss.precision.quant import (QUANT_DTYPES, SCALE_NAMES, SIDE_KEYS, QuantizedWeight,
+                                       parse_format, quantized_weight)
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
-QUANT_DTYPES = {"I8", "F8_E4M3", "F8_E5M2"}
 
 
 class CheckpointError(KohakuError, ValueError):

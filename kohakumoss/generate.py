@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw, PngImagePlugin
+from PIL import Image, PngImagePlugin
 
 from kohakumoss.artifacts import atomic_path
 from kohakumoss.config import AdapterConfig, Params
 from kohakumoss.diffusion.sampler import Request, sample
+from kohakumoss.images import contact_sheet
 from kohakumoss.model.build import load_dit
 from kohakumoss.model.dit import MOSSImageTransformer
 
@@ -137,19 +137,3 @@ def grid(generator: Generator, prompts: Sequence[str], variants: Sequence[Sequen
             cells.append(columns[c][r])
             labels.append(f"{name} | {prompt}")
     return contact_sheet(cells, labels, columns=len(variants))
-
-
-def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], columns: int | None = None
-                  ) -> Image.Image:
-    """Images in a grid, each captioned with its label."""
-    columns = columns or max(1, math.ceil(math.sqrt(len(images))))
-    rows = math.ceil(len(images) / columns)
-    w = max(im.width for im in images)
-    h = max(im.height for im in images)
-    sheet = Image.new("RGB", (columns * w, rows * (h + 14)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for i, (im, label) in enumerate(zip(images, labels)):
-        x, y = (i % columns) * w, (i // columns) * (h + 14)
-        sheet.paste(im, (x, y + 14))
-        draw.text((x + 2, y + 1), label[: max(8, w // 6)], fill="black")
-    return sheet

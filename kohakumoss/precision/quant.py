@@ -19,6 +19,7 @@ import torch
 
 SCALE_NAMES = ("weight_scale", "scale_weight")
 SIDE_KEYS = ("comfy_quant", "weight_scale", "scale_weight", "input_scale", "scale_input")
+QUANT_DTYPES = {"I8", "F8_E4M3", "F8_E5M2"}  # safetensors dtypes of stored codes
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 

@@ -1,4 +1,4 @@
-"""Dtype and device names shared by the frozen encoders.
+"""Dtype names of params.yaml and the torch dtypes they stand for (the one map).
 
 Plan names: ``"bf16" | "fp16" | "fp32"`` plus ``"auto"``. ``resolve_dtype`` turns ``auto``
 into bf16 where the device computes in bf16 (the host CPU counts as one), else fp16; an
@@ -10,20 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from kohakumoss.device import resolve_device
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def resolve_device(name: str | torch.device = "auto") -> torch.device:
-    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
-    if isinstance(name, torch.device):
-        return name
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu" or name == "cuda" or name.startswith("cuda:"):
-        if name != "cpu" and not torch.cuda.is_available():
-            raise ValueError(f"device {name!r}: CUDA is not available here; use 'cpu' or 'auto'")
-        return torch.device(name)
-    raise ValueError(f"device {name!r} is not one of auto, cpu, cuda, cuda:N")
 
 
 def supports_bf16(device: torch.device) -> bool:
