@@ -177,6 +177,11 @@ class AdapterConfig:
     loraplus_ratio: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0 (1 = off)")
     train_norms: bool = False
 
+    @property
+    def full(self) -> bool:
+        """A full finetune (every DiT weight trained) rather than an adapter: decided here only."""
+        return self.algo == "full"
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -199,7 +204,7 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
-    sampler: Literal["moss", "uniform", "logit_normal"] = "moss"
+    timesteps: Literal["moss", "uniform", "logit_normal"] = "moss"
     schedule: Literal["", "tech_report"] = ""
     mu: float = -1.09
     s: float = knob(0.95, check=lambda v: v > 0, allowed="a number > 0")

@@ -63,6 +63,10 @@ def parse_params(raw: Any, path: str = "params.yaml") -> Params:
                                   f"(e.g. - {{source: kohya, path: my_dataset}}), got {datasets!r}")
             parsed = tuple(parse_dataset(d, f"{where}.datasets[{i}]") for i, d in enumerate(datasets))
             sections[name] = dataclasses.replace(build(cls, body, where), datasets=parsed)
+        elif name == "objective" and "sampler" in body:
+            raise ConfigError(f"{where}.sampler was renamed objective.timesteps (the training "
+                              f"timestep distribution: moss | uniform | logit_normal); 'sampler' "
+                              f"now names only the inference sampler")
         elif name == "caption":
             template = body.pop("template", None)
             spec = parse_template(template if template is not None else {"template": "tags"},

@@ -37,7 +37,7 @@ def test_plan_is_byte_identical_and_keyed(tmp_path, catalog):
     # knobs the plan does not read leave it alone
     m3, _, _ = _plan(tmp_path, catalog, "c", data={"num_workers": 3, "scan_workers": 1, "prefetch": 4},
                      train={"checkpoint_every": 7, "dtype": "fp32"}, optim={"lr": 0.5},
-                     adapter={"algo": "lokr"}, objective={"sampler": "uniform"})
+                     adapter={"algo": "lokr"}, objective={"timesteps": "uniform"})
     assert (m3.key, m3.content_hash) == (m1.key, m1.content_hash)  # train-only knobs
     # the seed and every planning knob change it
     for name, over in {"seed": {"run": {"seed": 1}},

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kohakumoss.diffusion.schedule import inference_sigmas
-from kohakumoss.diffusion.timesteps import (TECH_REPORT, LogitNormalSampler, MossSampler,
-                                            UniformSampler, batch_sigmas)
+from kohakumoss.diffusion.timesteps import (TECH_REPORT, LogitNormalTimesteps, MossTimesteps,
+                                            UniformTimesteps, batch_sigmas)
 from kohakumoss.checks.parity import run_parity
 
 from conftest import ROOT
@@ -40,10 +40,10 @@ def test_sampler_tables_without_the_pinned_child(monkeypatch):
 
 
 def test_moss_sampler_statistics_and_stages():
-    pmf, sigma, _ = MossSampler().tables()
+    pmf, sigma, _ = MossTimesteps().tables()
     assert abs(float(pmf.double().sum()) - 1) < 1e-6
     assert abs(float((pmf.double() * sigma.double()).sum()) - 0.744) < 1e-3  # noise-biased
-    staged = MossSampler(schedule=TECH_REPORT)
+    staged = MossTimesteps(schedule=TECH_REPORT)
     assert staged.knobs_at(0)["shift"] == 3.0 and staged.knobs_at(139_999)["mu"] == 0.0
     assert staged.knobs_at(300_000) == {"mu": -1.09, "s": 0.95, "cutoff": 0.95, "p_full": 0.0,
                                         "shift": 1.0}
@@ -53,14 +53,14 @@ def test_moss_sampler_statistics_and_stages():
 
 
 def test_draws_are_a_pure_function_of_seed_and_batch():
-    s = MossSampler()
+    s = MossTimesteps()
     a = batch_sigmas(s, 4, seed=3, global_batch=17, step=17)
     assert torch.equal(a, batch_sigmas(s, 4, seed=3, global_batch=17, step=17))
     assert not torch.equal(a, batch_sigmas(s, 4, seed=3, global_batch=18, step=18))
-    for sampler in (UniformSampler(), LogitNormalSampler(), UniformSampler(shift=3.0)):
+    for sampler in (UniformTimesteps(), LogitNormalTimesteps(), UniformTimesteps(shift=3.0)):
         x = batch_sigmas(sampler, 1000, 0, 0, 0)
         assert 0 < float(x.min()) and float(x.max()) <= 1
-    assert float(batch_sigmas(UniformSampler(shift=3.0), 4000, 0, 0, 0).mean()) > 0.6
+    assert float(batch_sigmas(UniformTimesteps(shift=3.0), 4000, 0, 0, 0).mean()) > 0.6
 
 
 def test_inference_schedule_spec_values():

@@ -76,7 +76,7 @@ def test_loss_falls_on_a_tiny_overfit_set(tmp_path, adapter, optim):
 
         batch = trainer.batches.batch(0)
         x = build_inputs(batch, trainer.encoder.latents(batch), trainer.encoder.texts(batch),
-                         trainer.p, trainer.sampler, 0, 0, "cpu")
+                         trainer.p, trainer.timesteps, 0, 0, "cpu")
         with torch.no_grad():
             pred = trainer.model(x.z, x.text, x.sigma, x.layout)
         return float(flow_loss(pred, x.target, x.layout.seg_img, x.weight, x.n_image_tokens))

@@ -93,13 +93,13 @@ def model_comparisons(folder: Path) -> Iterator[Comparison]:
 def schedule_comparisons(folder: Path) -> Iterator[Comparison]:
     """The timestep sampler's tables and draws, and the inference sigma schedules."""
     from kohakumoss.diffusion.schedule import inference_sigmas
-    from kohakumoss.diffusion.timesteps import MossSampler
+    from kohakumoss.diffusion.timesteps import MossTimesteps
 
     path = folder / "schedules.safetensors"
     if not path.is_file():
         return
     ref = load_file(str(path))
-    sampler = MossSampler()
+    sampler = MossTimesteps()
     tables = dict(zip(("pmf", "sigma", "cdf"), sampler.tables()))
     for key, value in ref.items():
         if key.startswith("sampler.stage0.") and key.split(".")[-1] in tables:

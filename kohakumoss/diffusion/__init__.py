@@ -1,1 +1,1 @@
-"""Rectified-flow objective, timestep samplers, inference schedule (and, later, the sampler)."""
+"""Rectified-flow objective, training timestep distributions, inference schedule, the Euler sampler."""

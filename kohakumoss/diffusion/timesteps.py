@@ -1,10 +1,13 @@
-"""Training timestep (sigma) samplers (``spec/diffusion.md`` section 3).
+"""Training timestep (sigma) distributions (``spec/diffusion.md`` section 3).
 
-Sigma 0 is data, 1 is pure noise. The MOSS sampler is a discrete truncated logit-normal
+"Timesteps" here is always the distribution sigmas are drawn from in training; "sampler"
+means only the inference (Euler) sampler of ``diffusion/sampler.py``.
+
+Sigma 0 is data, 1 is pure noise. The MOSS distribution is a discrete truncated logit-normal
 pmf over a 1000-point grid, computed in float32 tensor ops exactly as the reference does
 (the vectors' tables match it bit for bit, see ``moss_tables``); a staged table switches
 its knobs at given global steps ("tech_report"). ``uniform`` and ``logit_normal`` are the
-usual continuous samplers. Every draw is a pure function of (seed, global batch index): no
+usual continuous distributions. Every draw is a pure function of (seed, global batch index): no
 generator state to checkpoint, and a resumed run draws the same sigmas.
 """
 
@@ -113,14 +116,14 @@ def moss_tables(steps: int = 1000, mu: float = -1.09, s: float = 0.95, cutoff: f
         try:
             return _tables_in_pinned_child(knobs)
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            warnings.warn(f"computing the MOSS sampler tables in this process ({err}); they may "
+            warnings.warn(f"computing the MOSS timestep tables in this process ({err}); they may "
                           "differ from another machine's in the last bit. Setting MKL_CBWR="
                           "COMPATIBLE in the environment avoids the child process.", stacklevel=2)
     return compute_moss_tables(**knobs)
 
 
 @dataclasses.dataclass(frozen=True)
-class MossSampler:
+class MossTimesteps:
     steps: int = 1000
     mu: float = -1.09
     s: float = 0.95
@@ -149,7 +152,7 @@ class MossSampler:
 
 
 @dataclasses.dataclass(frozen=True)
-class UniformSampler:
+class UniformTimesteps:
     low: float = 0.001
     high: float = 1.0
     shift: float = 1.0
@@ -160,7 +163,7 @@ class UniformSampler:
 
 
 @dataclasses.dataclass(frozen=True)
-class LogitNormalSampler:
+class LogitNormalTimesteps:
     mu: float = 0.0
     s: float = 1.0
     shift: float = 1.0
@@ -170,7 +173,7 @@ class LogitNormalSampler:
         return shift_sigma(torch.sigmoid(self.mu + self.s * z), self.shift)
 
 
-def batch_sigmas(sampler, n: int, seed: int, global_batch: int, step: int) -> torch.Tensor:
+def batch_sigmas(timesteps, n: int, seed: int, global_batch: int, step: int) -> torch.Tensor:
     """The sigmas of one batch: a pure function of (seed, global batch index, step)."""
     g = torch.Generator().manual_seed(seed_of("sigma", int(seed), int(global_batch)) & (2**63 - 1))
-    return sampler.sample(n, g, step)
+    return timesteps.sample(n, g, step)

@@ -37,7 +37,7 @@ def noise_for(batch_index: int, seed: int, n: int, c: int) -> torch.Tensor:
 
 
 def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torch.Tensor],
-                 p: Params, sampler, global_batch: int, step: int,
+                 p: Params, timesteps, global_batch: int, step: int,
                  device: torch.device | str) -> StepInputs:
     """``latents[i]``: full-grid tokens [h*w, C] of sample i; ``texts[i]``: [L_i, T]."""
     tokens, keep, text_rows = [], [], []
@@ -56,7 +56,7 @@ def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torc
         text_rows.append(t)
     layout = build_layout(batch.hw.tolist(), [len(t) for t in text_rows], keep)
     x0 = torch.cat(tokens)
-    sigma = batch_sigmas(sampler, len(tokens), p.run.seed, global_batch, step)
+    sigma = batch_sigmas(timesteps, len(tokens), p.run.seed, global_batch, step)
     eps = noise_for(global_batch, p.run.seed, x0.shape[0], x0.shape[1])
     z, target = noised(x0, eps, sigma[layout.seg_img])
     weight = batch.loss_weight * sigma_weight(sigma, p.objective.weighting)
@@ -64,15 +64,15 @@ def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torc
                       sigma.to(device), layout.to(device), weight.to(device), layout.n_img)
 
 
-def make_sampler(p: Params):
-    from kohakumoss.diffusion.timesteps import (TECH_REPORT, LogitNormalSampler, MossSampler,
-                                                UniformSampler)
+def make_timesteps(p: Params):
+    from kohakumoss.diffusion.timesteps import (TECH_REPORT, LogitNormalTimesteps, MossTimesteps,
+                                                UniformTimesteps)
 
     o = p.objective
-    if o.sampler == "moss":
-        return MossSampler(mu=o.mu, s=o.s, cutoff=o.cutoff, uniform_mix=o.uniform_mix,
+    if o.timesteps == "moss":
+        return MossTimesteps(mu=o.mu, s=o.s, cutoff=o.cutoff, uniform_mix=o.uniform_mix,
                            p_full=o.p_full, shift=o.shift,
                            schedule=TECH_REPORT if o.schedule == "tech_report" else ())
-    if o.sampler == "uniform":
-        return UniformSampler(shift=o.shift)
-    return LogitNormalSampler(mu=o.mu, s=o.s, shift=o.shift)
+    if o.timesteps == "uniform":
+        return UniformTimesteps(shift=o.shift)
+    return LogitNormalTimesteps(mu=o.mu, s=o.s, shift=o.shift)

@@ -86,4 +86,4 @@ class AdapterTrainable:
 
 
 def make_trainable(model: MOSSImageTransformer, p: Params) -> Trainable:
-    return FullFinetune(model) if p.adapter.algo == "full" else AdapterTrainable(model, p)
+    return FullFinetune(model) if p.adapter.full else AdapterTrainable(model, p)

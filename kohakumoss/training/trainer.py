@@ -37,7 +37,7 @@ from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable
                                             list_checkpoints, load_newest, save_checkpoint)
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
-from kohakumoss.training.inputs import build_inputs, make_sampler
+from kohakumoss.training.inputs import build_inputs, make_timesteps
 from kohakumoss.training.metrics import RunLog, rows_of
 from kohakumoss.training.optim import build_optimizer, build_scheduler, clip_and_check
 from kohakumoss.training.trainable import make_trainable
@@ -76,7 +76,7 @@ class Trainer:
         self.device = resolve_device(p.train.device)
         self.dtype = DTYPES[p.train.dtype]
         self.plan_table, self.plan = read_plan(paths.plan)
-        full = p.adapter.algo == "full"
+        full = p.adapter.full
         # full finetune: fp32 master weights, bf16 compute by autocast; adapters: the frozen
         # base in the compute dtype, the adapter in fp32
         self.model = load_dit(p.model.transformer, torch.float32 if full else self.dtype, self.device)
@@ -86,7 +86,7 @@ class Trainer:
         self.optimizer = build_optimizer(named, p.optim, self.trainable.lr_scale())
         self.scheduler = build_scheduler(self.optimizer, p.optim, p.train.steps)
         self.ema = EMA(named, p.optim.ema, device=self.device) if p.optim.ema > 0 else None
-        self.sampler = make_sampler(p)
+        self.timesteps = make_timesteps(p)
         cs = load_catalogs(paths.catalog, p.data.datasets)
         self.caches = BatchCaches(p, cs, paths.text_cache, paths.latent_cache,
                                   text_identity(p), vae_identity(p))
@@ -172,7 +172,7 @@ class Trainer:
                 continue
             g = batch.index * p.parallel.world_size + batch.rank
             inputs = build_inputs(batch, self.encoder.latents(batch), self.encoder.texts(batch), p,
-                                  self.sampler, g, step, self.device)
+                                  self.timesteps, g, step, self.device)
             self.trainable.prepare_step(step, micro, inputs.sigma, inputs.layout)
             # dropout draws from torch's global RNG: make them a pure function of the step too
             torch.manual_seed(seed_of("dropout", p.run.seed, step, micro) & (2**63 - 1))
