@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from kohakumoss.model import DiTConfig, MOSSImageTransformer
-from kohakumoss.model.checkpoints import save_comfy
+from kohakumoss.formats.model_files import save_comfy
 
 CHILD = """
 import sys, time, torch, json
-import kohakumoss.model.checkpoints as ck
+import kohakumoss.formats.model_files as ck
 def hwm():  # peak resident set of this process, KiB (reset by exec, unlike ru_maxrss)
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 base = hwm()

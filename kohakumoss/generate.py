@@ -15,7 +15,7 @@ from kohakumoss.artifacts import atomic_path
 from kohakumoss.config import AdapterConfig, Params
 from kohakumoss.diffusion.sampler import Request, sample
 from kohakumoss.images import contact_sheet
-from kohakumoss.model.build import load_dit
+from kohakumoss.formats import load_dit
 from kohakumoss.model.dit import MOSSImageTransformer
 
 

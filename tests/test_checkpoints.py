@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kohakumoss.model import FLAVORS, DiTConfig, MOSSImageTransformer, build_layout, infer_config
-from kohakumoss.model.checkpoints import (CheckpointError, load_transformer, read_config,
+from kohakumoss.formats.model_files import (CheckpointError, load_transformer, read_config,
                                           save_comfy, save_official)
-from kohakumoss.model.checkpoints.keys import PREFIXES, fuse_qkv, split_qkv
+from kohakumoss.formats.keys import PREFIXES, fuse_qkv, split_qkv
 from kohakumoss.precision.quant import hadamard, quantize_fp8, quantize_int8
 from kohakumoss.model.dit import FP32_MODULES
 

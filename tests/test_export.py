@@ -12,7 +12,7 @@ from kohakumoss.params import load_params
 from kohakumoss.export.formats import ExportError, load_source, merged_state, write_export
 from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
-from kohakumoss.model.checkpoints import load_transformer
+from kohakumoss.formats.model_files import load_transformer
 from kohakumoss.checks.parity import rel_error
 from kohakumoss.training.checkpoint import save_checkpoint
 
@@ -96,7 +96,7 @@ def test_existing_output_replaced_only_when_the_new_one_is_complete(tmp_path, mo
     before = target.read_bytes()
     folder = write_export(src, "diffusers", tmp_path / "d")
     shard = next(folder.glob("*.safetensors")).read_bytes()
-    import kohakumoss.model.checkpoints as ck
+    import kohakumoss.formats.model_files as ck
 
     def boom(*a, **k):
         raise KeyboardInterrupt("killed mid-export")
@@ -117,7 +117,7 @@ def test_vector_lycoris_file_converts_to_the_fused_comfy_layout(tmp_path):
     from typer.testing import CliRunner
 
     from kohakumoss.export.comfy_semantics import comfy_weight_deltas
-    from kohakumoss.model.checkpoints.keys import fuse_qkv
+    from kohakumoss.formats.keys import fuse_qkv
     from stages.cli import app
 
     vec = ROOT / "tests" / "data" / "vectors"

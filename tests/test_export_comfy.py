@@ -17,8 +17,8 @@ from kohakumoss.export.comfy import (comfy_from_weight_deltas, comfy_state_dict,
 from kohakumoss.export.comfy_semantics import comfy_weight_deltas, verify
 from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
-from kohakumoss.model.checkpoints import load_transformer
-from kohakumoss.model.checkpoints.keys import fuse_qkv, split_qkv
+from kohakumoss.formats.model_files import load_transformer
+from kohakumoss.formats.keys import fuse_qkv, split_qkv
 from kohakumoss.checks.parity import load_batch, rel_error
 
 from conftest import ROOT

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kohakumoss.model import FLAVORS, build_layout, cast_model
-from kohakumoss.model.checkpoints import load_transformer
+from kohakumoss.formats.model_files import load_transformer
 from kohakumoss.checks.parity import rel_error
 
 from conftest import ROOT

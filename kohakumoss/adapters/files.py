@@ -26,7 +26,7 @@ from kohakumoss.adapters.norms import NormDelta
 from kohakumoss.adapters.runtime import (Attached, master_dtype, merged_weight,
                                          quiet_lycoris)
 from kohakumoss.errors import KohakuError
-from kohakumoss.model.checkpoints.keys import PREFIXES
+from kohakumoss.formats.keys import PREFIXES
 from kohakumoss.model.dit import RMSNormWeight
 
 SUFFIXES = sorted([

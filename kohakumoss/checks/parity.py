@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kohakumoss.model.checkpoints import load_transformer
+from kohakumoss.formats.model_files import load_transformer
 from kohakumoss.model.layout import build_layout
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-6}

@@ -279,7 +279,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All VAE tensors of a single file, prefix stripped, ComfyUI-quantized ones dequantized,
     floating tensors in fp32. Keys under ``vae.`` / ``first_stage_model.`` are selected when
     present (so a full checkpoint's VAE part is found too)."""
-    from kohakumoss.model.checkpoints.reader import (CheckpointError, CheckpointFiles,
+    from kohakumoss.formats.reader import (CheckpointError, CheckpointFiles,
                                                      TransformerReader)
     try:
         reader = TransformerReader(CheckpointFiles(path, "file", [path], None))

@@ -10,7 +10,7 @@ from kohakumoss.config import Params
 from kohakumoss.export.comfy import trained_deltas
 from kohakumoss.export.comfy_semantics import Row, verify
 from kohakumoss.export.formats import ExportError, load_source
-from kohakumoss.model.checkpoints.keys import fuse_qkv
+from kohakumoss.formats.keys import fuse_qkv
 
 
 def check_export(p: Params, file: str | Path, source: str | Path, strength: float = 1.0

@@ -23,8 +23,8 @@ import torch
 from kohakumoss.config import AdapterConfig, Params
 from kohakumoss.precision.dtypes import DTYPES
 from kohakumoss.errors import KohakuError
-from kohakumoss.model.build import load_dit
-from kohakumoss.model.checkpoints import save_comfy, save_official
+from kohakumoss.formats import load_dit
+from kohakumoss.formats.model_files import save_comfy, save_official
 from kohakumoss.model.dit import MOSSImageTransformer
 
 FORMATS = ("comfy", "lycoris", "merged", "diffusers")

@@ -1,4 +1,5 @@
-"""Get a DiT from a params value: ``"tiny"`` (built in code) or a checkpoint path."""
+"""DiTs built in code: the tiny flavor with fixed random weights, and any size with the
+reference's random init (loading weight files lives in ``kohakumoss.formats``)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,4 @@ def random_transformer(config: DiTConfig, device: torch.device | str, seed: int 
             else:
                 param.zero_()
     model.rope.reset(device)
-    return model
-
-
-def load_dit(path: str, dtype: torch.dtype, device: torch.device | str) -> MOSSImageTransformer:
-    if path == "tiny":
-        return cast_model(tiny_transformer(), dtype).to(device)
-    from kohakumoss.model.checkpoints import load_transformer
-
-    model, _ = load_transformer(path, dtype=dtype, device=device)
     return model

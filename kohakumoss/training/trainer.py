@@ -32,7 +32,7 @@ from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
 from kohakumoss.device import resolve_device
 from kohakumoss.precision import DTYPES
-from kohakumoss.model.build import load_dit
+from kohakumoss.formats import load_dit
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
                                             list_checkpoints, load_newest, save_checkpoint)
 from kohakumoss.training.ema import EMA

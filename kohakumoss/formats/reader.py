@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kohakumoss.errors import KohakuError
-from kohakumoss.model.checkpoints.keys import FUSED_QKV, ROPE_KEY, common_prefix, qkv_parts
+from kohakumoss.formats.keys import FUSED_QKV, ROPE_KEY, common_prefix, qkv_parts
 from kohakumoss.precision.quant import (QUANT_DTYPES, SCALE_NAMES, SIDE_KEYS, QuantizedWeight,
                                        parse_format, quantized_weight)
 

@@ -6,6 +6,8 @@
   dequantized on load, the quantized tensors stay reachable through ``LoadInfo.reader``).
   The model is built on the meta device and materialised tensor by tensor.
 - ``save_official(state, folder)`` and ``save_comfy(state, file)``: the two writers.
+- ``load_dit(path, dtype, device)``: a params value (``"tiny"`` or a checkpoint path) to a
+  DiT in ``dtype``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import torch
 
 
 from kohakumoss.artifacts import atomic_path, atomic_write_json, write_safetensors
-from kohakumoss.model.checkpoints.keys import ROPE_KEY, check_keys, fuse_qkv
-from kohakumoss.precision.quant import encode_format, quantize_fp8, quantize_int8
-from kohakumoss.model.checkpoints.reader import INDEX, CheckpointError, TransformerReader, locate
+from kohakumoss.formats.keys import ROPE_KEY, check_keys, fuse_qkv
+from kohakumoss.formats.reader import INDEX, CheckpointError, TransformerReader, locate
+from kohakumoss.model.build import tiny_transformer
 from kohakumoss.model.config import DiTConfig, infer_config
-from kohakumoss.model.dit import FP32_MODULES, MOSSImageTransformer, RopeBands
+from kohakumoss.model.dit import FP32_MODULES, MOSSImageTransformer, RopeBands, cast_model
 from kohakumoss.model.ops import compute_dtype
+from kohakumoss.precision.quant import encode_format, quantize_fp8, quantize_int8
 
 __all__ = ["CheckpointError", "LoadInfo", "load_transformer", "read_config", "save_comfy",
            "save_official", "locate"]
@@ -153,3 +156,10 @@ def save_comfy(state, path: str | Path, config: DiTConfig, dtype: torch.dtype | 
     with atomic_path(path) as tmp:
         write_safetensors(out, tmp, meta)
     return path
+
+
+def load_dit(path: str, dtype: torch.dtype, device: torch.device | str) -> MOSSImageTransformer:
+    if path == "tiny":
+        return cast_model(tiny_transformer(), dtype).to(device)
+    model, _ = load_transformer(path, dtype=dtype, device=device)
+    return model
