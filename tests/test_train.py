@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -223,3 +224,36 @@ def test_previews_at_planned_steps_do_not_change_training(small):
     a = load_file(str(paths.checkpoints / "step-000006" / "trainable.safetensors"))
     b = load_file(str(other.checkpoints / "step-000006" / "trainable.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- the stored tiny-run loss curves: a refactor that should not change the math keeps them --
+LOSSES = Path(__file__).parent / "data" / "tiny_run_losses.json"
+TINY_RUNS = {  # name -> params sections over _write_params' defaults (LoRA, fp32, AdamW)
+    "lora": dict(train={"steps": 16, "grad_accum": 2, "checkpoint_every": 16},
+                 adapter={"algo": "lora", "dim": 4, "alpha": 4, "dropout": 0.1},
+                 optim={"lr": 3e-3, "ema": 0.9}),
+    "full_bf16": dict(train={"steps": 16, "dtype": "bf16", "checkpoint_every": 16},
+                      adapter={"algo": "full"}, optim={"lr": 1e-3, "warmup_steps": 2,
+                                                       "schedule": "cosine"}),
+}
+
+
+def _tiny_run_losses(tmp: Path, name: str) -> list[float]:
+    ds = make_kohya(tmp / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
+    params = _write_params(tmp, ds, **TINY_RUNS[name])
+    return Trainer(load_params(params), _prepare(tmp, params)).run(progress=False).losses
+
+
+@pytest.mark.parametrize("name", sorted(TINY_RUNS))
+def test_tiny_run_losses_are_bit_identical_to_the_stored_curve(tmp_path, name):
+    """Exact float equality with ``tests/data/tiny_run_losses.json`` (recorded on x86 CPU).
+    Only a change meant to alter the math may re-record it:
+    ``KMOSS_RECORD_LOSSES=1 pytest tests/test_train.py -k tiny_run``."""
+    losses = _tiny_run_losses(tmp_path, name)
+    stored = json.loads(LOSSES.read_text()) if LOSSES.exists() else {}
+    if os.environ.get("KMOSS_RECORD_LOSSES") == "1":
+        stored[name] = losses
+        LOSSES.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    assert name in stored, f"no stored curve {name!r} in {LOSSES}; record it (see the docstring)"
+    assert losses == stored[name], [(i + 1, a, b) for i, (a, b) in enumerate(zip(losses, stored[name]))
+                                    if a != b][:5]
