@@ -1,5 +1,7 @@
 """params.yaml -> a checked ``Params``: every section parsed strictly, then every check that
-can run before a stage does any work (see ``kohakumoss.checks.params``).
+can run before a stage does any work (``kohakumoss.checks.params``): ``parse_params`` runs the
+pure ones (cross-section rules, refused knobs, the adapter's combination), ``load_params``
+also those that read file headers (weight paths, adapter targets against the transformer).
 
 ``config.py`` declares the sections; this module sits above ``config`` and ``data`` because
 dataset entries and caption templates are parsed by the data package's own types.
@@ -13,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from kohakumoss.config import (DATASET_KEYS, SECTIONS, DatasetEntry, Params, validate)
+from kohakumoss.checks.params import check_adapter, check_targets, check_weights
+from kohakumoss.config import DATASET_KEYS, SECTIONS, DatasetEntry, Params, validate
 from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
 from kohakumoss.data.sources import SOURCES
@@ -76,6 +79,7 @@ def parse_params(raw: Any, path: str = "params.yaml") -> Params:
             sections[name] = build(cls, body, where)
     params = Params(**sections, path=path)
     validate(params)
+    check_adapter(params)
     return params
 
 
@@ -88,4 +92,6 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    return parse_params(raw, str(path))
+    params = parse_params(raw, str(path))
+    check_targets(params, check_weights(params))
+    return params

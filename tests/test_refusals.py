@@ -1,0 +1,103 @@
+"""Params that cannot train what they say are refused when they load, before any stage does
+work: a wrong adapter combination, targets that match nothing, missing or wrong weights, and
+knobs that parse but that nothing honours yet (parallel.world_size > 1, train.dtype fp16)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from kohakumoss.configlib import ConfigError
+from kohakumoss.params import load_params
+from stages.cli import app
+
+from conftest import ROOT
+
+runner = CliRunner()
+
+
+def _params(tmp: Path, **sections) -> Path:
+    """The shipped params.yaml with ``sections`` merged in, its dataset path made absolute."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    path = tmp / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+REFUSED = {
+    "oft input dropout": ({"adapter": {"algo": "oft", "dropout": 0.1}}, ["adapter", "dropout"]),
+    "dora on ia3": ({"adapter": {"algo": "ia3", "dora": True}}, ["adapter.dora", "ia3"]),
+    "tlora merged": ({"adapter": {"algo": "tlora", "mode": "merge"}}, ["T-LoRA", "bypass"]),
+    "bad preset": ({"adapter": {"preset": "attn+nothing"}}, ["preset", "attn+nothing"]),
+    "bad regex": ({"adapter": {"targets": ["layers.(0"]}}, ["adapter.targets", "regular expression"]),
+    "dead target": ({"adapter": {"targets": ["layers\\.0\\.proj\\.qq"]}},
+                    ["adapter", "match no module", "layers.N.proj.q"]),
+    "norms only": ({"adapter": {"targets": ["final_norm_video"], "train_norms": True}},
+                   ["select no linear"]),
+    "missing transformer": ({"model": {"transformer": "/nonexistent/moss/transformer"}},
+                            ["model.transformer", "does not exist"]),
+    "transformer not safetensors": ({"model": {"transformer": "README.md"}},
+                                    ["model.transformer", ".safetensors"]),
+    "missing text encoder": ({"model": {"text_encoder": "/nonexistent/qwen"}},
+                             ["model.text_encoder", "does not exist"]),
+    "missing vae": ({"model": {"vae": "/nonexistent/vae"}}, ["model.vae", "does not exist"]),
+    "caption tokenizer": ({"caption": {"tokenizer": "/nonexistent/tok"}},
+                          ["caption.tokenizer", "not a folder"]),
+    "two ranks": ({"parallel": {"world_size": 2}}, ["parallel.world_size", "set parallel.world_size: 1"]),
+    "fp16 training": ({"train": {"dtype": "fp16"}}, ["train.dtype", "loss scaling", "bf16"]),
+    "renamed sampler": ({"objective": {"sampler": "uniform"}}, ["objective.timesteps"]),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_when_params_load(tmp_path, case):
+    sections, needles = REFUSED[case]
+    path = _params(tmp_path, **sections)
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+    assert str(path) in str(err.value)  # the message names the file
+
+
+@pytest.mark.parametrize("case", ["oft input dropout", "dead target", "missing transformer",
+                                  "two ranks", "fp16 training"])
+def test_the_first_stage_refuses_before_any_work(tmp_path, case):
+    """`kmoss scan` (the first stage of `dvc repro`) stops with one error line and exit 2,
+    having written nothing: no catalog, no artifacts folder."""
+    sections, needles = REFUSED[case]
+    path = _params(tmp_path, **sections)
+    work = tmp_path / "work"
+    work.mkdir()
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        res = runner.invoke(app, ["scan", "--params", str(path)])
+    finally:
+        os.chdir(cwd)
+    assert res.exit_code == 2, res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in res.output, res.output
+    for needle in needles:
+        assert needle in res.output.replace("\n", " ") or needle in errors[0], res.output
+    assert list(work.iterdir()) == []
+
+
+def test_the_accepted_neighbours_still_load(tmp_path):
+    """The refusals are exact: the same knobs one step inside what is honoured load."""
+    for sections in ({"adapter": {"algo": "oft", "rank_dropout": 0.1}},
+                     {"adapter": {"algo": "lokr", "dora": True}},
+                     {"adapter": {"algo": "tlora", "mode": "bypass"}},
+                     {"adapter": {"targets": ["layers\\.0\\.proj\\.q"]}},
+                     {"adapter": {"algo": "full", "dropout": 0.5}},
+                     {"parallel": {"world_size": 1}},
+                     {"train": {"dtype": "fp32"}},
+                     {"objective": {"timesteps": "uniform"}}):
+        load_params(_params(tmp_path, **sections))
