@@ -52,8 +52,9 @@ app = typer.Typer(help="Checks of this install against reference numbers.", no_a
 def parity(folder: Path = typer.Argument(..., help="A reference vector set (the format of the "
                                            "public vectors: weights_*.safetensors, batch.safetensors).")) -> None:
     """Run our model on CPU in float32 and float64 against a vector set (and the timestep
-    sampler and inference schedules when it has them); one line per comparison with its
-    relative error and PASS/FAIL. Exit code 1 on any FAIL."""
+    distribution and inference schedules when it has them, computed with the knobs its
+    config.json declares); one line per comparison with its relative error and PASS/FAIL.
+    Exit code 1 on any FAIL."""
     from kohakumoss.checks.parity import all_comparisons
 
     check_vector_set(folder)

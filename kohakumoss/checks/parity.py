@@ -11,6 +11,7 @@ error ``||ours - ref|| / ||ref||`` in float64 against a tolerance: 1e-5 for floa
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +19,12 @@ import torch
 from safetensors.torch import load_file
 
 from kohakumoss.formats.model_files import load_transformer
+from kohakumoss.diffusion.schedule import inference_sigmas
+from kohakumoss.diffusion.timesteps import TECH_REPORT, MossTimesteps
 from kohakumoss.model.layout import build_layout
 
+# the knobs of a MossTimesteps a set may declare (schedules.sampler_knobs, stages[].knobs)
+TIMESTEP_KNOBS = {"steps", "mu", "s", "cutoff", "uniform_mix", "p_full", "shift", "schedule"}
 TOL = {torch.float32: 1e-5, torch.float64: 1e-6}
 WEIGHT_FILES = {"official": "weights_official.safetensors", "comfy": "weights_comfy.safetensors"}
 
@@ -90,28 +95,102 @@ def model_comparisons(folder: Path) -> Iterator[Comparison]:
                                          TOL[dtype])
 
 
-def schedule_comparisons(folder: Path) -> Iterator[Comparison]:
-    """The timestep sampler's tables and draws, and the inference sigma schedules."""
-    from kohakumoss.diffusion.schedule import inference_sigmas
-    from kohakumoss.diffusion.timesteps import MossTimesteps
+def declared(folder: Path) -> dict:
+    """The set's ``config.json`` (``{}`` when it has none)."""
+    path = folder / "config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
+
+def _fail(name: str, why: str) -> Comparison:
+    return Comparison(f"{name}: {why}", float("inf"), 0.0)
+
+
+def declared_timesteps(config: dict) -> tuple[MossTimesteps | None, list[int], str | None]:
+    """(the MOSS timestep distribution the set declares, each stage's start step, a reason
+    it cannot be built). A set without ``config.json`` declares the defaults; knobs this
+    package does not know are refused, never silently replaced by defaults."""
+    sched = config.get("schedules", {})
+    knobs = dict(sched.get("sampler_knobs") or {})
+    unknown = sorted(set(knobs) - TIMESTEP_KNOBS)
+    if unknown:
+        return None, [], f"unknown knob(s) {unknown} in config.json schedules.sampler_knobs"
+    named = knobs.pop("schedule", None)
+    stages = sched.get("stages") or []
+    for n, stage in enumerate(stages):
+        bad = sorted(set(stage.get("knobs", {})) - (TIMESTEP_KNOBS - {"steps", "schedule"}))
+        if bad:
+            return None, [], f"stage {n} declares unknown knob(s) {bad}"
+    if len(stages) > 1:  # a staged table: every stage as declared
+        schedule = tuple((int(st["start_step"]), dict(st["knobs"])) for st in stages)
+    elif named == "tech_report":
+        schedule = TECH_REPORT
+    elif named:
+        return None, [], f"unknown schedule {named!r} in config.json schedules.sampler_knobs"
+    else:
+        schedule = ()
+        if stages:  # one stage: its knobs are the distribution's
+            knobs.update(stages[0].get("knobs", {}))
+    starts = [start for start, _ in schedule] or [0]
+    return MossTimesteps(**knobs, schedule=schedule), starts, None
+
+
+def schedule_comparisons(folder: Path) -> Iterator[Comparison]:
+    """The timestep distribution's tables and draws, stage by stage, with the knobs the set
+    declares, and every inference sigma schedule it stores or lists."""
     path = folder / "schedules.safetensors"
     if not path.is_file():
         return
     ref = load_file(str(path))
-    sampler = MossTimesteps()
-    tables = dict(zip(("pmf", "sigma", "cdf"), sampler.tables()))
+    config = declared(folder)
+    timesteps, starts, why = declared_timesteps(config)
+    stage_keys = sorted({k.split(".")[1] for k in ref if k.startswith("sampler.")})
+    for stage in stage_keys:
+        name = f"timesteps {stage}"
+        n = int(stage.removeprefix("stage")) if stage.removeprefix("stage").isdigit() else -1
+        if timesteps is None:
+            yield _fail(name, why)
+            continue
+        if not 0 <= n < len(starts):
+            yield _fail(name, f"schedules.safetensors holds it but config.json declares "
+                              f"{len(starts)} stage(s)")
+            continue
+        tables = dict(zip(("pmf", "sigma", "cdf"), timesteps.tables(starts[n])))
+        for key in sorted(k for k in ref if k.startswith(f"sampler.{stage}.")):
+            leaf = key.split(".")[-1]
+            if leaf in tables:
+                yield Comparison(f"{name} {leaf}", rel_error(tables[leaf], ref[key]), 1e-6)
+            elif leaf.startswith("draws_seed"):
+                seed = int(leaf.removeprefix("draws_seed"))
+                draws = timesteps.sample(len(ref[key]), torch.Generator().manual_seed(seed),
+                                         step=starts[n])
+                yield Comparison(f"{name} draws (seed {seed})", rel_error(draws, ref[key]), 1e-6)
+    yield from inference_comparisons(ref, config)
+
+
+def inference_comparisons(ref: dict[str, torch.Tensor], config: dict) -> Iterator[Comparison]:
+    """Each stored ``infer.steps{S}_shift{K}`` tensor and each schedule ``config.json`` lists
+    (``"steps=S shift=K"`` with its sigmas), on the declared training grid."""
+    sched = config.get("schedules", {})
+    knobs = sched.get("inference_default_knobs", {})
+    grid = int(knobs.get("total", 1000))
+    if float(knobs.get("training_shift", 1.0)) != 1.0:
+        yield _fail("inference sigmas", f"a training grid shifted by {knobs['training_shift']} "
+                                        f"is declared; this package snaps to the unshifted grid")
+        return
+    wanted: dict[tuple[int, float], list[tuple[str, torch.Tensor]]] = {}
     for key, value in ref.items():
-        if key.startswith("sampler.stage0.") and key.split(".")[-1] in tables:
-            name = key.split(".")[-1]
-            yield Comparison(f"sampler {name}", rel_error(tables[name], value), 1e-6)
-        elif key == "sampler.stage0.draws_seed0":
-            draws = sampler.sample(len(value), torch.Generator().manual_seed(0))
-            yield Comparison("sampler draws (seed 0)", rel_error(draws, value), 1e-6)
-        elif key.startswith("infer.steps"):
+        if key.startswith("infer.steps"):
             steps, shift = key.removeprefix("infer.steps").split("_shift")
-            yield Comparison(f"inference sigmas steps {steps} shift {shift}",
-                             rel_error(inference_sigmas(int(steps), float(shift)), value), 1e-6)
+            wanted.setdefault((int(steps), float(shift)), []).append(("stored", value))
+    for label, entry in (sched.get("inference") or {}).items():
+        fields = dict(part.split("=") for part in label.split())
+        listed = torch.tensor(entry["sigmas"], dtype=torch.float32)
+        wanted.setdefault((int(fields["steps"]), float(fields["shift"])), []).append(("listed", listed))
+    for (steps, shift), refs in sorted(wanted.items()):
+        ours = inference_sigmas(steps, shift, grid)
+        for where, value in refs:
+            yield Comparison(f"inference sigmas steps {steps} shift {shift:g} ({where})",
+                             rel_error(ours, value), 1e-6)
 
 
 def all_comparisons(folder: str | Path) -> Iterator[Comparison]:
@@ -132,8 +211,6 @@ def lora_comparisons(folder: str | Path) -> Iterator[Comparison]:
     """Each LoRA file of the set (LyCORIS native, ComfyUI, ComfyUI fused q/k/v) loaded on the
     official weights in float32 and float64, bypass and merge, at multiplier 1 against
     ``v_lora_*`` and at ``config.json`` -> ``lora.m2`` against ``v_lora_m2_*``."""
-    import json
-
     from kohakumoss.adapters.files import load_adapter_file
 
     folder = Path(folder)

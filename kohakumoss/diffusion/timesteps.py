@@ -134,15 +134,16 @@ class MossTimesteps:
     schedule: tuple = ()  # ((start_step, {knobs}), ...) or () for one stage
 
     def knobs_at(self, step: int) -> dict:
+        """The table knobs in force at global ``step``; a stage may also set ``uniform_mix``."""
         base = {"mu": self.mu, "s": self.s, "cutoff": self.cutoff, "p_full": self.p_full,
-                "shift": self.shift}
+                "shift": self.shift, "uniform_mix": self.uniform_mix}
         if not self.schedule:
             return base
         stage = [knobs for start, knobs in self.schedule if start <= step][-1]
-        return {**STAGE_DEFAULTS, **dict(stage)}
+        return {**STAGE_DEFAULTS, "uniform_mix": self.uniform_mix, **dict(stage)}
 
     def tables(self, step: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return moss_tables(self.steps, uniform_mix=self.uniform_mix, **self.knobs_at(step))
+        return moss_tables(self.steps, **self.knobs_at(step))
 
     def sample(self, n: int, generator: torch.Generator, step: int = 0) -> torch.Tensor:
         _, sigma, cdf = self.tables(step)
