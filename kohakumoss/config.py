@@ -316,7 +316,7 @@ def validate(p: Params) -> None:
 
 # Knobs that parse but that no engine honours yet: accepting them would train something
 # other than what params.yaml says, so they are refused until their issue lands
-# (docs/training.md#refused-knobs).
+# (docs/architecture.md#refused-knobs).
 def refuse_unhonoured(p: Params) -> None:
     if p.parallel.world_size > 1:
         raise ConfigError(
