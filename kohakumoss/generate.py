@@ -12,11 +12,14 @@ import torch
 from PIL import Image, PngImagePlugin
 
 from kohakumoss.artifacts import atomic_path
-from kohakumoss.config import AdapterConfig, Params
+from kohakumoss.config import Params
 from kohakumoss.diffusion.sampler import Request, sample
-from kohakumoss.images import contact_sheet
 from kohakumoss.formats import load_dit
+from kohakumoss.formats.comfy import load_adapter_file
+from kohakumoss.images import contact_sheet
 from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.training.checkpoint import is_checkpoint
+from kohakumoss.training.trained import load_trained
 
 
 @dataclasses.dataclass
@@ -46,29 +49,13 @@ def split_strength(spec: str) -> tuple[Path, float]:
 
 
 def attach(model: MOSSImageTransformer, spec: str, seed: int = 0):
-    """Apply ``path[:strength]``: a training checkpoint directory (adapter or full weights)
-    or an adapter file (ours, LyCORIS, ComfyUI). Returns a handle with ``remove()`` (or None)."""
+    """Apply ``path[:strength]``: a training checkpoint folder (``load_trained``: adapter or
+    full weights) or an adapter file (ours, LyCORIS, ComfyUI; merged in). Returns a handle
+    with ``remove()``, or None when full weights were loaded into the model."""
     path, m = split_strength(spec)
-    if path.is_dir() and (path / "trainable.safetensors").is_file():
-        from kohakumoss.training.checkpoint import open_checkpoint
-
-        ckpt = open_checkpoint(path, legacy_weights=True)  # verified reads, never a pickle
-        trained = dict(ckpt.state["trained"])
-        weights = ckpt.trainable()
-        if trained["algo"] == "full":
-            model.load_state_dict({k: v.to(model.get_parameter(k).dtype) for k, v in weights.items()})
-            return None
-        from kohakumoss.adapters import apply_adapters
-
-        trained["targets"] = tuple(trained.get("targets", ()))
-        adapters = apply_adapters(model, AdapterConfig(**trained), seed=seed)
-        adapters.load_state_dict(weights)
-        adapters.eval()
-        adapters.set_multiplier(m)
-        return adapters
+    if is_checkpoint(path):
+        return load_trained(model, path, seed=seed, multiplier=m).adapters
     if path.is_file():
-        from kohakumoss.adapters import load_adapter_file
-
         return load_adapter_file(model, path, multiplier=m, mode="merge")
     raise FileNotFoundError(f"adapter {spec!r}: not a checkpoint directory (runs/<name>/checkpoints/"
                             f"step-N) nor an adapter file")

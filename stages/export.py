@@ -44,14 +44,20 @@ def checkpoint(
     style: str = typer.Option("lora_unet", help="ComfyUI key style: lora_unet | diffusion_model."),
     dtype: str = typer.Option("bf16", help="Saved dtype: bf16 | fp16 | fp32."),
     ema: bool = typer.Option(False, help="Use the checkpoint's EMA weights."),
+    model: str = typer.Option(None, "--model", "-m",
+                              help="The base model: tiny or a model path (pipeline folder, its "
+                                   "transformer/ folder, a .safetensors file). Given, no params "
+                                   "file is read; default: the params file's model.transformer."),
     params: Path = PARAMS_OPTION,
 ) -> None:
-    """Re-export any saved step, or convert an adapter file between layouts."""
+    """Re-export any saved step, or convert an adapter file between layouts (onto --model,
+    or the params file's model.transformer)."""
     from kohakumoss.params import load_params
     from kohakumoss.export.formats import load_source, write_export
     from kohakumoss.export.stage import default_output
 
-    src = load_source(load_params(params), path, ema=ema)
+    p = None if model is not None or not params.is_file() else load_params(params)
+    src = load_source(p, path, ema=ema, model=model)
     target = out or default_output(src, path, format)
     written = write_export(src, format, target, strength=strength, fused_qkv=fused_qkv, style=style,
                            dtype=dtype)

@@ -32,12 +32,13 @@ def parse_size(value: str, option: str = "--size") -> tuple[int, int]:
 def check_adapters(specs: list[str], option: str = "--adapter") -> None:
     """Each ``PATH[:STRENGTH]`` names an existing checkpoint folder or adapter file."""
     from kohakumoss.generate import split_strength
+    from kohakumoss.training.checkpoint import is_checkpoint
 
     for spec in specs:
         path = split_strength(spec)[0]
         if not path.exists():
             problem = "does not exist"
-        elif path.is_dir() and not (path / "trainable.safetensors").is_file():
+        elif path.is_dir() and not is_checkpoint(path):
             problem = "is a folder but not a training checkpoint"
         else:
             continue

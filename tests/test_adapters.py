@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kohakumoss.adapters import (apply_adapters, load_adapter_file, preset_patterns,
-                                 resolve_targets, targeted_modules)
+from kohakumoss.adapters import apply_adapters, preset_patterns, resolve_targets, targeted_modules
 from kohakumoss.config import AdapterConfig
+from kohakumoss.formats.comfy import load_adapter_file
+from kohakumoss.formats.lycoris import lycoris_state_dict, save_lycoris
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.checks.parity import lora_comparisons, rel_error
 
@@ -99,7 +100,7 @@ def test_algorithm_trains_merges_round_trips_and_exports(algo, tmp_path):
         assert rel_error(model2(*inputs), y) < 1e-12
 
     # LyCORIS native file, loaded back for inference in both modes
-    path = aset.save_lycoris(tmp_path / f"{algo}.safetensors", dtype=torch.float64)
+    path = save_lycoris(aset, tmp_path / f"{algo}.safetensors", dtype=torch.float64)
     meta_algo = {"dora": "lora", "oft": "diag-oft"}.get(algo, algo)
     assert f'"algo": "{meta_algo}"' in load_file_metadata(path)["ss_network_args"]
     model3 = _model()
@@ -142,7 +143,7 @@ def test_variants_agree_at_a_partial_multiplier(variant, tmp_path):
         aset.merge(0.6)
         assert rel_error(model(*inputs), y) < tol
         aset.unmerge()
-        path = aset.save_lycoris(tmp_path / "a.safetensors", dtype=torch.float64)
+        path = save_lycoris(aset, tmp_path / "a.safetensors", dtype=torch.float64)
         for mode in ("bypass", "merge"):
             handle = load_adapter_file(model3 := _model(), path, 0.6, mode)
             assert rel_error(model3(*inputs), y) < tol, mode
@@ -266,7 +267,7 @@ def test_train_norms_and_refusals():
         aset.merge(0.5)
         aset.unmerge()
         assert _same(model, base) and torch.equal(model(*inputs), y)
-    assert "lora_unet_layers_0_norm1.w_norm" in aset.lycoris_state_dict()
+    assert "lora_unet_layers_0_norm1.w_norm" in lycoris_state_dict(aset)
     for bad, match in [(_cfg("tlora", mode="merge"), "bypass"), (_cfg("dora", dropout=0.1), "dropout"),
                        (_cfg("oft", dora=True), "dora"), (AdapterConfig(algo="full"), "full finetune")]:
         with pytest.raises(ValueError, match=match):

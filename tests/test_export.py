@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kohakumoss.adapters import apply_adapters, load_adapter_file
+from kohakumoss.adapters import apply_adapters
 from kohakumoss.config import AdapterConfig
 from kohakumoss.params import load_params
 from kohakumoss.export.formats import ExportError, load_source, merged_state, write_export
 from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
+from kohakumoss.formats.comfy import load_adapter_file
 from kohakumoss.formats.model_files import load_transformer
 from kohakumoss.checks.parity import rel_error
 from kohakumoss.training.checkpoint import save_checkpoint
@@ -116,7 +117,7 @@ def test_vector_lycoris_file_converts_to_the_fused_comfy_layout(tmp_path):
     from safetensors.torch import load_file, save_file
     from typer.testing import CliRunner
 
-    from kohakumoss.export.comfy_semantics import comfy_weight_deltas
+    from kohakumoss.formats.comfy_semantics import comfy_weight_deltas
     from kohakumoss.formats.keys import fuse_qkv
     from stages.cli import app
 

@@ -10,11 +10,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kohakumoss.adapters import apply_adapters, load_adapter_file, merged_weight
+from kohakumoss.adapters import apply_adapters, merged_weight
 from kohakumoss.config import AdapterConfig
-from kohakumoss.export.comfy import (comfy_from_weight_deltas, comfy_state_dict, convert_file,
-                                     save_comfy_file, trained_deltas)
-from kohakumoss.export.comfy_semantics import comfy_weight_deltas, verify
+from kohakumoss.export.check import trained_deltas
+from kohakumoss.formats.comfy import (comfy_from_weight_deltas, comfy_state_dict, convert_file,
+                                      load_adapter_file, save_comfy_file)
+from kohakumoss.formats.comfy_semantics import comfy_weight_deltas, verify
 from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.formats.model_files import load_transformer

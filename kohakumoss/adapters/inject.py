@@ -1,6 +1,7 @@
 """Adapters for training: ``apply_adapters(model, cfg, seed)`` builds one LyCORIS module per
 targeted linear (``spec/adapters-export.md`` 2-6) and returns the ``AdapterSet`` a trainer
 drives: parameters and optimiser groups, per-step randomness, train/eval, merge, state.
+Its LyCORIS file is written by ``kohakumoss.formats.lycoris``.
 
 The base model is frozen and keeps its state-dict keys: LyCORIS wraps a layer's ``forward``
 and holds its own parameters outside the model. Names are LyCORIS's
@@ -10,21 +11,17 @@ and holds its own parameters outside the model. Names are LyCORIS's
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from lycoris import LycorisNetwork
 from lycoris.modules.tlora import clear_timestep_mask, compute_timestep_mask, set_timestep_mask
-
 from torch import nn
 
 from kohakumoss.adapters.norms import NormDelta
 from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
 from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
-from kohakumoss.artifacts import atomic_path, write_safetensors
 from kohakumoss.model.dit import RMSNormWeight
 
 PREFIX = "lora_unet"
@@ -288,44 +285,3 @@ class AdapterSet:
             tensors = {**dict(lyco.named_parameters()), **dict(lyco.named_buffers())}
             for k in nn.Module.state_dict(lyco):
                 tensors[k].copy_(state[f"{lyco.lora_name}.{k}"])
-
-    def lycoris_state_dict(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """LyCORIS's native save set (spec 8.1), ``ndim > 0`` floats cast to ``dtype``.
-
-        DyLoRA writes its full-rank scale as ``alpha`` (``alpha_file / r`` = ``alpha / blocks``),
-        so any LoRA loader reproduces the trained layer."""
-        out = {}
-        for lyco in self.modules.values():
-            sd = dict(lyco.state_dict())
-            if kind_of(lyco) == "dylora":
-                sd["alpha"] = lyco.alpha / lyco.block_count * lyco.lora_dim
-            for k, v in sd.items():
-                out[f"{lyco.lora_name}.{k}"] = v
-        for n in self.norms.values():
-            out[f"{n.lora_name}.w_norm"] = n.w_norm
-        cast = {}
-        for k, v in out.items():
-            v = v.detach().to("cpu")
-            if v.is_floating_point():
-                v = v.to(dtype if v.ndim else torch.float32)
-            cast[k] = v.contiguous()
-        return cast
-
-    def lycoris_metadata(self) -> dict[str, str]:
-        cfg = self.cfg
-        args = {"algo": NETWORK_MODULE[cfg.algo], "bypass_mode": cfg.mode == "bypass"}
-        if cfg.dora or cfg.algo == "dora":
-            args.update(weight_decompose=True, wd_on_out=bool(cfg.algo_kwargs.get("wd_on_out", True)))
-        args.update(cfg.algo_kwargs)
-        return {"kohakumoss_format": "lycoris", "kohakumoss_key_style": PREFIX,
-                "kohakumoss_prefix": PREFIX, "kohakumoss_algo": cfg.algo,
-                "ss_network_module": "lycoris.kohya", "ss_network_dim": str(cfg.dim),
-                "ss_network_alpha": str(float(cfg.alpha)), "ss_network_args": json.dumps(args)}
-
-    def save_lycoris(self, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                     metadata: dict[str, str] | None = None) -> Path:
-        """Write LyCORIS's native adapter file (keys ``lora_unet_<path>.<tensor>``)."""
-        meta = {**self.lycoris_metadata(), **(metadata or {})}
-        with atomic_path(path) as tmp:
-            write_safetensors(self.lycoris_state_dict(dtype), tmp, meta)
-        return Path(path)

@@ -211,7 +211,7 @@ def lora_comparisons(folder: str | Path) -> Iterator[Comparison]:
     """Each LoRA file of the set (LyCORIS native, ComfyUI, ComfyUI fused q/k/v) loaded on the
     official weights in float32 and float64, bypass and merge, at multiplier 1 against
     ``v_lora_*`` and at ``config.json`` -> ``lora.m2`` against ``v_lora_m2_*``."""
-    from kohakumoss.adapters.files import load_adapter_file
+    from kohakumoss.formats.comfy import load_adapter_file
 
     folder = Path(folder)
     files = [(stem, folder / f"{stem}.safetensors") for stem in LORA_FILES]

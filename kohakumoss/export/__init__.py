@@ -1,2 +1,3 @@
-"""Exports: ComfyUI LoRA files (``comfy``), LyCORIS files, merged models and diffusers
-transformer folders, from a training checkpoint or a foreign adapter file."""
+"""Exports: which source (a training checkpoint or a foreign adapter file) goes onto which base,
+in which formats, under which names and manifest (``docs/exports.md``). The files themselves
+are read and written by ``kohakumoss.formats`` (``docs/formats.md``)."""

@@ -1,31 +1,29 @@
 """Write an export from a source: a training checkpoint (adapter or full weights, optionally
-its EMA) or a foreign LyCORIS / ComfyUI adapter file, onto the base model of ``params``.
+its EMA) or a foreign LyCORIS / ComfyUI adapter file, onto a base model (``docs/exports.md``).
 
-Formats: ``comfy`` (ComfyUI-native adapter file, ``kohakumoss.export.comfy``), ``lycoris``
-(lycoris-lora's own file), ``merged`` (base + adapter at a strength, a ComfyUI single file
-with fused q/k/v, or the official bare layout) and ``diffusers`` (a transformer folder:
-config.json, shards, index). Every output is written atomically; an existing output is
-replaced only once the new one is complete. An export is a pure function of (source,
-export params).
+The base is ``--model`` (``"tiny"`` or a model path) or ``params``' ``model.transformer``.
+Formats, each read and written by its module of ``kohakumoss.formats``
+(``docs/formats.md``): ``comfy`` (ComfyUI's adapter file, ``formats.comfy``), ``lycoris``
+(``formats.lycoris``), ``merged`` (``formats.merged``) and ``diffusers``
+(``formats.diffusers``). Every output is written atomically; an existing output is replaced
+only once the new one is complete. An export is a pure function of (source, export params).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kohakumoss.config import AdapterConfig, Params
-from kohakumoss.precision.dtypes import DTYPES
+from kohakumoss.config import Params
 from kohakumoss.errors import KohakuError
-from kohakumoss.formats import load_dit
-from kohakumoss.formats.model_files import save_comfy, save_official
+from kohakumoss.formats import comfy, diffusers, load_dit, lycoris, merged
 from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.precision.dtypes import DTYPES
+from kohakumoss.training.checkpoint import is_checkpoint
+from kohakumoss.training.trained import load_trained
 
 FORMATS = ("comfy", "lycoris", "merged", "diffusers")
 SOURCES = ("a training checkpoint folder (runs/<name>/checkpoints/step-N) or an adapter file "
@@ -46,40 +44,34 @@ class Source:
     path: Path | None = None
 
 
-def load_source(p: Params, path: str | Path, ema: bool = False) -> Source:
-    """The base model of ``p.model.transformer`` (float32, CPU) with the source applied."""
+def base_model(p: Params | None, model: str | None, source: str | Path) -> str:
+    """The base a source is applied to: ``model`` if given, else ``p.model.transformer``."""
+    if model is not None:
+        return model
+    if p is None:
+        raise ExportError(f"no base model to apply {source} to, and no params file to take "
+                          f"model.transformer from: give --model (tiny or a model path: a "
+                          f"pipeline folder, its transformer/ folder or a .safetensors file), or "
+                          f"--params FILE (default params.yaml) whose model.transformer names it")
+    return p.model.transformer
+
+
+def load_source(p: Params | None, path: str | Path, ema: bool = False, *,
+                model: str | None = None) -> Source:
+    """The base model (``model``, else ``p.model.transformer``; float32, CPU) with the source
+    applied: a checkpoint through ``load_trained``, an adapter file in bypass mode."""
     path = Path(path)
     if not path.exists():
         raise ExportError(f"{path} does not exist: expected {SOURCES}")
-    model = load_dit(p.model.transformer, torch.float32, "cpu").eval()
-    from kohakumoss.training.checkpoint import is_checkpoint, open_checkpoint
-
+    if not is_checkpoint(path) and not path.is_file():
+        raise ExportError(f"{path} is a folder but not a training checkpoint (none of a "
+                          f"checkpoint's files is in it): expected {SOURCES}")
+    base = load_dit(base_model(p, model, path), torch.float32, "cpu").eval()
     if is_checkpoint(path):
-        ckpt = open_checkpoint(path, legacy_weights=True)  # every file read is verified
-        trained = dict(ckpt.state["trained"])
-        weights = ckpt.ema() if ema else ckpt.trainable()
-        if weights is None:
-            raise ExportError(f"{path} holds no EMA weights (train with optim.ema > 0)")
-        if trained["algo"] == "full":
-            model.load_state_dict(weights)
-            return Source(model, "full", None, trained, ckpt.step, path)
-        from kohakumoss.adapters import apply_adapters
-
-        trained["targets"] = tuple(trained.get("targets", ()))
-        adapters = apply_adapters(model, AdapterConfig(**trained), seed=p.run.seed)
-        if ema:
-            own = adapters.state_dict()
-            weights = {k: weights.get(k, v) for k, v in own.items()}
-        adapters.load_state_dict(weights)
-        adapters.eval()
-        return Source(model, "adapter", adapters, trained, ckpt.step, path)
-    if path.is_file():
-        from kohakumoss.adapters import load_adapter_file
-
-        attached = load_adapter_file(model, path, multiplier=1.0, mode="bypass")
-        return Source(model, "file", attached, {"algo": "file"}, None, path)
-    raise ExportError(f"{path} is a folder but not a training checkpoint (none of a "
-                      f"checkpoint's files is in it): expected {SOURCES}")
+        t = load_trained(base, path, ema=ema, seed=p.run.seed if p is not None else 0)
+        return Source(base, "full" if t.full else "adapter", t.adapters, t.trained, t.step, path)
+    attached = comfy.load_adapter_file(base, path, multiplier=1.0, mode="bypass")
+    return Source(base, "file", attached, {"algo": "file"}, None, path)
 
 
 def _metadata(src: Source, fmt: str, extra: dict[str, str]) -> dict[str, str]:
@@ -91,33 +83,14 @@ def _metadata(src: Source, fmt: str, extra: dict[str, str]) -> dict[str, str]:
 
 def merged_state(src: Source, strength: float) -> dict[str, torch.Tensor]:
     """Base + strength x adapter (full weights as they are), float32."""
-    if src.kind == "full":
-        return {k: v.detach().clone() for k, v in src.model.state_dict().items()}
-    src.adapters.merge(strength)
-    try:
-        return {k: v.detach().clone() for k, v in src.model.state_dict().items()}
-    finally:
-        src.adapters.unmerge()
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Swap a finished folder into place; the old one is removed only afterwards."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old)
+    return merged.merged_state(src.model, None if src.kind == "full" else src.adapters, strength)
 
 
 def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fused_qkv: bool = True,
                  style: str = "lora_unet", dtype: str = "bf16", metadata: dict[str, str] | None = None
                  ) -> Path:
-    from kohakumoss.export.comfy import STYLES
-
     for what, value, allowed in (("format", fmt, FORMATS), ("dtype", dtype, tuple(DTYPES)),
-                                 ("style", style, STYLES)):
+                                 ("style", style, lycoris.STYLES)):
         if value not in allowed:
             raise ExportError(f"export {what} {value!r}: one of {', '.join(allowed)}")
     out = Path(out)
@@ -128,32 +101,21 @@ def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fus
     if fmt in ("comfy", "lycoris") and src.kind == "full":
         raise ExportError("a full finetune has no adapter: export it as 'merged' or 'diffusers'")
     if fmt == "comfy":
-        from kohakumoss.export.comfy import comfy_state_dict, convert_file, save_comfy_file
-
         if src.kind == "file":
-            tensors, m = convert_file(src.model, src.path, fused_qkv=fused_qkv, style=style, dtype=dt)
+            tensors, m = comfy.convert_file(src.model, src.path, fused_qkv=fused_qkv, style=style,
+                                            dtype=dt)
         else:
-            tensors, m = comfy_state_dict(src.adapters, src.model, fused_qkv=fused_qkv, style=style,
-                                          dtype=dt)
-        save_comfy_file(out, tensors, {**m, **meta})
+            tensors, m = comfy.comfy_state_dict(src.adapters, src.model, fused_qkv=fused_qkv,
+                                                style=style, dtype=dt)
+        comfy.save_comfy_file(out, tensors, {**m, **meta})
     elif fmt == "lycoris":
         if src.kind != "adapter":
             raise ExportError("the lycoris format is written from a training checkpoint; a "
                               "foreign file converts to 'comfy', 'merged' or 'diffusers'")
-        src.adapters.save_lycoris(out, dtype=dt, metadata={**src.adapters.lycoris_metadata(), **meta})
+        lycoris.save_lycoris(src.adapters, out, dtype=dt, metadata=meta)
     elif fmt == "merged":
-        state = merged_state(src, strength)
-        save_comfy(state, out, config, dtype=dt, fused=fused_qkv,
-                   metadata={**meta, "kohakumoss_strength": str(strength)})
-    elif fmt == "diffusers":
-        state = merged_state(src, strength)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
-            save_official(state, tmp, config, dtype=dt)
-            _replace_dir(tmp, out)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+        merged.save_merged(merged_state(src, strength), out, config, dtype=dt, fused_qkv=fused_qkv,
+                           strength=strength, metadata=meta)
     else:
-        raise ExportError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
+        diffusers.save_diffusers(merged_state(src, strength), out, config, dtype=dt)
     return out

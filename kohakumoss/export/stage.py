@@ -149,7 +149,9 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
             _remove(out / name)
         files = [w.name for w in written if w.is_file()]
         manifest = make_manifest("export", 1, params=stage_params(p, PARAMS), inputs={},
-                                 code=code_version("kohakumoss.export", "kohakumoss.adapters"),
+                                 code=code_version("kohakumoss.export", "kohakumoss.formats",
+                                                   "kohakumoss.adapters",
+                                                   "kohakumoss.training.trained"),
                                  directory=out, files=files,
                                  info={"checkpoint": ckpt.name, "formats": formats,
                                        "outputs": names, "experiment": experiment})

@@ -1,6 +1,6 @@
 """Find a transformer checkpoint on disk and read it tensor by tensor under official names.
 
-Layouts (``spec/moss-image.md`` 7.5): a pipeline root or its ``transformer/`` folder
+Layouts (``docs/formats.md``): a pipeline root or its ``transformer/`` folder
 (sharded safetensors with an index, or one file) and a ComfyUI single file (bare keys or a
 ``model.diffusion_model.`` / ``diffusion_model.`` / ``transformer.`` prefix, fused joint
 ``proj.qkv``, optionally int8 / int8-ConvRot / fp8 quantized). ``TransformerReader`` hides
@@ -18,11 +18,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kohakumoss.errors import KohakuError
-from kohakumoss.formats.keys import FUSED_QKV, ROPE_KEY, common_prefix, qkv_parts
+from kohakumoss.formats.keys import ROPE_KEY, common_prefix, fused_layer, qkv_parts
 from kohakumoss.precision.quant import (QUANT_DTYPES, SCALE_NAMES, SIDE_KEYS, QuantizedWeight,
                                        parse_format, quantized_weight)
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def _fused(key: str) -> int | None:
+    """N for the fused ``layers.N.proj.qkv.weight`` (not its quantization side tensors)."""
+    return fused_layer(key) if key.endswith(".weight") else None
 
 
 class CheckpointError(KohakuError, ValueError):
@@ -85,7 +90,7 @@ class TransformerReader:
         self.prefix = common_prefix(self._where)
         raw = {k[len(self.prefix):]: k for k in self._where}
         self.legacy_fp8 = any(k.endswith("scaled_fp8") for k in raw)
-        self.fused_qkv = any(FUSED_QKV.match(k) for k in raw)
+        self.fused_qkv = any(_fused(k) is not None for k in raw)
         self._raw = raw
         # official name -> (stripped raw weight name, row third or None)
         self._map: dict[str, tuple[str, int | None]] = {}
@@ -93,8 +98,8 @@ class TransformerReader:
         for k in raw:
             if k.endswith("scaled_fp8") or k == ROPE_KEY or k.rsplit(".", 1)[-1] in SIDE_KEYS:
                 continue
-            m = FUSED_QKV.match(k)
-            targets = [(n, i) for i, n in enumerate(qkv_parts(int(m.group(1))))] if m else [(k, None)]
+            n = _fused(k)
+            targets = list(zip(qkv_parts(n), range(3))) if n is not None else [(k, None)]
             for name, part in targets:
                 self._map[name] = (k, part)
                 if self._is_quantized(k):

@@ -1,8 +1,9 @@
-"""ComfyUI adapter files (``spec/adapters-export.md`` 8.2-8.4): every trained layer as the
-tensor set that ComfyUI's weight adapters evaluate to exactly its delta at strength 1, on the
-split (official) or the fused-q/k/v (Comfy-Org repack) layout.
+"""ComfyUI's adapter files (``docs/formats.md``, ``docs/exports.md``): written from trained
+adapters or converted from any LyCORIS-family file, and read back onto a model.
 
-Per layer (module path -> tensor set; key style and cast come last):
+Writing: every trained layer as the tensor set that ComfyUI's weight adapters evaluate to
+exactly its delta at strength 1, on the split (official) or the fused-q/k/v (Comfy-Org
+repack) layout. Per layer (module path -> tensor set; key style and cast come last):
 
 - lora, locon, loha, lokr, glora: the native LyCORIS set (``use_scalar`` folded in), ``alpha`` =
   trained scale x the rank ComfyUI divides by (LoKr with no decomposed factor: scale in w1);
@@ -15,42 +16,38 @@ Per layer (module path -> tensor set; key style and cast come last):
 - tlora: plain LoRA of rank 2r, unmasked: up ``[P λ s, -P0 λ0 s]``, down ``[Q; Q0]``, alpha 2r;
 - trained norms: ``w_norm``.
 
-Fused layout: a joint block's q/k/v become one ``layers.N.proj.qkv`` layer; plain LoRA parts
-are repacked exactly (stacked downs, block-diagonal up with each part's alpha/r folded in,
-``alpha`` = total rank), anything else is a dense ``diff`` [3D, D].
+Fused layout (``formats.keys``' q/k/v rule): a joint block's q/k/v become one
+``layers.N.proj.qkv`` layer; plain LoRA parts are repacked exactly (stacked downs,
+block-diagonal up with each part's alpha/r folded in, ``alpha`` = total rank), anything else
+is a dense ``diff`` [3D, D].
+
+Reading (``load_adapter_file``): whatever ComfyUI's loader reads of the LyCORIS family --
+LyCORIS native files, ComfyUI files fused or not, our own -- split back to q/k/v (a plain
+LoRA by row thirds of ``lora_up``, a ``diff`` by rows) with our own files' OFT ``alpha`` and
+DoRA scales turned back into LyCORIS's, then built into LyCORIS modules on the model.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-
-from kohakumoss.adapters.files import load_adapter_file
-from kohakumoss.adapters.runtime import dylora_rank, kind_of, merged_weight
+from kohakumoss.adapters.runtime import Attached, dylora_rank, kind_of, merged_weight
+from kohakumoss.adapters.sets import AdapterSetError, Sets, build_modules
 from kohakumoss.artifacts import atomic_path, write_safetensors
+from kohakumoss.formats.keys import fused_layer, fused_path, qkv_layer, qkv_paths
+from kohakumoss.formats.lycoris import AdapterFileError, lycoris_metadata, read_lycoris, stem
 
-STYLES = ("lora_unet", "diffusion_model")
 PLAIN_LORA = frozenset({"lora_up.weight", "lora_down.weight", "alpha"})
-QKV = re.compile(r"^layers\.(\d+)\.proj\.([qkv])$")
 RANK_OF = {"locon": "lora_down.weight", "loha": "hada_w1_b", "glora": "a2.weight"}
 EPS_COMFY = torch.finfo(torch.float32).eps  # ComfyUI patches float32 copies of the weights
 
-Sets = dict[str, dict[str, torch.Tensor]]
 Delta = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def stem(path: str, style: str) -> str:
-    if style == "lora_unet":
-        return f"lora_unet_{path.replace('.', '_')}"
-    if style == "diffusion_model":
-        return f"diffusion_model.{path}"
-    raise ValueError(f"comfy key style {style!r}: one of {', '.join(STYLES)}")
 
 
 def _alpha(value: float) -> torch.Tensor:
@@ -151,7 +148,7 @@ def layer_sets(modules: Mapping[str, object], norms: Mapping[str, object]) -> Se
 
 def repack_qkv_lora(parts: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
     """Plain LoRA sets of q, k, v (None: absent) -> one fused LoRA: stacked downs, block-diagonal
-    up holding each part's ``alpha / r``, ``alpha`` = total rank (spec 8.4)."""
+    up holding each part's ``alpha / r``, ``alpha`` = total rank."""
     present = [p for p in parts if p is not None]
     D = present[0]["lora_up.weight"].shape[0]
     dt = torch.promote_types(present[0]["lora_up.weight"].dtype, torch.float32)
@@ -186,19 +183,47 @@ def fuse_qkv_sets(sets: Sets, delta_of: Callable[[str], Delta]) -> Sets:
     """Each joint block's q/k/v sets -> one ``layers.N.proj.qkv`` set, in place of the q/k/v."""
     out: Sets = {}
     for path, s in sets.items():
-        m = QKV.match(path)
-        if not m:
+        n = qkv_layer(path)
+        if n is None:
             out[path] = s
             continue
-        fused = f"layers.{m.group(1)}.proj.qkv"
+        fused, paths = fused_path(n), qkv_paths(n)
         if fused in out:
             continue
-        paths = [f"layers.{m.group(1)}.proj.{x}" for x in "qkv"]
         parts = [sets.get(p) for p in paths]
         if all(p is None or ("lora_up.weight" in p and set(p) <= PLAIN_LORA) for p in parts):
             out[fused] = repack_qkv_lora(parts)
         else:
             out[fused] = _fused_dense([delta_of(p) if p in sets else None for p in paths])
+    return out
+
+
+def split_fused_qkv(sets: Sets) -> Sets:
+    """Fused ``layers.N.proj.qkv`` sets -> q/k/v: a plain LoRA is split by row thirds of
+    ``lora_up``, each third keeping its non-zero rank columns (and those rows of
+    ``lora_down``) with ``alpha * used / total`` (the same scale); a ``diff`` by row thirds."""
+    out = {}
+    for path, t in sets.items():
+        n = fused_layer(path)
+        if n is None:
+            out[path] = t
+            continue
+        parts = qkv_paths(n)
+        if set(t) <= {"diff", "diff_b"}:
+            for name, *chunks in zip(parts, *(t[k].chunk(3, 0) for k in sorted(t))):
+                out[name] = dict(zip(sorted(t), chunks))
+        elif set(t) <= PLAIN_LORA and "lora_up.weight" in t:
+            up, down = t["lora_up.weight"], t["lora_down.weight"]
+            total = down.shape[0]
+            alpha = float(t["alpha"]) if "alpha" in t else float(total)
+            for name, up_part in zip(parts, up.chunk(3, 0)):
+                used = up_part.ne(0).any(0).nonzero().flatten()
+                if len(used):
+                    out[name] = {"lora_up.weight": up_part[:, used], "lora_down.weight": down[used],
+                                 "alpha": torch.tensor(alpha * len(used) / total)}
+        else:
+            raise AdapterFileError(f"fused {path} holds {sorted(t)}: only a plain LoRA or a dense "
+                                   f"diff can be split into q/k/v")
     return out
 
 
@@ -226,7 +251,7 @@ def comfy_metadata(algo: str, rank: str, fused_qkv: bool, style: str, base_model
 
 
 def _check_fusable(model, paths) -> None:
-    if any(QKV.match(p) for p in paths) and not hasattr(model, "layers"):
+    if any(qkv_layer(p) is not None for p in paths) and not hasattr(model, "layers"):
         raise ValueError("fused_qkv needs a model with joint blocks (layers.N.proj.q/k/v)")
 
 
@@ -240,7 +265,7 @@ def comfy_state_dict(adapters, model, fused_qkv: bool = False, style: str = "lor
         _check_fusable(model, sets)
         sets = fuse_qkv_sets(sets, lambda p: layer_delta(adapters.modules[p]))
     cfg = getattr(adapters, "cfg", None)
-    extra = adapters.lycoris_metadata() if hasattr(adapters, "lycoris_metadata") else {}
+    extra = lycoris_metadata(cfg) if cfg is not None else {}
     meta = comfy_metadata(getattr(cfg, "algo", ""), str(getattr(cfg, "dim", "")), fused_qkv, style,
                           base_model, params_hash, extra)
     return keyed(sets, style, dtype), meta
@@ -262,7 +287,7 @@ def convert_file(model, src_path: str | Path, fused_qkv: bool = False, style: st
                  ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Rewrite any adapter file ``load_adapter_file`` reads (LyCORIS native, ComfyUI fused or
     not, our own comfy files) for ComfyUI: plain LoRA stays LoRA (repacked when fused), other
-    kinds as section 8.2 converts them. The file is attached to ``model`` (bypass, weights
+    kinds as the module docstring lists. The file is attached to ``model`` (bypass, weights
     untouched) only while it is converted."""
     stem("", style)
     with safe_open(str(src_path), "pt") as f:
@@ -297,45 +322,57 @@ def save_comfy_file(path: str | Path, tensors: Mapping[str, torch.Tensor],
     return Path(path)
 
 
-class TrainedDeltas(Mapping):
-    """The trained adapter's exact deltas by base-state name (``<path>.weight`` / ``.bias``;
-    fused joint q/k/v concatenated into ``layers.N.proj.qkv.weight``), computed lazily so a
-    verifier can stream them at full model size."""
-
-    def __init__(self, adapters, fused_qkv: bool = False):
-        self.modules, self.norms, self.fused = adapters.modules, adapters.norms, fused_qkv
-        self._names: dict[str, tuple[str, str]] = {}
-        for path, lyco in self.modules.items():
-            m = QKV.match(path) if fused_qkv else None
-            owner = f"layers.{m.group(1)}.proj.qkv" if m else path
-            self._names[f"{owner}.weight"] = (owner, "weight")
-            if lyco.org_module[0].bias is not None:
-                self._names[f"{owner}.bias"] = (owner, "bias")
-        self._names.update({f"{p}.weight": (p, "norm") for p in self.norms})
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    @torch.no_grad()
-    def __getitem__(self, name: str) -> torch.Tensor:
-        owner, what = self._names[name]
-        if what == "norm":
-            n = self.norms[owner]
-            return n.merged_weight(1.0) - n.norm_weight.detach().to(n.w_norm.dtype)
-        if not owner.endswith(".qkv") or owner in self.modules:
-            dW, db = layer_delta(self.modules[owner])
-            if what == "weight":
-                return dW
-            return db if db is not None else torch.zeros_like(dW[:, 0])
-        paths = [owner[:-3] + x for x in "qkv"]
-        got = {p: layer_delta(self.modules[p])[0] for p in paths if p in self.modules}
-        ref = next(iter(got.values()))
-        return torch.cat([got.get(p, torch.zeros_like(ref)) for p in paths])
+# -- reading ----------------------------------------------------------------------------------
+def _is_ours(meta: Mapping[str, str]) -> bool:
+    return meta.get("kohakumoss_format") == "comfy"
 
 
-def trained_deltas(adapters, fused_qkv: bool = False) -> TrainedDeltas:
-    """What a comfy export of ``adapters`` must produce, for ``comfy_semantics.verify``."""
-    return TrainedDeltas(adapters, fused_qkv)
+def read_comfy(path: str | Path, model: nn.Module) -> tuple[Sets, dict[str, str]]:
+    """Any LyCORIS-family file's tensor sets on ``model``'s (split) q/k/v layers, and its
+    metadata; our own files' OFT ``alpha`` (constraint x out) back to the constraint. Our
+    own DoRA scales stay ComfyUI's here (``load_adapter_file`` converts them)."""
+    sets, meta = read_lycoris(path, model)  # ComfyUI's layout: LyCORIS's, fused q/k/v allowed
+    try:
+        sets = split_fused_qkv(sets)
+    except AdapterFileError as e:
+        raise AdapterFileError(f"{path}: {e}") from None
+    if _is_ours(meta):
+        sets = {p: {**t, "alpha": t["alpha"] / model.get_submodule(p).weight.shape[0]}
+                if "oft_blocks" in t and "alpha" in t else t for p, t in sets.items()}
+    return sets, meta
+
+
+@torch.no_grad()
+def _undo_comfy_dora(lyco: nn.Module) -> None:
+    """ComfyUI normalises output-axis DoRA by ||W||; our comfy export stored
+    ``dora_scale * (||W|| + eps) / (||W + dW|| + eps)``: multiply that ratio back out."""
+    lyco.wd = False
+    W1, _ = merged_weight(lyco, 1.0)
+    lyco.wd = True
+    W = lyco.org_module[0].weight.to(W1)
+    eps = torch.finfo(torch.float32).eps  # the export's epsilon
+    lyco.dora_scale.mul_((W1.norm(dim=1, keepdim=True) + eps) / (W.norm(dim=1, keepdim=True) + eps))
+
+
+def load_adapter_file(model: nn.Module, path: str | Path, multiplier: float = 1.0,
+                      mode: str = "bypass") -> Attached:
+    """Attach the adapter file ``path`` (LyCORIS or ComfyUI, ``read_comfy``) to ``model`` at
+    ``multiplier``; ``mode`` ``bypass`` runs it beside the base layers, ``merge`` adds
+    ``m * dW`` into the weights (exact copies kept). ``handle.remove()`` restores the model
+    exactly. A file that is not one, or whose keys fit no layer, is an ``AdapterFileError``."""
+    if mode not in ("bypass", "merge"):
+        raise ValueError(f"adapter mode {mode!r}: bypass or merge")
+    sets, meta = read_comfy(path, model)
+    try:
+        modules, norms = build_modules(model, sets, multiplier)
+    except AdapterSetError as e:
+        raise AdapterFileError(f"{path}: {e}") from None
+    if _is_ours(meta):
+        for lyco in modules.values():
+            if getattr(lyco, "wd", False) and lyco.wd_on_out:
+                _undo_comfy_dora(lyco)
+    handle = Attached(modules, norms, multiplier, bypass=mode == "bypass")
+    handle.train(False)
+    if mode == "merge":
+        handle.merge(multiplier)
+    return handle
