@@ -3,7 +3,7 @@
 ``seed_of(*parts)`` is blake2b with a native 8-byte digest over the UTF-8 of ``repr(parts)``,
 read little-endian; ``rng_of(*parts)`` is a numpy ``Generator(PCG64(seed_of(*parts)))``.
 No running random stream exists anywhere in the data pipeline, so any batch, caption or
-crop can be recomputed from its coordinates alone (``spec/data.md`` section 6.1).
+crop can be recomputed from its coordinates alone (``docs/data.md#seeding``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Over-long fit and the packers of ``spec/data.md`` 6.4 and 6.5."""
+"""Over-long fit and the packers of ``docs/data.md#batching``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kohakumoss.data.batching import (Fit, fit_overlong, keep_seed, kept_token_i
                                       pack_count, pack_ffd, pack_greedy)
 from kohakumoss.seeding import rng_of, seed_of
 
-# -- references: the spec's loops, written as plainly as possible ------------------------
+# -- references: the documented loops (docs/data.md#packers), written plainly ------------
 
 
 def greedy_reference(tokens, max_tokens, max_samples):

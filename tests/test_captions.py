@@ -1,4 +1,4 @@
-"""Caption templates, estimates and text dropout (``spec/data.md`` 4)."""
+"""Caption templates, estimates and text dropout (``docs/data.md#captions``)."""
 
 from __future__ import annotations
 

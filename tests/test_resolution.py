@@ -1,4 +1,4 @@
-"""Resolution planning against the numbers of ``spec/data.md`` section 7."""
+"""Resolution planning against the numbers of ``docs/data.md#resolution``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def resolver(mode="resize", **kw) -> Resolver:
     return Resolver(ResolutionConfig(mode=mode, **kw))
 
 
-# -- bucket list (7.3) -----------------------------------------------------------------
+# -- bucket list (docs/data.md#buckets) ------------------------------------------------
 
 
 @pytest.mark.parametrize("aspect, count, first, last", [
@@ -72,7 +72,7 @@ def test_empty_bucket_list_is_a_clear_error():
         resolver("bucket", target_area=256, size_step=32)
 
 
-# -- fit and resize (7.2, 7.5 worked examples) -----------------------------------------
+# -- fit and resize (docs/data.md#aspect-clamp-and-fit worked examples, #crop-box) ------
 
 
 @pytest.mark.parametrize("w, h, target, tokens", [
@@ -147,7 +147,7 @@ def test_tiny_sources_upscale_in_every_mode():
         assert not r.resizes(16, 16, r.crop_box(16, 16, 16, 16, None), 16, 16)
 
 
-# -- square (7.4) ------------------------------------------------------------------------
+# -- square (docs/data.md#square-crop-and-keep) -----------------------------------------
 
 
 def test_square_and_shifted_square():

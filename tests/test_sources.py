@@ -1,4 +1,5 @@
-"""Data sources (spec/data.md 2, 3, 9.2) on tiny images generated in tmp_path."""
+"""Data sources (docs/data.md#the-row-model, docs/data.md#sources,
+docs/data.md#image-identity) on tiny images generated in tmp_path."""
 
 from __future__ import annotations
 

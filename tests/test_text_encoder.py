@@ -1,4 +1,5 @@
-"""The frozen Qwen3.5 text encoder (spec/encoders.md 1, 3.2): template, batching, layouts."""
+"""The frozen Qwen3.5 text encoder (docs/encoders.md#text-encoder,
+docs/encoders.md#cache-keys): template, batching, layouts."""
 
 from __future__ import annotations
 

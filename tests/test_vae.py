@@ -1,7 +1,7 @@
-"""The frozen FLUX.2 VAE (spec/encoders.md 2, 3.2): patchify order, token packing,
-BatchNorm normalisation, posterior draws, batching, dtypes, and every loading layout
-(diffusers folder / pipeline root, single file in diffusers or BFL/LDM naming, prefixed,
-ComfyUI-quantized), all on the tiny in-code VAE."""
+"""The frozen FLUX.2 VAE (docs/encoders.md#vae, docs/encoders.md#cache-keys): patchify
+order, token packing, BatchNorm normalisation, posterior draws, batching, dtypes, and every
+loading layout (diffusers folder / pipeline root, single file in diffusers or BFL/LDM naming,
+prefixed, ComfyUI-quantized), all on the tiny in-code VAE."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cache keys (``spec/encoders.md`` 3.1-3.4, ``spec/data.md`` 9.2).
+"""Cache keys (``docs/encoders.md#cache-keys``, ``docs/data.md#image-identity``).
 
 ``text_hash(*parts)`` is blake2b-128 hex over the UTF-8 of the parts (each through ``str``)
 joined by the unit separator. A key names exactly what was encoded and how: change the

@@ -1,8 +1,9 @@
-"""Token batching: over-long fit and the three packers (``spec/data.md`` 6.4, 6.5, 8).
+"""Token batching: over-long fit and the three packers (``docs/data.md#batching``).
 
 All packers take the epoch's (or one bucket's) ordered item stream and return batches as
 lists of positions into that stream; they never reorder batches (the planner shuffles
-them with ``("batch-order", seed, epoch)`` where spec 6.6 says so).
+them with ``("batch-order", seed, epoch)`` where ``docs/data.md#streams-and-batch-order``
+says so).
 
 - ``pack_greedy`` (``batching.mode: tokens``): walk the stream, close the batch when the
   next item would overflow ``max_tokens`` or the batch holds ``max_samples`` items. The
@@ -49,7 +50,8 @@ class Fit:
 
 
 def fit_overlong(img_tokens: int, text_tokens: int, limit: int, policy: str) -> Fit | None:
-    """Apply the ``overlong`` policy to one sample (spec 6.4); ``None`` means dropped.
+    """Apply the ``overlong`` policy to one sample (``docs/data.md#over-long-samples``);
+    ``None`` means dropped.
 
     Fitting never cuts below one text and one image token: when that would be needed
     the sample is dropped instead. (A sample arriving with 0 text tokens, e.g. an empty
@@ -73,7 +75,8 @@ def fit_overlong(img_tokens: int, text_tokens: int, limit: int, policy: str) -> 
 
 
 def keep_seed(seed: int, epoch: int, position: int, row_id: int) -> int:
-    """``seed_of("img-keep", seed, epoch, position, row_id)`` of one occurrence (spec 6.1).
+    """``seed_of("img-keep", seed, epoch, position, row_id)`` of one occurrence
+    (``docs/data.md#seeding``).
 
     Arguments are cast to ``int`` first: the seed hashes their ``repr``, and a numpy
     integer's repr differs from a Python int's.
@@ -82,7 +85,8 @@ def keep_seed(seed: int, epoch: int, position: int, row_id: int) -> int:
 
 
 def kept_token_indices(n_image_tokens: int, img_keep: int, keep_seed: int) -> np.ndarray:
-    """Sorted int64 indices of the image tokens that survive ``drop_tokens`` (spec 6.4)."""
+    """Sorted int64 indices of the image tokens that survive ``drop_tokens``
+    (``docs/data.md#over-long-samples``)."""
     n, k = int(n_image_tokens), int(img_keep)
     if not 1 <= k <= n:
         raise ValueError(f"kept_token_indices: need 1 <= img_keep <= n_image_tokens, "
@@ -105,7 +109,8 @@ def _check(tokens: Sequence[int] | np.ndarray, max_tokens: int, max_samples: int
 
 def pack_greedy(tokens: Sequence[int] | np.ndarray, max_tokens: int,
                 max_samples: int) -> list[list[int]]:
-    """Greedy in-order token batches (spec 6.5 ``tokens``); the last partial batch is kept."""
+    """Greedy in-order token batches (``tokens``, ``docs/data.md#packers``); the last
+    partial batch is kept."""
     t = _check(tokens, max_tokens, max_samples)
     n = len(t)
     # With non-negative counts the greedy batch from s is the longest prefix whose sum
@@ -124,7 +129,8 @@ def pack_greedy(tokens: Sequence[int] | np.ndarray, max_tokens: int,
 
 def pack_ffd(tokens: Sequence[int] | np.ndarray, max_tokens: int, max_samples: int,
              window: int) -> list[list[int]]:
-    """First-fit-decreasing inside windows of ``window`` items (spec 6.5 ``tokens_ffd``).
+    """First-fit-decreasing inside windows of ``window`` items (``tokens_ffd``,
+    ``docs/data.md#packers``).
 
     Within a window items go in (tokens descending, position ascending) order into the
     first bin with room and fewer than ``max_samples`` items, else into a new bin.
@@ -163,7 +169,8 @@ def pack_ffd(tokens: Sequence[int] | np.ndarray, max_tokens: int, max_samples: i
 
 
 def pack_count(n: int, batch_size: int, drop_last: bool) -> tuple[list[list[int]], int]:
-    """Consecutive groups of ``batch_size`` (spec 6.5 ``count``) and the unbatched count."""
+    """Consecutive groups of ``batch_size`` (``count``, ``docs/data.md#packers``) and the
+    unbatched count."""
     if batch_size < 1:
         raise ValueError(f"batching.batch_size must be >= 1, got {batch_size}")
     if n < 0:

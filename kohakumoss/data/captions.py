@@ -1,17 +1,19 @@
-"""Caption templates: a row's tags / text / metadata -> one caption string (``spec/data.md`` 4).
+"""Caption templates: a row's tags / text / metadata -> one caption string
+(``docs/data.md#captions``).
 
 A template is a frozen dataclass of its options, registered in ``TEMPLATES`` by name and
 loaded strictly from ``{"template": name, **options}`` with ``parse_template``. Each one
 has ``render(row, rng)`` and ``estimate_chars(cols)``:
 
 - ``render`` takes the row and a fresh generator; ``render_caption`` keys that generator by
-  ``("caption", seed, row_id, variant)`` (section 6.1), so variant ``v`` of a row is one
-  fixed string and a row has at most ``caption.variants`` distinct captions (cacheable).
+  ``("caption", seed, row_id, variant)`` (``docs/data.md#seeding``), so variant ``v`` of a
+  row is one fixed string and a row has at most ``caption.variants`` distinct captions
+  (cacheable).
 - ``estimate_chars`` is the vectorised upper bound of the rendered length from the
-  catalog's per-row character columns (``COLUMNS``, section 4.3), used to plan token
-  budgets without rendering.
+  catalog's per-row character columns (``COLUMNS``,
+  ``docs/data.md#caption-length-estimates``), used to plan token budgets without rendering.
 
-Text dropout (4.4) is decided per batch slot by ``text_dropped``.
+Text dropout (``docs/data.md#text-dropout``) is decided per batch slot by ``text_dropped``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ COLUMNS = ("tags_chars", "nl_chars", "artist_chars", "rating_chars", "json_chars
 _ESCAPED = re.compile(r"\\([()\[\]{}])")
 
 
-# ---- tag utilities (4.1) -------------------------------------------------------------
+# ---- tag utilities (docs/data.md#tag-utilities) ---------------------------------------
 
 def unescape_tag(tag: str) -> str:
     r"""Drop the backslash of webui-escaped brackets: ``\(`` ``\)`` ``\[`` ``\]`` ``\{`` ``\}``."""
@@ -93,7 +95,7 @@ def _max_joins(chars: np.ndarray) -> np.ndarray:
     return np.where(chars > 0, (chars - 1) // 3, 0)
 
 
-# ---- templates (4.2) ---------------------------------------------------------------------
+# ---- templates (docs/data.md#templates) --------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class TagsTemplate:
@@ -150,7 +152,8 @@ class TagsTemplate:
         return self.prefix + self.joiner.join(items) + self.suffix
 
     def estimate_chars(self, cols: Mapping[str, Any]) -> np.ndarray:
-        """Spec 4.3; for a joiner longer than ', ' each possible joint adds the difference."""
+        """``docs/data.md#caption-length-estimates``; for a joiner longer than ', ' each
+        possible joint adds the difference."""
         tags = _col(cols, "tags_chars")
         extra = max(len(self.joiner) - 2, 0)
         total = len(self.prefix) + len(self.suffix) + tags + extra * _max_joins(tags)
@@ -254,8 +257,9 @@ class JsonTemplate:
         return "\n".join(f"{k}: {_line_value(v)}" for k, v in data.items())
 
     def estimate_chars(self, cols: Mapping[str, Any]) -> np.ndarray:
-        """Spec 4.3 for ``lines``. For ``json`` also the quotes, braces and commas the
-        listed fields add (JSON string escapes in those fields are not counted)."""
+        """``docs/data.md#caption-length-estimates`` for ``lines``. For ``json`` also the
+        quotes, braces and commas the listed fields add (JSON string escapes in those fields
+        are not counted)."""
         js = _col(cols, "json_chars")
         wrap = self.style == "json"
         total = np.where(js > 0, js, 2) if wrap else js

@@ -1,6 +1,6 @@
 """The incremental per-source catalog, stored as one Parquet file per dataset entry.
 
-``spec/data.md`` section 5 describes the behaviour this keeps: rows carry the walk item
+``docs/data.md#the-catalog`` describes the behaviour this keeps: rows carry the walk item
 they came from and its stamp; a re-scan probes only new items and items whose stamp
 changed, rewrites a changed item's rows in place when the row count is unchanged (ids
 stay stable), otherwise tombstones the old ids and appends; items that disappeared are
@@ -10,7 +10,8 @@ is not probed again. A probe's warnings (a capped caption, a caption decoded wit
 are reported by the scan that read the file; they are not stored.
 
 Column legend: ``id`` row id inside this catalog; ``item`` walk key; ``stamp`` 8 ints;
-``w``/``h`` oriented pixel size; ``*_chars`` caption length columns (``spec`` 4.3).
+``w``/``h`` oriented pixel size; ``*_chars`` caption length columns
+(``docs/data.md#caption-length-estimates``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""All datasets' catalogs as one in-memory table for planning (``spec/data.md`` 5.5).
+"""All datasets' catalogs as one in-memory table for planning (``docs/data.md#row-identity``).
 
 Planning columns are numpy arrays over the concatenation of the catalogs in params order;
 ``uid`` = ``dataset << 40 | local id`` names a row stably (adding images to one dataset

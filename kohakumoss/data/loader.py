@@ -1,6 +1,6 @@
 """Materialise planned batches into host batches, in plan order, on worker processes.
 
-``spec/data.md`` section 10. A host batch holds, per sample, the decoded pixels (EXIF
+``docs/data.md#loader``. A host batch holds, per sample, the decoded pixels (EXIF
 orientation, crop box, alpha over the background colour, RGB, resample to the target,
 flip) as float32 ``[3, H, W]`` in the VAE's input range ``[-1, 1]``, the caption to encode
 (``""`` when the plan dropped the text) and the plan's bookkeeping. The batch stream is a
@@ -50,7 +50,7 @@ def background_rgb(bg: str | tuple[int, int, int]) -> tuple[int, int, int]:
 def decode_image(data: bytes, box: tuple[int, int, int, int], target_hw: tuple[int, int],
                  flip: bool, background: str | tuple[int, int, int] = "white",
                  resample: str = "lanczos", max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Decode one planned sample to uint8 ``[H, W, 3]`` (``spec/data.md`` 7.5). A header
+    """Decode one planned sample to uint8 ``[H, W, 3]`` (``docs/data.md#decoding``). A header
     declaring more than ``max_pixels`` (a file swapped for a decompression bomb after the
     scan) is a ``ValueError`` before any pixel is decoded."""
     with open_image(io.BytesIO(data), max_pixels) as im:

@@ -1,6 +1,6 @@
 """The sampling plan: every batch of the whole run, a pure function of (catalogs, seed, knobs).
 
-``spec/data.md`` section 6, with this project's order of stages: the plan (not the trainer)
+``docs/data.md#the-plan``, with this project's order of stages: the plan (not the trainer)
 fixes target sizes, crops, flips, caption renderings and text-drop decisions, so the cache
 stages encode exactly what training will read. Per epoch ``e``:
 

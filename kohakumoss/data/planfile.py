@@ -3,7 +3,7 @@
 Directory layout (a DVC output)::
 
     <out>/plan.parquet    columns below, sorted by (batch, slot)
-    <out>/summary.json    statistics a person can read (spec/data.md section 8)
+    <out>/summary.json    statistics a person can read (docs/data.md#plan-summary)
     <out>/manifest.json   kind "plan"; its content_hash names the run's data order
 
 ``read_plan`` checks both files against the hashes the manifest records before reading.

@@ -1,6 +1,6 @@
-"""Resolution planning: each image's target size and crop box (``spec/data.md`` section 7).
+"""Resolution planning: each image's target size and crop box (``docs/data.md#resolution``).
 
-Sizes are ``(h, w)`` in pixels; function arguments keep the spec's ``(w, h)`` order for
+Sizes are ``(h, w)`` in pixels; function arguments keep the reference's ``(w, h)`` order for
 source sizes. Every target side is a multiple of ``size_step`` (itself a multiple of 16,
 one latent token per 16x16 pixels) and at least ``size_step``, and every target's w/h lies
 inside ``aspect_range`` (the final aspect pass of ``fit`` step 5 guarantees it). A crop box
@@ -9,15 +9,18 @@ when its size differs from the target.
 
 Modes (``ResolutionConfig.mode``):
 
-- ``resize``: ``fit(w, h)`` (spec 7.2): the aspect-clamped native size scaled to at most
-  ``target_area`` (never upscaled unless ``upscale: to_area``), sides rounded down to the
-  step. Crop box = the largest sub-rectangle with the target's aspect (spec 7.5), resized.
-- ``bucket``: spec 7.3. The bucket nearest in log-aspect to the *raw* source aspect (first
-  in sorted order wins ties); with ``upscale: never`` a source whose pixel area is below
-  its bucket's area gets its own ``fit(w, h)`` target instead. Crop box as spec 7.5.
-- ``square``: spec 7.4 ``square_crop``: every target is ``side x side`` with
-  ``side = max(step, floor(sqrt(area) / step) * step)``, always resized (``upscale`` is
-  ignored). With ``crop: random`` it is the spec's ``shifted_square``.
+- ``resize``: ``fit(w, h)`` (``docs/data.md#aspect-clamp-and-fit``): the aspect-clamped
+  native size scaled to at most ``target_area`` (never upscaled unless ``upscale:
+  to_area``), sides rounded down to the step. Crop box = the largest sub-rectangle with the
+  target's aspect (``docs/data.md#crop-box``), resized.
+- ``bucket`` (``docs/data.md#buckets``): the bucket nearest in log-aspect to the *raw*
+  source aspect (first in sorted order wins ties); with ``upscale: never`` a source whose
+  pixel area is below its bucket's area gets its own ``fit(w, h)`` target instead. Crop
+  box as for ``resize``.
+- ``square`` (``docs/data.md#square-crop-and-keep``), the reference's ``square_crop``: every
+  target is ``side x side`` with ``side = max(step, floor(sqrt(area) / step) * step)``,
+  always resized (``upscale`` is ignored). With ``crop: random`` it is the reference's
+  ``shifted_square``.
 - ``crop``: a native-scale window, no resampling. The target is ``fit(w, h)`` with
   ``upscale`` forced to never, so it never exceeds the source, and the crop box is
   exactly the target's size.
@@ -27,14 +30,14 @@ Modes (``ResolutionConfig.mode``):
   exactly the target's size.
 
 ``crop`` and ``keep`` on a source with a side shorter than ``size_step``: the target side
-is still ``size_step``, which the source cannot hold, so the box falls back to the spec
-7.5 box (largest sub-rectangle with the target's aspect) and that crop is upscaled. This
-is the only case where these two modes resample.
+is still ``size_step``, which the source cannot hold, so the box falls back to the
+``resize`` box (largest sub-rectangle with the target's aspect) and that crop is upscaled.
+This is the only case where these two modes resample.
 
 Crop position: ``rng=None`` centres the box (``left = (w - cw) // 2``, ``top = (h - ch) //
 2``); a generator draws ``left`` then ``top``, each ``rng.integers(0, slack + 1)``, as the
-per-occurrence draw order of spec 6.3 requires. ``Resolver.random_crop`` says which one
-the plan should use (``crop: random``).
+per-occurrence draw order (``docs/data.md#per-occurrence-draws``) requires.
+``Resolver.random_crop`` says which one the plan should use (``crop: random``).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def image_tokens(th, tw):
 
 
 def aspect_clamp(w: int, h: int, aspect: Aspect) -> tuple[int, int]:
-    """Largest centred sub-size ``(cw, ch)`` of ``w x h`` with w/h inside ``aspect`` (7.1)."""
+    """Largest centred sub-size ``(cw, ch)`` of ``w x h`` with w/h inside ``aspect``
+    (``docs/data.md#aspect-clamp-and-fit``)."""
     lo, hi = aspect
     if w / h > hi:
         return max(1, round(h * hi)), h
@@ -77,7 +81,8 @@ def _aspect_pass(th: int, tw: int, step: int, aspect: Aspect) -> tuple[int, int]
 
 
 def fit(w: int, h: int, *, area: int, step: int, aspect: Aspect, upscale: bool) -> tuple[int, int]:
-    """Native-aspect target ``(th, tw)`` of a ``w x h`` source (spec 7.2)."""
+    """Native-aspect target ``(th, tw)`` of a ``w x h`` source
+    (``docs/data.md#aspect-clamp-and-fit``)."""
     cw, ch = aspect_clamp(w, h, aspect)
     scale = math.sqrt(area / (cw * ch))
     if not upscale:
@@ -96,7 +101,8 @@ def fit(w: int, h: int, *, area: int, step: int, aspect: Aspect, upscale: bool) 
 
 
 def bucket_list(area: int, step: int, aspect: Aspect) -> list[tuple[int, int]]:
-    """The ``(h, w)`` buckets of spec 7.3, deduplicated and sorted by w/h ascending."""
+    """The ``(h, w)`` buckets (``docs/data.md#buckets``), deduplicated and sorted by w/h
+    ascending."""
     lo, hi = aspect
     out = set()
     w = step
@@ -114,7 +120,8 @@ def square_side(area: int, step: int) -> int:
 
 
 def crop_size(w: int, h: int, th: int, tw: int) -> tuple[int, int]:
-    """``(cw, ch)`` of the largest sub-rectangle of ``w x h`` with the target's aspect (7.5)."""
+    """``(cw, ch)`` of the largest sub-rectangle of ``w x h`` with the target's aspect
+    (``docs/data.md#crop-box``)."""
     if w / h > tw / th:
         return max(1, min(w, round(h * tw / th))), h
     return w, max(1, min(h, round(w * th / tw)))

@@ -1,4 +1,4 @@
-"""The row model every source produces (``spec/data.md`` section 2).
+"""The row model every source produces (``docs/data.md#the-row-model``).
 
 A source enumerates ``WalkItem``s cheaply (stat only); ``WalkItem.probe()`` reads image
 headers and returns the item's ``Row``s (one for a file, many for a container). The
@@ -141,5 +141,6 @@ def cap_captions(row: Row, max_chars: int) -> None:
 
 
 def split_tags(text: str) -> list[str]:
-    """Split a tag line on ',', strip each piece, drop empty ones (``spec/data.md`` 4.1)."""
+    """Split a tag line on ',', strip each piece, drop empty ones
+    (``docs/data.md#tag-utilities``)."""
     return [t.strip() for t in text.split(",") if t.strip()]

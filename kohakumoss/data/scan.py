@@ -1,4 +1,4 @@
-"""The scan: bring every dataset entry's catalog up to date (``spec/data.md`` section 5).
+"""The scan: bring every dataset entry's catalog up to date (``docs/data.md#the-catalog``).
 
 Output directory layout (a DVC output, persisted so re-scans are incremental)::
 

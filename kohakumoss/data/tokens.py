@@ -1,9 +1,9 @@
 """Text token counts for planning: exact from a tokenizer, or the documented estimate.
 
-Exact counts wrap each caption the way the text encoder will (``spec/encoders.md`` 1.4:
+Exact counts wrap each caption the way the text encoder will (``docs/encoders.md#chat-template``:
 the tokenizer's own chat template, one user message, generation prompt, thinking on),
 truncated at ``max_text_tokens``. Without a tokenizer the planner uses
-``captions.estimate_text_tokens`` (``spec/data.md`` 4.3).
+``captions.estimate_text_tokens`` (``docs/data.md#caption-length-estimates``).
 """
 
 from __future__ import annotations

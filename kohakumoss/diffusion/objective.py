@@ -1,4 +1,4 @@
-"""The rectified-flow objective on packed image tokens (``spec/diffusion.md`` section 2).
+"""The rectified-flow objective on packed image tokens (``docs/diffusion.md#training-objective``).
 
 Legend: N image tokens of a micro-batch, C = 128 channels, B samples, ``seg`` [N] the
 sample of each token. ``z = (1 - s) x0 + s eps``, target ``eps - x0``; the per-token error

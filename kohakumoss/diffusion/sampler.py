@@ -1,4 +1,5 @@
-"""Euler sampling with classifier-free guidance over packed batches (``spec/diffusion.md`` 5).
+"""Euler sampling with classifier-free guidance over packed batches
+(``docs/diffusion.md#euler-sampler-with-cfg``).
 
 Every image is a request: its text embedding, its negative embedding (the empty caption's
 by default), its latent grid and its seed. Initial noise is drawn per image from its own

@@ -1,6 +1,6 @@
-"""The inference sigma schedule (``spec/diffusion.md`` 5.1): shifted linspace, snapped to
-the float32 training grid (``linspace(1, 1/T, T)``, ties to the smaller value), consecutive
-duplicates dropped, a final 0 appended."""
+"""The inference sigma schedule (``docs/diffusion.md#inference-sigma-schedule``): shifted
+linspace, snapped to the float32 training grid (``linspace(1, 1/T, T)``, ties to the smaller
+value), consecutive duplicates dropped, a final 0 appended."""
 
 from __future__ import annotations
 

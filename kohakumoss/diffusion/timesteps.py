@@ -1,4 +1,4 @@
-"""Training timestep (sigma) distributions (``spec/diffusion.md`` section 3).
+"""Training timestep (sigma) distributions (``docs/diffusion.md#training-timestep-distributions``).
 
 "Timesteps" here is always the distribution sigmas are drawn from in training; "sampler"
 means only the inference (Euler) sampler of ``diffusion/sampler.py``.

@@ -1,6 +1,7 @@
 """The frozen Qwen3.5 text encoder: captions -> per-token final hidden states.
 
-``spec/encoders.md`` 1 and 3.2. ``TextEncoder.load(path)`` takes ``"tiny"`` (4 layers of width
+``docs/encoders.md#text-encoder`` and ``docs/encoders.md#cache-keys``.
+``TextEncoder.load(path)`` takes ``"tiny"`` (4 layers of width
 48, both layer kinds, weights from a fixed seed: the tiny DiT's text encoder), a MOSS-Image
 pipeline root (``text_encoder/`` + ``tokenizer/``), a text-encoder folder (``config.json`` of
 type ``qwen3_5`` or ``qwen3_5_text``; safetensors, sharded with an index or not) or a ComfyUI

@@ -1,4 +1,4 @@
-"""The frozen FLUX.2 VAE (``spec/encoders.md`` 2): pixels <-> normalised 128-channel latents.
+"""The frozen FLUX.2 VAE (``docs/encoders.md#vae``): pixels <-> normalised 128-channel latents.
 
 Legend: B images, H W pixels (multiples of 16), z the VAE latent ``[B, 32, H/8, W/8]``,
 P the 2x2-patchified latent ``[B, 128, h, w]`` with ``h, w = H/16, W/16``, tokens
@@ -54,7 +54,8 @@ class VAEError(KohakuError, ValueError):
 # ---- pure layout functions ---------------------------------------------------------------
 
 def patchify(z_BCHW: torch.Tensor) -> torch.Tensor:
-    """``P[b, 4c + 2i + j, y, x] = z[b, c, 2y + i, 2x + j]`` (spec 2.4)."""
+    """``P[b, 4c + 2i + j, y, x] = z[b, c, 2y + i, 2x + j]``
+    (``docs/encoders.md#patchify-and-tokens``)."""
     b, c, hh, ww = z_BCHW.shape
     if hh % 2 or ww % 2:
         raise VAEError(f"cannot patchify a latent of spatial size {hh}x{ww}: both must be even")
@@ -93,7 +94,8 @@ def from_tokens(tokens: torch.Tensor | list[torch.Tensor], hw: tuple[int, int]) 
 
 def batch_groups(sizes: list[tuple[int, int]], max_pixels: int, batch: int) -> list[list[int]]:
     """Indices of consecutive same-size images encoded together: at most ``batch`` images
-    and ``max_pixels`` pixels per group, at least one image (spec 2.8)."""
+    and ``max_pixels`` pixels per group, at least one image
+    (``docs/encoders.md#vae-dtype-and-batching``)."""
     if batch < 1:
         raise VAEError(f"encode batch must be >= 1, got {batch}")
     groups: list[list[int]] = []
@@ -120,7 +122,7 @@ class VAE:
             raise VAEError(f"VAE config has {len(cfg.block_out_channels)} blocks, patch size "
                            f"{tuple(cfg.patch_size)}, {model.bn.num_features} BatchNorm "
                            f"channels; the FLUX.2 VAE has 4, (2, 2) and {CHANNELS}")
-        # statistics in fp32 before the cast (spec 2.5)
+        # statistics in fp32 before the cast (docs/encoders.md#latent-normalisation)
         self.mean = model.bn.running_mean.detach().float().clone().to(device)
         self.std = torch.sqrt(model.bn.running_var.detach().float() + cfg.batch_norm_eps).to(device)
         # nn.Module.to: diffusers' override warns about fp32 modules this class does not have
@@ -139,7 +141,8 @@ class VAE:
     @staticmethod
     def identity(path: str, dtype: str = "auto", device: str = "cpu") -> str:
         """The ``key_id`` that ``load(path, dtype, device)`` reports, without loading
-        anything (spec 3.2): ``flux2-vae/<fp32|bf16|fp16>`` (``flux2-vae-tiny/...``)."""
+        anything (``docs/encoders.md#cache-keys``): ``flux2-vae/<fp32|bf16|fp16>``
+        (``flux2-vae-tiny/...``)."""
         dt = resolve_dtype(dtype, resolve_device(device), allowed=DTYPES, cpu_auto="fp32")
         return f"{TINY_ID if str(path) == 'tiny' else LATENT_ID}/{dtype_name(dt)}"
 

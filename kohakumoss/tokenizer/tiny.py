@@ -3,7 +3,7 @@
 Ids 0..255 are the 256 byte values (GPT-2's byte-to-unicode alphabet, no merges), so every
 caption tokenises to its UTF-8 bytes and decodes back exactly; ids 256..260 are the special
 tokens below. Nothing is normalised. With one user message, the generation prompt and
-thinking on, the template renders (``spec/encoders.md`` 1.4)::
+thinking on, the template renders (``docs/encoders.md#chat-template``)::
 
     <|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n
 

@@ -1,4 +1,4 @@
-"""Data sources (``spec/data.md`` section 3). Importing this package registers them all:
+"""Data sources (``docs/data.md#sources``). Importing this package registers them all:
 ``kohya``, ``folder``, ``jsonl``, ``parquet``, ``webdataset`` and ``moss_shard``."""
 
 from kohakumoss.data.sources import folder, jsonl, kohya, parquet, shards, webdataset  # noqa: F401

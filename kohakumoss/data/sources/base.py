@@ -152,7 +152,8 @@ def probe_image(fp: str | os.PathLike | io.BytesIO | Any, max_pixels: int = MAX_
 
 
 def apply_json_meta(row: Row, meta: dict[str, Any]) -> None:
-    """The JSON mapping of ``spec/data.md`` 2.1 applied onto ``row`` in place."""
+    """The JSON mapping (``docs/data.md#sidecars-and-json-metadata``) applied onto ``row``
+    in place."""
     rest: dict[str, Any] = {}
     for key, value in meta.items():
         if key == "tags":
@@ -300,7 +301,7 @@ def check_args(args: Any) -> None:
             raise SourceError(f"{where}: {f.name} = {value!r} is not allowed: {allowed}")
 
 
-# ---- hashing shared by manifest sources (spec 3.3 / 3.4) -------------------------------
+# ---- hashing shared by manifest sources (docs/data.md#jsonl, #parquet) -----------------
 
 def line_hash(text: str) -> int:
     """blake2b-8 of the UTF-8 text, big-endian, shifted right by 1 (a signed 63-bit int)."""
@@ -319,7 +320,7 @@ def relative_locator(value: Any) -> str:
     return str(value).replace("\\", "/")
 
 
-# ---- folder listing and file probes (spec 3.1 / 3.2) -----------------------------------
+# ---- folder listing and file probes (docs/data.md#kohya, #folder) ---------------------
 
 @dataclasses.dataclass
 class Listing:
@@ -367,7 +368,8 @@ def image_stem(path: Path) -> Path:
 def sidecar_file_item(entry: os.DirEntry, present: set[str], locator: str, **fields: Any
                       ) -> WalkItem:
     """Walk item of an image with sidecars: key = locator, stamp = (size, mtime_ns) of the
-    image then of its .txt/.caption/.json (spec 3.1). ``fields`` go to ``probe_file``."""
+    image then of its .txt/.caption/.json (``docs/data.md#kohya``). ``fields`` go to
+    ``probe_file``."""
     st = entry.stat()
     path = Path(entry.path).absolute()
     stamp = (st.st_size, st.st_mtime_ns) + sidecar_stamp(image_stem(path), present)
@@ -393,9 +395,10 @@ def probe_file(path: str, locator: str, *, limits: ScanLimits = ScanLimits(), gr
     a one-row list; never raises for bad data (only ``CaptionEncodingError`` under
     ``caption_errors: strict``).
 
-    ``txt_as`` set -> read the .txt/.caption/.json sidecars (2.1); ``meta`` -> apply the
-    JSON mapping of a manifest record; captions are then capped (``cap_captions``).
-    ``extra.hash`` is the stat fingerprint, or the content hash with ``hash_content`` (9.2).
+    ``txt_as`` set -> read the .txt/.caption/.json sidecars
+    (``docs/data.md#sidecars-and-json-metadata``); ``meta`` -> apply the JSON mapping of a
+    manifest record; captions are then capped (``cap_captions``). ``extra.hash`` is the stat
+    fingerprint, or the content hash with ``hash_content`` (``docs/data.md#image-identity``).
     A missing, unreadable or oversized image, or a broken sidecar, gives a row with
     ``error`` set (naming the file) and a zero size. ``warnings`` are the walk's notes.
     """

@@ -1,9 +1,10 @@
-"""The ``folder`` source: every image under a plain tree (``spec/data.md`` 3.2).
+"""The ``folder`` source: every image under a plain tree (``docs/data.md#folder``).
 
 Depth-first, top-down: a directory's image files (sorted) come before its subdirectories
 (sorted); symlinked directories are not entered. ``group`` is the relative directory
 (``""`` for the root), the locator the relative path with ``/``. Sidecars and stamps are
-those of the kohya source (2.1, 3.1); weight is 1. An image name that is no readable file
+those of the kohya source (``docs/data.md#sidecars-and-json-metadata``,
+``docs/data.md#kohya``); weight is 1. An image name that is no readable file
 (a broken or looping link) is a rejected row, after the folder's images.
 """
 

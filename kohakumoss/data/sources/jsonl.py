@@ -1,8 +1,9 @@
-"""The ``jsonl`` source: a JSON-lines manifest of image records (``spec/data.md`` 3.3).
+"""The ``jsonl`` source: a JSON-lines manifest of image records (``docs/data.md#jsonl``).
 
 One record per non-empty line. The image path is the first present key of ``image``,
 ``file``, ``path``, ``file_name`` (relative to ``root``, default the manifest's folder);
-``weight`` and ``group`` are popped and the rest goes through the JSON mapping (2.1).
+``weight`` and ``group`` are popped and the rest goes through the JSON mapping
+(``docs/data.md#sidecars-and-json-metadata``).
 Walk keys are ``<locator>#<n>`` (n = earlier occurrences of that locator), stamps
 ``(size, mtime_ns, line hash, 0, -1, -1, -1, -1)``. Each line is decoded on its own under
 ``data.caption_errors``: a line that is not UTF-8 is a rejected record (skip), U+FFFD text

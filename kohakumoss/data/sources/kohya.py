@@ -1,9 +1,10 @@
-"""The ``kohya`` source: kohya-style ``<repeats>_<name>`` folders (``spec/data.md`` 3.1).
+"""The ``kohya`` source: kohya-style ``<repeats>_<name>`` folders (``docs/data.md#kohya``).
 
 Only first-level subfolders of ``path`` are read (plus, with ``include_root``, the images
 directly in ``path``, which come first). The folder's numeric prefix gives the row weight
 (``repeat_prefix``), its remainder optionally the artist (``artist_from_folder``); every
-image reads its ``.txt`` / ``.caption`` / ``.json`` sidecars (2.1). Broken entries (an
+image reads its ``.txt`` / ``.caption`` / ``.json`` sidecars
+(``docs/data.md#sidecars-and-json-metadata``). Broken entries (an
 image name that is no readable file, a first-level link that resolves to nothing or to a
 folder enclosing the dataset) are rejected rows, so the scan report lists them.
 """

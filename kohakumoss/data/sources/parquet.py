@@ -1,4 +1,4 @@
-"""The ``parquet`` source: a table of image paths or image bytes (``spec/data.md`` 3.4).
+"""The ``parquet`` source: a table of image paths or image bytes (``docs/data.md#parquet``).
 
 - Path mode (``bytes_col`` unset): column ``image_col`` holds paths relative to ``root``
   (default: the table's folder); one walk item per table row, keyed ``<relpath>#<n>``,
@@ -8,7 +8,8 @@
   gets locator ``row:<i>`` and ``extra.hash`` = content hash; ``image_col`` is dropped.
 
 Columns ``weight`` / ``group`` are popped (null -> 1.0 / ""); other non-null fields go
-through the JSON mapping (2.1). A text cell that is not UTF-8 (Parquet does not check)
+through the JSON mapping (``docs/data.md#sidecars-and-json-metadata``). A text cell that
+is not UTF-8 (Parquet does not check)
 follows ``data.caption_errors`` like a sidecar. ``open`` in bytes mode reads one row group through a
 per-process cache (never pickled; keyed by path, mtime and pid).
 """

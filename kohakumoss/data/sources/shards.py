@@ -1,5 +1,5 @@
 """The ``moss_shard`` source: the native shard format and the import into it
-(``spec/data.md`` 3.6).
+(``docs/data.md#native-shards``).
 
 Layout (the catalog is this project's Parquet catalog, not the reference's SQLite file)::
 

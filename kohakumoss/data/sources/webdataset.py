@@ -1,4 +1,4 @@
-"""The ``webdataset`` source: samples inside uncompressed .tar files (``spec/data.md`` 3.5).
+"""The ``webdataset`` source: samples inside uncompressed .tar files (``docs/data.md#webdataset``).
 
 ``path`` is a glob of tars (sorted; the position in that list is the tar index). Members
 group by sample key = directory + basename up to the first dot; the extension is the rest,
