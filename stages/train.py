@@ -27,11 +27,12 @@ def main(
     checkpoints on every start, so a finished run started again only rebuilds them.
     """
     from kohakumoss.params import load_params
-    from kohakumoss.training.trainer import RunPaths, Trainer
+    from kohakumoss.training.build import RunPaths, build_components
+    from kohakumoss.training.trainer import Trainer
 
     p = load_params(params)
-    trainer = Trainer(p, RunPaths(plan, catalog, text_cache, latent_cache, runs / p.run.name))
-    result = trainer.run()
+    paths = RunPaths(plan, catalog, text_cache, latent_cache, runs / p.run.name)
+    result = Trainer(p, paths, build_components(p, paths)).run()
     if not result.losses:
         console.print(f"the run is complete at step {result.end_step}; its metrics and summary were "
                       f"rebuilt from {result.checkpoint}")

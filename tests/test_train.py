@@ -23,7 +23,8 @@ from kohakumoss.data.planfile import make_plan
 from kohakumoss.data.scan import scan
 from kohakumoss.training import checkpoint as ckpt_mod
 from kohakumoss.training.statefile import flatten_state
-from kohakumoss.training.trainer import RunPaths, Trainer
+from kohakumoss.training.build import RunPaths, build_components
+from kohakumoss.training.trainer import Trainer
 
 from conftest import BASE, make_kohya
 
@@ -69,7 +70,9 @@ def test_loss_falls_on_a_tiny_overfit_set(tmp_path, adapter, optim):
     ds = make_kohya(tmp_path / "ds", {"1_a": [(32, 32)]})
     params = _write_params(tmp_path, ds, train={"steps": 40, "checkpoint_every": 40},
                            caption={"text_drop": 0.0}, optim=optim, adapter=adapter)
-    trainer = Trainer(load_params(params), _prepare(tmp_path, params))
+    p, paths = load_params(params), _prepare(tmp_path, params)
+    trainer = Trainer(p, paths, build_components(p, paths))
+    assert trainer.params is p and trainer.trained_tensors
 
     def fixed_loss() -> float:  # the same batch, sigmas and noise before and after training
         from kohakumoss.diffusion.objective import flow_loss
@@ -77,7 +80,7 @@ def test_loss_falls_on_a_tiny_overfit_set(tmp_path, adapter, optim):
 
         batch = trainer.batches.batch(0)
         x = build_inputs(batch, trainer.encoder.latents(batch), trainer.encoder.texts(batch),
-                         trainer.p, trainer.timesteps, 0, 0, "cpu")
+                         trainer.params, trainer.timesteps, 0, 0, "cpu")
         with torch.no_grad():
             pred = trainer.model(x.z, x.text, x.sigma, x.layout)
         return float(flow_loss(pred, x.target, x.layout.seg_img, x.weight, x.n_image_tokens))
@@ -238,10 +241,14 @@ TINY_RUNS = {  # name -> params sections over _write_params' defaults (LoRA, fp3
 }
 
 
-def _tiny_run_losses(tmp: Path, name: str) -> list[float]:
+def _tiny_run_losses(tmp: Path, name: str, engines=None) -> list[float]:
+    """The stored run ``name``'s per-step losses, with ``engines`` (an ``EnginePlan``) in
+    place of the run's own plan when given."""
     ds = make_kohya(tmp / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
     params = _write_params(tmp, ds, **TINY_RUNS[name])
-    return Trainer(load_params(params), _prepare(tmp, params)).run(progress=False).losses
+    p, paths = load_params(params), _prepare(tmp, params)
+    components = build_components(p, paths, engines)
+    return Trainer(p, paths, components).run(progress=False).losses
 
 
 @pytest.mark.parametrize("name", sorted(TINY_RUNS))

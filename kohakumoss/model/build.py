@@ -29,7 +29,7 @@ def tiny_transformer(seed: int = TINY_SEED) -> MOSSImageTransformer:
 
 def random_transformer(config: DiTConfig, device: torch.device | str, seed: int = 0,
                        std: float = 0.02, bf16_exact: bool = False) -> MOSSImageTransformer:
-    """A model of any size with the reference's random init (spec 2.5: linears N(0, std),
+    """A model of any size with the reference's random init (linears N(0, std),
     biases 0, norms 1), built on the meta device and materialised on ``device`` (fp32)."""
     with torch.device("meta"):
         model = MOSSImageTransformer(config)

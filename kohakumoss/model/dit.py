@@ -1,9 +1,10 @@
-"""The MOSS-Image DiT (``spec/moss-image.md`` section 4), named as the official state dict.
+"""The MOSS-Image DiT (``docs/model.md``), named as the official state dict.
 
 Legend: N_img / N_txt / N_joint packed token counts, B samples, D width, H heads, Dh head
 dim, C latent channels, T text width. Every op with numerics of its own goes through the
-op table (``self.ops``); the model holds no engine logic. Its repeated blocks are declared
-in ``REPEATED`` so checkpointing, streaming and sharding engines can find them from outside.
+op table (``self.ops``, one per model); the model holds no engine logic. Its repeated blocks
+are declared in ``REPEATED`` so checkpointing, streaming and sharding engines can find them
+from outside (``kohakumoss.memory``, ``docs/engines.md``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from torch import nn
 
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.layout import PackedLayout
-from kohakumoss.model.ops import DEFAULT_OPS, OpTable, compute_dtype
+from kohakumoss.model.ops import OpTable, compute_dtype
 
-# modules kept in max(float32, compute dtype) whatever the compute dtype (spec 5.1)
+# modules kept in max(float32, compute dtype) whatever the compute dtype (docs/model.md)
 FP32_MODULES = ("time_embedding", "shared_block_modulation", "video_head_modulation")
 # module lists whose entries are the repeated blocks engines act on
 REPEATED = ("text_embedder.blocks", "layers")
@@ -122,7 +123,7 @@ class MOSSImageTransformer(nn.Module):
     def __init__(self, config: DiTConfig, ops: OpTable | None = None):
         super().__init__()
         c = self.config = config
-        self.ops = ops or DEFAULT_OPS
+        self.ops = ops if ops is not None else OpTable()  # its own: engines replace entries
         D = c.dim
         self.video_embedder = nn.Linear(c.latent_channels, D)
         self.text_embedder = TextEmbedder(c)
@@ -139,7 +140,7 @@ class MOSSImageTransformer(nn.Module):
         return self.video_embedder.weight.dtype
 
     def conditioning(self, sigma_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block modulation [B, 6, D] and head modulation [B, 2, D], float32 (spec 4.1)."""
+        """Block modulation [B, 6, D] and head modulation [B, 2, D], float32."""
         c = self.config
         e = self.ops.timestep_embedding(sigma_B.float() * c.time_scale, c.freq_dim)
         cd = self.time_embedding[0].weight.dtype

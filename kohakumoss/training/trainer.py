@@ -6,11 +6,13 @@ A run lives in ``runs/<name>/``: ``checkpoints/step-NNNNNN/`` (persisted), ``dvc
 checkpoint the next time it starts: the plan is replayed from the next batch, sigmas and
 noise are pure functions of (seed, batch), and the optimiser, schedule, EMA and RNG states
 are restored, so the resumed run ends bit-identical to one that never stopped.
+
+What runs (model and engines, trainable set, optimiser, caches, batches) is built first by
+``kohakumoss.training.build.build_components``; this module only runs it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -22,43 +24,21 @@ from tqdm.auto import tqdm
 
 from kohakumoss import faults
 from kohakumoss.artifacts import atomic_write_json, dir_lock, hash_json
-from kohakumoss.cache.build import text_identity, vae_identity
-from kohakumoss.cache.lookup import BatchCaches
 from kohakumoss.config import Params, stage_params
-from kohakumoss.data.catalogset import load_catalogs
-from kohakumoss.data.loader import PlanBatches, make_loader
-from kohakumoss.data.planfile import read_plan
+from kohakumoss.data.loader import make_loader
 from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
-from kohakumoss.device import resolve_device
-from kohakumoss.precision import DTYPES
-from kohakumoss.formats import load_dit
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
                                             list_checkpoints, load_newest, save_checkpoint)
-from kohakumoss.training.ema import EMA
-from kohakumoss.training.encode import BatchEncoder
-from kohakumoss.training.inputs import build_inputs, make_timesteps
+from kohakumoss.training.build import Components, RunPaths, build_components
+from kohakumoss.training.inputs import build_inputs
 from kohakumoss.training.metrics import RunLog, rows_of
-from kohakumoss.training.optim import build_optimizer, build_scheduler, clip_and_check
-from kohakumoss.training.trainable import make_trainable
+from kohakumoss.training.optim import clip_and_check
 
 log = logging.getLogger(__name__)
 
 # the params whose change makes an old checkpoint of the run unusable
 RESUME_KEYS = ["model.transformer", "adapter", "optim", "objective", "train.dtype"]
-
-
-@dataclasses.dataclass
-class RunPaths:
-    plan: Path
-    catalog: Path
-    text_cache: Path
-    latent_cache: Path
-    run: Path
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.run / "checkpoints"
 
 
 @dataclasses.dataclass
@@ -71,36 +51,26 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, p: Params, paths: RunPaths):
-        self.p, self.paths = p, paths
-        self.device = resolve_device(p.train.device)
-        self.dtype = DTYPES[p.train.dtype]
-        self.plan_table, self.plan = read_plan(paths.plan)
-        full = p.adapter.full
-        # full finetune: fp32 master weights, bf16 compute by autocast; adapters: the frozen
-        # base in the compute dtype, the adapter in fp32
-        self.model = load_dit(p.model.transformer, torch.float32 if full else self.dtype, self.device)
-        self.trainable = make_trainable(self.model, p)
-        named = self.trainable.named_parameters()
-        self.params = [q for _, q in named]
-        self.optimizer = build_optimizer(named, p.optim, self.trainable.lr_scale())
-        self.scheduler = build_scheduler(self.optimizer, p.optim, p.train.steps)
-        self.ema = EMA(named, p.optim.ema, device=self.device) if p.optim.ema > 0 else None
-        self.timesteps = make_timesteps(p)
-        cs = load_catalogs(paths.catalog, p.data.datasets)
-        self.caches = BatchCaches(p, cs, paths.text_cache, paths.latent_cache,
-                                  text_identity(p), vae_identity(p))
-        self.encoder = BatchEncoder(p, self.caches, self.device)
-        self.batches = PlanBatches(paths.plan, p.data.datasets, p.resolution, paths.catalog,
-                                   pixels=p.cache.latents != "offline",
-                                   max_pixels=p.data.max_image_pixels)
+    """Runs a built run (``build_components``; built here when not given) from its newest
+    good checkpoint to ``train.steps``."""
+
+    def __init__(self, params: Params, paths: RunPaths, components: Components | None = None):
+        c = components if components is not None else build_components(params, paths)
+        self.params, self.paths, self.components = params, paths, c
+        self.device, self.precision = c.device, c.engines.precision
+        self.model, self.trainable = c.model, c.trainable
+        # the tensors the optimiser steps (clipped together)
+        self.trained_tensors = [t for _, t in c.trainable.named_parameters()]
+        self.optimizer, self.scheduler, self.ema = c.optimizer, c.scheduler, c.ema
+        self.timesteps, self.caches, self.encoder, self.batches = (c.timesteps, c.caches,
+                                                                   c.encoder, c.batches)
         # what makes an old checkpoint of the run unusable: the data order, the training
         # params, what is trained, and what the caches encoded the data with
-        self.identity = {"plan": self.plan.content_hash,
-                         "params": hash_json(stage_params(p, RESUME_KEYS)),
-                         "encoders": hash_json([self.caches.text_id, self.caches.vae_id,
-                                                p.cache.dtype, p.encoders.draw]),
-                         "trained": self.trainable.describe()}
+        self.identity = {"plan": c.plan.content_hash,
+                         "params": hash_json(stage_params(params, RESUME_KEYS)),
+                         "encoders": hash_json([c.caches.text_id, c.caches.vae_id,
+                                                params.cache.dtype, params.encoders.draw]),
+                         "trained": c.trainable.describe()}
 
     # -- state -------------------------------------------------------------------------------
     def _rng_state(self) -> dict[str, Any]:
@@ -116,9 +86,9 @@ class Trainer:
         extra = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "ema": ema, "rng": self._rng_state()}
         return save_checkpoint(self.paths.checkpoints, step, self.trainable.state_dict(), extra,
-                               {**self.identity, "steps": self.p.train.steps},
+                               {**self.identity, "steps": self.params.train.steps},
                                ema=self.ema.shadow if self.ema else None,
-                               keep=self.p.train.keep_checkpoints,
+                               keep=self.params.train.keep_checkpoints,
                                metadata={"kohakumoss_state": "1",
                                          "kohakumoss_trained": str(self.identity["trained"])},
                                log=log)
@@ -151,17 +121,12 @@ class Trainer:
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
         self.resumed_rows = rows_of(data.log)
-        log.info("resuming from %s (step %d of %d)", ckpt.path, ckpt.step, self.p.train.steps)
+        log.info("resuming from %s (step %d of %d)", ckpt.path, ckpt.step, self.params.train.steps)
         return ckpt.step
 
     # -- one optimiser step ----------------------------------------------------------------
-    def _autocast(self):
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
     def step(self, step: int, micro_batches: list) -> tuple[float, float, bool, int]:
-        p = self.p
+        p = self.params
         n_tokens = self.batches.step_image_tokens(step)
         total, samples = 0.0, 0
         for micro, batch in enumerate(micro_batches):
@@ -176,14 +141,14 @@ class Trainer:
             self.trainable.prepare_step(step, micro, inputs.sigma, inputs.layout)
             # dropout draws from torch's global RNG: make them a pure function of the step too
             torch.manual_seed(seed_of("dropout", p.run.seed, step, micro) & (2**63 - 1))
-            with self._autocast():
+            with self.precision.autocast(self.device):
                 pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
             loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
                              p.objective.loss, p.objective.huber_delta)
             loss.backward()
             total += float(loss.detach())
             samples += len(batch.captions)
-        grad_norm, finite = clip_and_check(self.params, p.optim.grad_clip)
+        grad_norm, finite = clip_and_check(self.trained_tensors, p.optim.grad_clip)
         if finite:
             self.optimizer.step()
             if self.ema is not None:
@@ -201,7 +166,7 @@ class Trainer:
             return self._run(progress)
 
     def _run(self, progress: bool) -> TrainResult:
-        p = self.p
+        p = self.params
         start = self.resume()
         acc, steps = p.train.grad_accum, p.train.steps
         self.model.train()
@@ -211,7 +176,8 @@ class Trainer:
         if p.preview.every > 0 and p.preview.prompts and start < steps:
             from kohakumoss.training.previews import Previewer
 
-            previews = Previewer(p, self.model, self.trainable, self.device, self.dtype)
+            previews = Previewer(p, self.model, self.trainable, self.device,
+                                 self.precision.compute)
         losses, skipped = [], []
         if start < steps:
             loader = iter(make_loader(self.batches, start=start * acc, end=steps * acc,

@@ -1,0 +1,46 @@
+"""The training precision policy: which dtype the model's weights are held in, which dtype
+the forward computes in, and the autocast that gets it there (``docs/training.md``).
+
+* Full finetune: the weights are the fp32 master copy the optimiser steps; the forward
+  computes under autocast in ``train.dtype``.
+* Adapters: the frozen base is held in ``train.dtype`` (half the memory of fp32); the
+  adapter's own parameters stay fp32 (the adapters package takes ``max(fp32, base dtype)``)
+  and the forward runs under the same autocast.
+
+In both, autocast is off when ``train.dtype`` is fp32. The modules the model keeps in
+``max(fp32, dtype)`` (its ``FP32_MODULES``) are the cast's business, not the policy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from kohakumoss.precision.dtypes import DTYPES, dtype_name
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+    compute: torch.dtype  # what the forward computes in (``train.dtype``)
+    weights: torch.dtype  # what the model's weights are held in (and loaded in)
+
+    def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager:
+        """The context a training forward runs in on ``device``."""
+        if self.compute == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(device).type, dtype=self.compute)
+
+    def describe(self) -> dict[str, str]:
+        return {"compute": dtype_name(self.compute), "weights": dtype_name(self.weights)}
+
+
+def precision_policy(dtype: str, full: bool) -> PrecisionPolicy:
+    """The policy for ``train.dtype`` = ``dtype`` (a plan name: bf16 / fp16 / fp32) and a
+    full finetune (``full``, from ``adapter.full``) or an adapter run."""
+    if dtype not in DTYPES:
+        raise ValueError(f"train dtype {dtype!r} is not one of {', '.join(DTYPES)}; set "
+                         f"train.dtype to one of them")
+    compute = DTYPES[dtype]
+    return PrecisionPolicy(compute=compute, weights=torch.float32 if full else compute)

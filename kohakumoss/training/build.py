@@ -1,0 +1,89 @@
+"""Everything a training run is made of, built from params and paths before the loop
+starts: the model with its engines applied, what is trained, the optimiser, schedule and
+EMA, the timestep distribution, the caches and encoders, the plan's batches.
+
+``build_components(params, paths)`` builds them in this order; ``Trainer(params, paths,
+components)`` only runs them. A test or a tool that wants a component built differently
+builds the rest with this and replaces that one field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from kohakumoss.artifacts import Manifest
+from kohakumoss.cache.build import text_identity, vae_identity
+from kohakumoss.cache.lookup import BatchCaches
+from kohakumoss.config import Params
+from kohakumoss.data.catalogset import load_catalogs
+from kohakumoss.data.loader import PlanBatches
+from kohakumoss.data.planfile import read_plan
+from kohakumoss.device import resolve_device
+from kohakumoss.formats import load_dit
+from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.training.ema import EMA
+from kohakumoss.training.encode import BatchEncoder
+from kohakumoss.training.engines import AppliedEngines, EnginePlan, apply_engines, engine_plan
+from kohakumoss.training.inputs import make_timesteps
+from kohakumoss.training.optim import build_optimizer, build_scheduler
+from kohakumoss.training.trainable import Trainable, make_trainable
+
+
+@dataclasses.dataclass
+class RunPaths:
+    plan: Path
+    catalog: Path
+    text_cache: Path
+    latent_cache: Path
+    run: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run / "checkpoints"
+
+
+@dataclasses.dataclass
+class Components:
+    device: torch.device
+    engines: EnginePlan
+    applied: AppliedEngines
+    model: MOSSImageTransformer
+    trainable: Trainable
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: EMA | None
+    timesteps: object  # a timestep distribution (``kohakumoss.diffusion.timesteps``)
+    plan: Manifest  # the plan's manifest: its content hash names the data order
+    caches: BatchCaches
+    encoder: BatchEncoder
+    batches: PlanBatches
+
+
+def build_components(params: Params, paths: RunPaths,
+                     engines: EnginePlan | None = None) -> Components:
+    """The run's components; ``engines`` defaults to ``engine_plan(params, device)``."""
+    p = params
+    device = resolve_device(p.train.device)
+    _, plan = read_plan(paths.plan)
+    engines = engines if engines is not None else engine_plan(p, device)
+    # loaded straight in the dtype the precision policy holds the weights in
+    model = load_dit(p.model.transformer, engines.precision.weights, device)
+    applied = apply_engines(model, engines)
+    trainable = make_trainable(model, p)
+    named = trainable.named_parameters()
+    optimizer = build_optimizer(named, p.optim, trainable.lr_scale())
+    scheduler = build_scheduler(optimizer, p.optim, p.train.steps)
+    ema = EMA(named, p.optim.ema, device=device) if p.optim.ema > 0 else None
+    timesteps = make_timesteps(p)
+    caches = BatchCaches(p, load_catalogs(paths.catalog, p.data.datasets), paths.text_cache,
+                         paths.latent_cache, text_identity(p), vae_identity(p))
+    encoder = BatchEncoder(p, caches, device)
+    batches = PlanBatches(paths.plan, p.data.datasets, p.resolution, paths.catalog,
+                          pixels=p.cache.latents != "offline", max_pixels=p.data.max_image_pixels)
+    return Components(device=device, engines=engines, applied=applied, model=model,
+                      trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
+                      timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
+                      batches=batches)

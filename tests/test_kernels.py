@@ -1,0 +1,117 @@
+"""The kernel registry: selection by what a backend declares, fallback to the reference,
+clear errors for unknown names, one table per model, the dispatch logged once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kohakumoss.errors import KohakuError, user_message
+from kohakumoss.kernels import KernelError, KernelRegistry
+from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
+from kohakumoss.model import ops
+from kohakumoss.model.build import tiny_transformer
+
+CPU = torch.device("cpu")
+
+
+def _cpu_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32
+
+
+def _never(device: torch.device, dtype: torch.dtype) -> bool:
+    return False
+
+
+class Counting:
+    """A test backend: the reference, counting its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+        self.__qualname__ = f"counting({fn.__qualname__})"
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+@pytest.fixture
+def registry():
+    r = KernelRegistry()
+    r.register("rms_norm", "test", Counting(ops.rms_norm), _cpu_fp32)
+    r.register("rms_norm", "gpu_only", Counting(ops.rms_norm), _never)
+    return r
+
+
+def test_a_backend_that_can_run_is_selected_and_used(registry):
+    table = registry.build_op_table(CPU, torch.float32, {"rms_norm": "test"})
+    backend = registry.backend("rms_norm", "test").fn
+    assert table.rms_norm is backend
+    assert all(getattr(table, n) is f for n, f in ops.REFERENCE.items() if n != "rms_norm")
+    model = tiny_transformer()
+    model.ops = table
+    reference = tiny_transformer()
+    layout = build_layout([(2, 3)], [4])
+    c = FLAVORS["tiny"]
+    args = (torch.randn(layout.n_img, c.latent_channels), torch.randn(layout.n_txt, c.text_dim),
+            torch.rand(1))
+    with torch.no_grad():
+        assert torch.equal(model(*args, layout), reference(*args, layout))
+    assert backend.calls == 2 * c.text_blocks  # the text blocks' two norms
+
+
+def test_a_backend_that_cannot_run_falls_back_to_the_reference(registry, caplog):
+    with caplog.at_level(logging.INFO, "kohakumoss.kernels"):
+        table = registry.build_op_table(CPU, torch.bfloat16, {"rms_norm": "test"})
+    assert table.rms_norm is ops.rms_norm
+    assert "rms_norm: test cannot run here" in caplog.text and "every op reference" in caplog.text
+    # an ordered choice: the first that can run wins
+    chosen, unable = registry.dispatch(CPU, torch.float32, {"rms_norm": ["gpu_only", "test"]})
+    assert chosen["rms_norm"] == "test" and unable == {"rms_norm": ["gpu_only"]}
+    chosen, _ = registry.dispatch(CPU, torch.float32, {"rms_norm": ["reference", "test"]})
+    assert chosen["rms_norm"] == "reference"
+
+
+def test_unknown_names_are_clear_errors(registry):
+    with pytest.raises(KernelError, match="unknown op 'rms_nrom'; the op table has rms_norm, "):
+        registry.build_op_table(CPU, torch.float32, {"rms_nrom": "test"})
+    # a typo is an error even where the backend could not have run anyway
+    with pytest.raises(KernelError, match="op 'rms_norm' has no backend 'tset'; it has "
+                                          "reference, test, gpu_only"):
+        registry.build_op_table(CPU, torch.bfloat16, {"rms_norm": ["tset"]})
+    with pytest.raises(KernelError, match="already has a backend named 'test'"):
+        registry.register("rms_norm", "test", ops.rms_norm, _cpu_fp32)
+    with pytest.raises(KernelError, match="already has a backend named 'reference'"):
+        registry.register("situ", "reference", ops.situ, _cpu_fp32)
+    with pytest.raises(KernelError, match="unknown op 'fused_everything'"):
+        registry.register("fused_everything", "x", ops.situ, _cpu_fp32)
+    with pytest.raises(KohakuError) as e:  # a user error: one line, no traceback
+        registry.backend("situ", "triton")
+    assert user_message(e.value) == "op 'situ' has no backend 'triton'; it has reference"
+    registry.unregister("rms_norm", "gpu_only")
+    assert registry.names("rms_norm") == ["reference", "test"]
+
+
+def test_two_models_tables_are_independent(registry):
+    a, b = MOSSImageTransformer(FLAVORS["tiny"]), MOSSImageTransformer(FLAVORS["tiny"])
+    a.ops = registry.build_op_table(CPU, torch.float32, {"rms_norm": "test"})
+    b.ops = registry.build_op_table(CPU, torch.float32, {"rms_norm": "test"})
+    assert a.ops is not b.ops
+    a.ops.override("situ", Counting(ops.situ))
+    assert b.ops.situ is ops.situ
+    assert MOSSImageTransformer(FLAVORS["tiny"]).ops.rms_norm is ops.rms_norm
+
+
+def test_the_dispatch_is_logged_once(registry, caplog):
+    with caplog.at_level(logging.INFO, "kohakumoss.kernels"):
+        for _ in range(3):
+            registry.build_op_table(CPU, torch.float32, {"rms_norm": "test"})
+        registry.build_op_table("cpu", torch.float32, {"rms_norm": ["test"]})  # the same dispatch
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["kernels on cpu/float32: rms_norm=test, the rest reference"]
+    with caplog.at_level(logging.INFO, "kohakumoss.kernels"):
+        registry.build_op_table(CPU, torch.float32)  # another dispatch: logged, once
+        registry.build_op_table(CPU, torch.float32, {})
+    assert [r.getMessage() for r in caplog.records][1:] == ["kernels on cpu/float32: every op reference"]

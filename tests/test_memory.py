@@ -1,0 +1,159 @@
+"""Memory engines: recomputation and per-block checkpointing give plain autograd's outputs
+and gradients bit for bit, save fewer activations, and touch only the model they are
+applied to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kohakumoss.memory import (ELEMENTWISE, apply_block_checkpointing, apply_recompute,
+                               recomputed, repeated_blocks)
+from kohakumoss.model import FLAVORS, build_layout, cast_model
+from kohakumoss.model import ops
+from kohakumoss.model.build import tiny_transformer
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def _op_calls(dtype):
+    """Each elementwise op on leaf inputs; ``x`` is also used outside the op and twice
+    inside some (the grouping of its gradient's sum is what could differ)."""
+    g = torch.Generator().manual_seed(0)
+    N, H, Dh = 7, 2, 8
+    D = H * Dh
+    seg = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    leaf = lambda *shape, dt=dtype: torch.randn(*shape, generator=g, dtype=dt).requires_grad_()  # noqa: E731
+    x, y, w = leaf(N, D), leaf(N, D), leaf(D)
+    mod = [leaf(2, D, dt=torch.float32) for _ in range(3)]
+    q, wq = leaf(N, H, Dh), leaf(Dh)
+    cos, sin = torch.randn(N, Dh // 2, generator=g), torch.randn(N, Dh // 2, generator=g)
+    calls = {
+        "rms_norm": lambda f: f(x, w, 1e-6),
+        "modulated_rms_norm": lambda f: f(x, w, mod[0], mod[1], seg, 1e-6),
+        "qk_norm_rope": lambda f: f(q, wq, cos, sin, 1e-6),
+        "situ": lambda f: f(x, x * 2),
+        "residual": lambda f: f(x, y),
+        "gated_residual": lambda f: f(x, y, mod[2], seg),
+    }
+    return calls, [x, y, w, *mod, q, wq]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+def test_a_recomputed_op_equals_plain_autograd(name, dtype):
+    calls, leaves = _op_calls(dtype)
+    fn = ops.REFERENCE[name]
+    results = []
+    for f in (fn, recomputed(fn, ELEMENTWISE[name])):
+        out = calls[name](f)
+        x = leaves[0]
+        loss = out.float().square().sum() + (x.float() * 3).sum()  # x also feeds the loss
+        results.append((out, torch.autograd.grad(loss, leaves, allow_unused=True)))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.equal(out_a, out_b)
+    for ga, gb in zip(grads_a, grads_b):
+        assert (ga is None and gb is None) or torch.equal(ga, gb)
+
+
+def _tiny(dtype, engines=()):
+    model = cast_model(tiny_transformer(), dtype)
+    for engine in engines:
+        engine(model)
+    return model
+
+
+def _forward_backward(model, saved: list | None = None):
+    hw, lens = [(3, 4), (2, 5)], [4, 6]
+    g = torch.Generator().manual_seed(0)
+    layout = build_layout(hw, lens)
+    c = FLAVORS["tiny"]
+    img = torch.randn(layout.n_img, c.latent_channels, generator=g)
+    txt = torch.randn(layout.n_txt, c.text_dim, generator=g)
+    sigma = torch.rand(2, generator=g)
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    if saved is None:
+        out = model(img, txt, sigma, layout)
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(img, txt, sigma, layout)
+    out.float().square().mean().backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+ENGINES = {
+    "recompute": [apply_recompute],
+    "checkpoint blocks": [apply_block_checkpointing],
+    "checkpoint every 2nd block": [lambda m: apply_block_checkpointing(m, every=2)],
+    "both": [apply_recompute, apply_block_checkpointing],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("engines", sorted(ENGINES))
+def test_engines_keep_outputs_and_gradients_bit_identical(engines, dtype):
+    plain_out, plain_grads = _forward_backward(_tiny(dtype))
+    model = _tiny(dtype, ENGINES[engines])
+    out, grads = _forward_backward(model)
+    assert torch.equal(out, plain_out)
+    assert grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads), \
+        [n for n in grads if not torch.equal(grads[n], plain_grads[n])]
+    assert list(model.state_dict()) == list(_tiny(dtype).state_dict())  # keys are a contract
+
+
+@pytest.mark.parametrize("engines", ["recompute", "checkpoint blocks"])
+def test_engines_save_fewer_activations(engines):
+    plain, lean = [], []
+    _forward_backward(_tiny(torch.bfloat16), plain)
+    _forward_backward(_tiny(torch.bfloat16, ENGINES[engines]), lean)
+    assert sum(lean) < 0.8 * sum(plain), (sum(lean), sum(plain))
+
+
+def test_recompute_acts_on_that_models_table_only_and_once():
+    a, b = _tiny(torch.float32), _tiny(torch.float32)
+    assert apply_recompute(a) == list(ELEMENTWISE)
+    assert apply_recompute(a) == []  # idempotent
+    for name in ELEMENTWISE:
+        assert getattr(a.ops, name).wrapped is ops.REFERENCE[name]
+        assert getattr(b.ops, name) is ops.REFERENCE[name]
+    x = torch.randn(3, 8)
+    with torch.no_grad():  # inference runs the op itself
+        assert torch.equal(a.ops.rms_norm(x, torch.ones(8), 1e-6), ops.rms_norm(x, torch.ones(8), 1e-6))
+
+
+def test_block_checkpointing_finds_the_declared_blocks():
+    model = _tiny(torch.float32)
+    c = FLAVORS["tiny"]
+    paths = [p for p, _ in repeated_blocks(model)]
+    assert paths == ([f"text_embedder.blocks.{i}" for i in range(c.text_blocks)]
+                     + [f"layers.{i}" for i in range(c.depth)])
+    assert apply_block_checkpointing(model, every=2) == [p for p in paths if int(p[-1]) % 2 == 0]
+    assert apply_block_checkpointing(model) == [p for p in paths if int(p[-1]) % 2 == 1]
+    assert apply_block_checkpointing(model) == []
+    with pytest.raises(ValueError, match="every must be an integer >= 1"):
+        apply_block_checkpointing(model, every=0)
+
+
+def test_block_checkpointing_replays_adapter_dropout():
+    from kohakumoss.adapters import apply_adapters
+    from kohakumoss.config import AdapterConfig
+
+    def run(checkpoint: bool):
+        model = _tiny(torch.float32)
+        if checkpoint:
+            apply_block_checkpointing(model)
+        adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=4, alpha=4, dropout=0.5),
+                                  seed=0)
+        adapters.prepare_step(0, 0)
+        torch.manual_seed(3)
+        out, _ = _forward_backward(model)
+        return out, [p.grad for _, p in adapters.named_trainable()]
+
+    (out_a, grads_a), (out_b, grads_b) = run(False), run(True)
+    assert torch.equal(out_a, out_b)
+    assert all(ga is not None and torch.equal(ga, gb) for ga, gb in zip(grads_a, grads_b))
