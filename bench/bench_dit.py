@@ -6,9 +6,10 @@ Forward + backward (full finetune: every weight gets a gradient) of a packed bat
 ``samples`` images of ``grid x grid`` latent cells (64 = 1024x1024 pixels) with ``text``
 text tokens each, in bf16; tokens/s, achieved TFLOP/s (``kohakumoss.model.flops``) against
 the measured bf16 matmul rate, peak memory; then the bf16 forward against a float32
-forward (TF32 off) of the same bf16-exact weights on the same batch. Without per-block
-activation checkpointing first; if that runs out of memory, with it (applied from outside
-by wrapping each block, as the memory engines will). Prints one JSON object.
+forward (TF32 off) of the same bf16-exact weights on the same batch. The elementwise ops are
+recomputed in backward (``apply_recompute``, as training does); without per-block
+activation checkpointing first, then with it (``apply_block_checkpointing``, the memory
+engine). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import statistics
 import time
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from kohakumoss.memory import apply_block_checkpointing, apply_recompute
 from kohakumoss.model import FLAVORS, build_layout, cast_model
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import forward_flops, train_flops
@@ -54,15 +55,6 @@ def matmul_rate(device: str) -> float:
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     t = statistics.median(timed(lambda: a @ b, 3, 10))
     return 2 * 8192**3 / t
-
-
-class Checkpointed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args):
-        return checkpoint(self.block, *args, use_reentrant=False)
 
 
 def train_step(model, inputs, layout):
@@ -108,6 +100,7 @@ def main() -> None:
     with torch.no_grad():
         ref32 = model(img, txt, sigma, layout).double()
     cast_model(model, torch.bfloat16)
+    apply_recompute(model)
     inputs = (img, txt, sigma)
     with torch.no_grad():
         out16 = model(img, txt, sigma, layout)
@@ -115,7 +108,7 @@ def main() -> None:
     del ref32
     for mode in ("plain", "block_checkpointing"):
         if mode == "block_checkpointing":
-            model.layers = torch.nn.ModuleList(Checkpointed(b) for b in model.layers)
+            apply_block_checkpointing(model)
         try:
             r = run(model, inputs, layout, a.iters)
         except torch.OutOfMemoryError as e:

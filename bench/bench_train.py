@@ -10,7 +10,8 @@ samples as the token budget holds. Reported: samples/s, step time, peak memory, 
 model FLOPs of the step (forward, input gradients everywhere, weight gradients only for
 the adapter; ``kohakumoss.model.flops.train_flops(full=False)``) over the measured bf16
 matmul rate. ``--full``: one full-finetune step (fp32 master weights, bf16 autocast,
-AdamW) and its peak memory. Prints one JSON object.
+AdamW) and its peak memory. Both models get the engines a training run applies
+(``apply_engines``: precision policy, op table, recomputation). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -26,15 +27,20 @@ import torch
 from kohakumoss.cache.store import TensorStore
 from kohakumoss.config import AdapterConfig, OptimConfig
 from kohakumoss.diffusion.objective import flow_loss, noised
-from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
+from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
+from kohakumoss.precision import precision_policy
+from kohakumoss.training.engines import EnginePlan, apply_engines
 from kohakumoss.training.optim import build_optimizer
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
-def random_base(dtype: torch.dtype) -> MOSSImageTransformer:
-    return cast_model(random_transformer(FLAVORS["base"], "cuda"), dtype)
+def random_base(full: bool) -> MOSSImageTransformer:
+    """The base flavor with random weights and a training run's engines (bf16 compute)."""
+    model = random_transformer(FLAVORS["base"], "cuda")
+    apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=full)))
+    return model
 
 
 def matmul_rate() -> float:
@@ -84,7 +90,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str) -
 
     per = max(1, budget // (4096 + text_len + 3))
     lat, txt = fill_caches(root, per * (steps + 2), text_len)
-    model = random_base(torch.bfloat16)
+    model = random_base(full=False)
     adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
     named = list(adapters.named_trainable())
     opt = build_optimizer(named, OptimConfig(lr=1e-4))
@@ -110,7 +116,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str) -
 
 def bench_full(text_len: int, root: str) -> dict:
     lat, txt = fill_caches(root + "/full", 2, text_len)
-    model = random_base(torch.float32)
+    model = random_base(full=True)
     opt = build_optimizer(list(model.named_parameters()), OptimConfig(lr=1e-5))
     torch.cuda.reset_peak_memory_stats()
     try:
