@@ -231,3 +231,112 @@ def test_export_checkpoint_writes_outside_the_stage_outputs(tmp_path, monkeypatc
     res = runner.invoke(app, ["export", "checkpoint", str(loose), "--format", "merged", "--params", params])
     assert res.exit_code == 0, res.output
     assert (loose.parent / "adapter-merged.safetensors").is_file()
+
+
+# -- load_trained: the one reader of a training checkpoint ----------------------------------------
+def _trained_run(tmp_path, algo, **kw):
+    """A checkpoint of a moved-off-init adapter, its EMA, and the two adapters they hold."""
+    cfg = AdapterConfig(algo=algo, dim=4, alpha=4, **kw)
+    g = torch.Generator().manual_seed(2)
+    live = apply_adapters(tiny_transformer(), cfg, seed=P.run.seed)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.ndim > 0
+             else v for k, v in live.state_dict().items()}
+    trainable = dict(live.named_trainable())
+    ema = {k: v + 0.03 * torch.randn(v.shape, generator=g) for k, v in state.items() if k in trainable}
+    trained = {"algo": algo, "preset": cfg.preset, "targets": [], "dim": 4, "alpha": 4.0,
+               "dora": cfg.dora, "algo_kwargs": dict(cfg.algo_kwargs), "train_norms": cfg.train_norms}
+    ck = save_checkpoint(tmp_path / algo, 9, state, {}, {"trained": trained}, ema=ema)
+    return ck, cfg, state, {**state, **ema}
+
+
+def _adapter_output(cfg, state, x, multiplier=1.0):
+    model = tiny_transformer().eval()
+    aset = apply_adapters(model, cfg, seed=123)
+    aset.load_state_dict(state)
+    aset.eval()
+    aset.set_multiplier(multiplier)
+    return _out(model, x)
+
+
+@pytest.mark.parametrize("algo, kw", [("lora", {}), ("tlora", {}), ("loha", {"train_norms": True})])
+def test_load_trained_gives_the_trained_adapter(tmp_path, algo, kw):
+    from kohakumoss.training.trained import load_trained
+
+    ck, cfg, state, ema_state = _trained_run(tmp_path, algo, **kw)
+    x = _inputs()
+    for ema, want_state in ((False, state), (True, ema_state)):
+        model = tiny_transformer().eval()
+        t = load_trained(model, ck, ema=ema)
+        assert not t.full and t.step == 9 and t.trained["algo"] == algo and t.config == cfg
+        assert torch.equal(_out(model, x), _adapter_output(cfg, want_state, x)), ema
+        t.adapters.remove()
+        assert torch.equal(_out(model, x), _out(tiny_transformer().eval(), x))
+    model = tiny_transformer().eval()
+    load_trained(model, ck, multiplier=0.5)
+    assert torch.equal(_out(model, x), _adapter_output(cfg, state, x, 0.5))
+
+
+def test_load_trained_full_finetune_and_its_ema(tmp_path):
+    from kohakumoss.training.trained import TrainedError, load_trained
+
+    base = tiny_transformer()
+    weights = {k: v + 0.01 * (i % 3) for i, (k, v) in enumerate(base.state_dict().items())}
+    ema = {k: v - 0.02 for k, v in weights.items()}
+    ck = save_checkpoint(tmp_path / "ck", 3, weights, {}, {"trained": {"algo": "full"}}, ema=ema)
+    x = _inputs()
+    for use_ema, want in ((False, weights), (True, ema)):
+        model = tiny_transformer().eval()
+        t = load_trained(model, ck, ema=use_ema)
+        assert t.full and t.adapters is None
+        ref = tiny_transformer().eval()
+        ref.load_state_dict(want)
+        assert torch.equal(_out(model, x), _out(ref, x))
+    no_ema = save_checkpoint(tmp_path / "plain", 3, weights, {}, {"trained": {"algo": "full"}})
+    with pytest.raises(TrainedError, match="holds no EMA weights"):
+        load_trained(tiny_transformer(), no_ema, ema=True)
+    unknown = save_checkpoint(tmp_path / "odd", 3, weights, {}, {"trained": {"algo": "full", "x": 1}})
+    with pytest.raises(TrainedError, match="'trained' has fields"):
+        load_trained(tiny_transformer(), unknown)
+    bare = save_checkpoint(tmp_path / "bare", 3, weights, {}, {"steps": 3})
+    with pytest.raises(TrainedError, match="records no 'trained'"):
+        load_trained(tiny_transformer(), bare)
+
+
+# -- kmoss export checkpoint --model: any base, no params file ------------------------------------
+def test_export_checkpoint_with_model_needs_no_params_file(tmp_path, monkeypatch):
+    """From a folder with no params.yaml: a LyCORIS file converts onto ``--model tiny`` (the
+    ComfyUI file gives the trained deltas), a checkpoint exports byte-identically to the
+    params-file way; without --model the error names the way out."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from kohakumoss.formats.comfy_semantics import comfy_weight_deltas
+    from kohakumoss.formats.keys import fuse_qkv
+    from stages.cli import app
+
+    ck = _adapter_checkpoint(tmp_path, "loha")
+    src = load_source(P, ck)
+    lyco = write_export(src, "lycoris", tmp_path / "file" / "a.safetensors", dtype="fp32")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert not (work / "params.yaml").exists()
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", "checkpoint", str(lyco), "--model", "tiny", "--dtype", "fp32",
+                              "--out", "c.safetensors"])
+    assert res.exit_code == 0, res.output
+    base = fuse_qkv({k: v.detach() for k, v in tiny_transformer().state_dict().items()})
+    got, unloaded = comfy_weight_deltas(load_file(str(work / "c.safetensors")), base)
+    from kohakumoss.export.check import trained_deltas
+
+    want = trained_deltas(src.adapters, fused_qkv=True)
+    assert not unloaded and sorted(got) == sorted(want)
+    assert all(rel_error(got[k], want[k]) < 1e-6 for k in want)
+    res = runner.invoke(app, ["export", "checkpoint", str(ck), "--model", "tiny", "--format", "merged",
+                              "--out", "m.safetensors"])
+    assert res.exit_code == 0, res.output
+    with_params = write_export(src, "merged", tmp_path / "m.safetensors")
+    assert (work / "m.safetensors").read_bytes() == with_params.read_bytes()
+    res = runner.invoke(app, ["export", "checkpoint", str(lyco), "--out", "x.safetensors"])
+    assert res.exit_code == 2 and "--model" in res.output and "params" in res.output, res.output
+    assert not (work / "x.safetensors").exists()

@@ -66,7 +66,7 @@ def lycoris_preset(regexes: list[str]) -> dict:
 
 
 def _check(cfg) -> None:
-    if cfg.algo == "full":
+    if cfg.full:
         raise ValueError("adapter.algo 'full' is a full finetune, not an adapter: train the "
                          "model's own parameters instead of calling apply_adapters")
     if cfg.algo not in NETWORK_MODULE:

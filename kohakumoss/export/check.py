@@ -68,7 +68,7 @@ def check_export(p: Params, file: str | Path, source: str | Path, strength: floa
     file = Path(file)
     tensors, _ = read_adapter_file(file)
     src = load_source(p, source, model=model)
-    if src.kind == "full":
+    if src.full:
         raise ExportError(f"{source} is a full finetune: it has no adapter to compare {file} "
                           f"with (check an adapter export against the checkpoint it came from)")
     sets, _ = group_tensors(tensors, src.model)  # keys of no layer: verify reports them

@@ -43,6 +43,11 @@ class Source:
     step: int | None = None
     path: Path | None = None
 
+    @property
+    def full(self) -> bool:
+        """A full finetune's weights, no adapter (``load_trained`` decided it)."""
+        return self.kind == "full"
+
 
 def base_model(p: Params | None, model: str | None, source: str | Path) -> str:
     """The base a source is applied to: ``model`` if given, else ``p.model.transformer``."""
@@ -83,7 +88,7 @@ def _metadata(src: Source, fmt: str, extra: dict[str, str]) -> dict[str, str]:
 
 def merged_state(src: Source, strength: float) -> dict[str, torch.Tensor]:
     """Base + strength x adapter (full weights as they are), float32."""
-    return merged.merged_state(src.model, None if src.kind == "full" else src.adapters, strength)
+    return merged.merged_state(src.model, src.adapters, strength)
 
 
 def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fused_qkv: bool = True,
@@ -98,7 +103,7 @@ def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fus
     dt = DTYPES[dtype]
     meta = _metadata(src, fmt, metadata or {})
     config = src.model.config
-    if fmt in ("comfy", "lycoris") and src.kind == "full":
+    if fmt in ("comfy", "lycoris") and src.full:
         raise ExportError("a full finetune has no adapter: export it as 'merged' or 'diffusers'")
     if fmt == "comfy":
         if src.kind == "file":

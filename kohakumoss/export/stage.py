@@ -126,7 +126,7 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
     src = load_source(p, ckpt, ema=p.export.ema)
     formats = list(p.export.formats)
     if formats == ["auto"]:
-        formats = list(FULL_DEFAULT if src.kind == "full" else ADAPTER_DEFAULT)
+        formats = list(FULL_DEFAULT if src.full else ADAPTER_DEFAULT)
     e = p.export
     experiment = os.environ.get(EXPERIMENT_ENV, "")
     with dir_lock(run_dir, "kmoss export", wait=False):  # the run's lock: not while training

@@ -112,6 +112,17 @@ def test_export_checkpoint_refuses_bad_options(tmp_path, option, value, says):
     assert not out.exists()
 
 
+def test_export_checkpoint_without_a_base_model(tmp_path):
+    """No --model and no params file: the line names both ways to give the base; a --model
+    that is not a model names the path."""
+    out = tmp_path / "out.safetensors"
+    _fails(["export", "checkpoint", str(GOOD_ADAPTER), "--out", str(out), "--params",
+            str(tmp_path / "none.yaml")], str(GOOD_ADAPTER), "--model", "model.transformer")
+    _fails(["export", "checkpoint", str(GOOD_ADAPTER), "--out", str(out), "--model",
+            str(tmp_path / "no-model")], "no-model does not exist")
+    assert not out.exists()
+
+
 SIZE_FORM = "WIDTHxHEIGHT with both sides positive multiples of 16"
 
 
