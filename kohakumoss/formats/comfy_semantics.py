@@ -1,8 +1,10 @@
 """What ComfyUI's LoRA loader does with an adapter file on a MOSS-Image model
-(``spec/adapters-export.md`` 8.3): an independent re-implementation, used to verify exports.
+(``docs/formats.md``, ``docs/exports.md``): an independent re-implementation, used to verify
+exports (``kmoss check export``).
 
-It deliberately imports neither LyCORIS nor ``kohakumoss.adapters``: every formula is written
-from ComfyUI's ``comfy/lora.py`` and ``comfy/weight_adapter/*`` (the Oct-2025 generic loader):
+It deliberately imports neither LyCORIS nor any other kohakumoss module (its prefixes are its
+own copy): every formula is written from ComfyUI's ``comfy/lora.py`` and
+``comfy/weight_adapter/*`` (the Oct-2025 generic loader):
 
 - key map: each model weight ``<X>.weight`` accepts the stems ``lora_unet_<X with . -> _>`` and
   ``diffusion_model.<X>`` (the model-specific extras of a MOSS-Image key map are unknown);
