@@ -22,6 +22,7 @@ from kohakumoss.data.catalogset import load_catalogs
 from kohakumoss.data.loader import PlanBatches
 from kohakumoss.data.planfile import read_plan
 from kohakumoss.device import resolve_device
+from kohakumoss.diffusion.timesteps import LogitNormalTimesteps, MossTimesteps, UniformTimesteps
 from kohakumoss.formats import load_dit
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.training.ema import EMA
@@ -55,7 +56,7 @@ class Components:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ema: EMA | None
-    timesteps: object  # a timestep distribution (``kohakumoss.diffusion.timesteps``)
+    timesteps: MossTimesteps | UniformTimesteps | LogitNormalTimesteps
     plan: Manifest  # the plan's manifest: its content hash names the data order
     caches: BatchCaches
     encoder: BatchEncoder
