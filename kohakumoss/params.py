@@ -84,6 +84,15 @@ def parse_params(raw: Any, path: str = "params.yaml") -> Params:
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
+    """The params file, parsed and checked (weights and adapter targets included)."""
+    params = read_params(path)
+    check_targets(params, check_weights(params))
+    return params
+
+
+def read_params(path: str | Path = "params.yaml") -> Params:
+    """The params file parsed, with the checks that need no other file (``kmoss doctor``
+    reports the weight paths itself, one line each)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"params file {path} does not exist; run from the project root or pass "
@@ -92,6 +101,4 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    params = parse_params(raw, str(path))
-    check_targets(params, check_weights(params))
-    return params
+    return parse_params(raw, str(path))

@@ -39,15 +39,18 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
         t.add_row("cuda", "no CUDA device (CPU only: the tiny default runs, real weights need a GPU)")
     problems = 0
     if params.is_file():
-        from kohakumoss.params import load_params
+        from rich.markup import escape
 
-        p = load_params(params)
-        for key in ("transformer", "text_encoder", "vae", "tokenizer"):
-            value = getattr(p.model, key)
-            ok = value in ("", "tiny") or Path(value).exists()
-            problems += not ok
-            shown = (value or "(beside the text encoder)") if ok else f"[red]{value}: not found[/]"
-            t.add_row(f"model.{key}", shown)
+        from kohakumoss.checks.params import weight_problems
+        from kohakumoss.params import read_params
+
+        p = read_params(params)
+        for key, problem in weight_problems(p).items():
+            section, _, name = key.partition(".")
+            value = getattr(getattr(p, section), name)
+            problems += problem is not None
+            shown = (value or "(none)") if problem is None else f"[red]{escape(problem)}[/]"
+            t.add_row(key, shown)
         for i, d in enumerate(p.data.datasets):
             where = str(getattr(d.args, "path", ""))
             ok = "*" in where or Path(where).exists()

@@ -101,13 +101,30 @@ def _check_caption_tokenizer(p: Params) -> None:
                       f"template), 'tiny', or '' to estimate token counts")
 
 
+WEIGHT_CHECKS = {"model.transformer": transformer_config, "model.text_encoder": _check_text_encoder,
+                 "model.vae": _check_vae, "caption.tokenizer": _check_caption_tokenizer}
+
+
 def check_weights(p: Params) -> DiTConfig:
     """Every weight path exists and holds its component; returns the transformer's shape."""
     config = transformer_config(p)
-    _check_text_encoder(p)
-    _check_vae(p)
-    _check_caption_tokenizer(p)
+    for key, check in WEIGHT_CHECKS.items():
+        if key != "model.transformer":
+            check(p)
     return config
+
+
+def weight_problems(p: Params) -> dict[str, str | None]:
+    """Each weight key -> what is wrong with it (None when it is fine), all of them: what
+    ``kmoss doctor`` shows, where ``check_weights`` stops at the first."""
+    problems: dict[str, str | None] = {}
+    for key, check in WEIGHT_CHECKS.items():
+        try:
+            check(p)
+            problems[key] = None
+        except ConfigError as e:
+            problems[key] = str(e).removeprefix(f"{p.path}: ")
+    return problems
 
 
 def check_targets(p: Params, config: DiTConfig) -> None:
