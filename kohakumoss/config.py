@@ -306,7 +306,7 @@ class Params:
 
 
 def validate(p: Params) -> None:
-    """Cross-section rules (``spec/data.md`` section 11)."""
+    """Cross-section rules (``docs/data.md#cross-section-rules``)."""
     where = f"{p.path}: batching.token_budget"
     if p.batching.token_budget == "exact" and not p.caption.tokenizer:
         fail(where, "exact", "'exact' needs caption.tokenizer set to a tokenizer folder; "

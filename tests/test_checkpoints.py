@@ -1,4 +1,4 @@
-"""Transformer checkpoint formats (spec/moss-image.md 1.1, 2, 7): config inference, the
+"""Transformer checkpoint formats (docs/model.md#reading-the-config-from-a-checkpoint, docs/checkpoint-layouts.md): config inference, the
 official and ComfyUI layouts and their round trips, quantized ComfyUI files, clear errors,
 and loading that builds on the meta device and materialises tensor by tensor."""
 

@@ -1,5 +1,5 @@
 """Adapters for training: ``apply_adapters(model, cfg, seed)`` builds one LyCORIS module per
-targeted linear (``spec/adapters-export.md`` 2-6) and returns the ``AdapterSet`` a trainer
+targeted linear (``docs/adapters.md``) and returns the ``AdapterSet`` a trainer
 drives: parameters and optimiser groups, per-step randomness, train/eval, merge, state.
 Its LyCORIS file is written by ``kohakumoss.formats.lycoris``.
 
@@ -30,7 +30,7 @@ NETWORK_MODULE = {"lora": "lora", "locon": "locon", "dora": "lora", "loha": "loh
                   "ia3": "ia3", "dylora": "dylora", "tlora": "tlora"}
 DORA_ALGOS = ("lora", "locon", "loha", "lokr", "dora")
 TLORA_DEFAULTS = {"mask_min_rank": 1, "mask_alpha": 1.0, "mask_max_timestep": 1000}
-# the zero-initialised factor(s) of each kind: LoRA+ gives them lr * ratio (spec 3, 6)
+# the zero-initialised factor(s) of each kind: LoRA+ gives them lr * ratio (docs/adapters.md#algorithms, docs/adapters.md#optimizer-groups)
 LORA_PLUS = {"locon": ("lora_up.weight",), "loha": ("hada_w2_a",), "lokr": ("lokr_w2", "lokr_w2_b"),
              "glora": ("a2.weight", "b2.weight"), "dylora": ("up_list",), "tlora": ("p_layer.weight",)}
 NO_DECAY = ("dora_scale", "rescale", "scalar", "lambda_layer", "alpha")
@@ -55,7 +55,7 @@ def token_axis(path: str) -> str:
 
 
 def step_seed(seed: int, step: int, micro: int) -> int:
-    """The per-(step, micro-batch) host generator seed of spec 5."""
+    """The per-(step, micro-batch) host generator seed of ``docs/adapters.md#dropouts-and-per-step-randomness``."""
     return (seed * 1000003 + step * 1009 + micro) % (2**63 - 1)
 
 
@@ -180,7 +180,7 @@ class AdapterSet:
     def prepare_step(self, step: int, micro: int = 0, sigmas: torch.Tensor | None = None,
                      layout=None) -> dict:
         """Draw this (step, micro-batch)'s module-dropout skips and DyLoRA ranks from the
-        host generator of spec 5, and install T-LoRA's per-token rank masks from each
+        host generator of ``docs/adapters.md#dropouts-and-per-step-randomness``, and install T-LoRA's per-token rank masks from each
         token's sample sigma (``layout``: the batch's ``PackedLayout``). Returns the draws."""
         draws: dict = {"skipped": [], "blocks": {}}
         if not self.training:

@@ -1,4 +1,4 @@
-"""Which layers an adapter trains: the targeting presets of ``spec/adapters-export.md`` 2.
+"""Which layers an adapter trains: the targeting presets of ``docs/adapters.md#presets-and-targets``.
 
 A preset is ``base[+modifier...]``; each part contributes module-path regexes, matched with
 ``re.match`` (anchored at the start, ``$`` at the end) exactly as LyCORIS matches its

@@ -7,8 +7,8 @@ Each module keeps LyCORIS 4.1.3's own math; this file only routes around its qui
 - LoHa/LoKr ``get_diff_weight``/``get_merged_weight`` apply ``alpha/r`` twice (their
   ``get_weight`` already holds it), so their merged weight is built from ``get_weight``.
 - LyCORIS's bypass forward of LoCon/LoHa/LoKr ignores DoRA; DoRA layers always run the
-  weight-rebuild forward (``W'`` is formed, spec 4). At a multiplier ``m != 1`` DoRA
-  follows the spec, ``W + m (W'_1 - W)``, instead of LyCORIS's ``(W + dW)(m(rho-1)+1)``.
+  weight-rebuild forward (``W'`` is formed, ``docs/adapters.md#forward-modes``). At a multiplier ``m != 1`` DoRA
+  follows ``docs/adapters.md#algorithms`` (DoRA), ``W + m (W'_1 - W)``, instead of LyCORIS's ``(W + dW)(m(rho-1)+1)``.
 - OFT/BOFT/IA3 transform the base output, bias included, in bypass, while their rebuild
   forward changes only the weight: on a layer with a bias they always run bypass, and the
   merged bias is the bias transformed the same way.

@@ -1,6 +1,6 @@
 """The DiT's configuration, its named flavors, and the config read off a checkpoint's shapes.
 
-``spec/moss-image.md`` section 1. Flavors: ``base`` and ``sft`` (the published 5.08B
+``docs/model.md#configuration-and-flavors``. Flavors: ``base`` and ``sft`` (the published 5.08B
 config; identical, only weights differ) and ``tiny`` (the reference vectors' test model,
 also the embedded default of the pipeline).
 """

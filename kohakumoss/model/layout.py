@@ -2,8 +2,8 @@
 
 Legend: B samples; sample i has a latent grid (h_i, w_i) and L_i text tokens. Image tokens
 of all samples are packed sample-major (row-major inside a sample), text tokens likewise,
-and the joint sequence of sample i is ``[img_i ; txt_i]`` (``spec/moss-image.md`` 4.4).
-Positions follow 4.5: text token j -> (0, j, 0, 0); image cell (y, x) -> (0, L_i,
+and the joint sequence of sample i is ``[img_i ; txt_i]`` (``docs/model.md#packed-layout-and-rope-positions``).
+Positions (``docs/model.md#packed-layout-and-rope-positions``): text token j -> (0, j, 0, 0); image cell (y, x) -> (0, L_i,
 y - (h_i-1)/2, x - (w_i-1)/2). With token dropping, ``keep[i]`` lists the kept cells of
 sample i (row-major indices); each keeps its cell's position.
 """

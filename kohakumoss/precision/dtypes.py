@@ -2,7 +2,7 @@
 
 Plan names: ``"bf16" | "fp16" | "fp32"`` plus ``"auto"``. ``resolve_dtype`` turns ``auto``
 into bf16 where the device computes in bf16 (the host CPU counts as one), else fp16; an
-encoder whose CPU default differs (the VAE: fp32, ``spec/encoders.md`` 2.8) passes
+encoder whose CPU default differs (the VAE: fp32, ``docs/encoders.md#vae-dtype-and-batching``) passes
 ``cpu_auto``. Each encoder passes the names it accepts as ``allowed``.
 """
 

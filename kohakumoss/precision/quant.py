@@ -1,6 +1,6 @@
 """ComfyUI's quantized weight formats: read (dequantize) and write (for tests and exports).
 
-``spec/moss-image.md`` 7.3. Per quantized linear ``<n>``: ``<n>.weight`` holds int8 or fp8
+``docs/checkpoint-layouts.md#quantized-comfyui-files``. Per quantized linear ``<n>``: ``<n>.weight`` holds int8 or fp8
 codes, ``<n>.weight_scale`` (legacy ``<n>.scale_weight``) the scale, ``<n>.comfy_quant``
 the UTF-8 JSON of the layer format. INT8 ConvRot rotates each group of ``g`` input columns
 by a normalised regular Hadamard matrix H (symmetric, H @ H = I) before per-row int8

@@ -1,6 +1,6 @@
 """Optimiser side of training: parameter groups, AdamW / Muon, the LR schedule, clipping.
 
-* ``param_groups`` applies the weight-decay rule (``spec/adapters-export.md`` section 6) and
+* ``param_groups`` applies the weight-decay rule (``docs/adapters.md#optimizer-groups``) and
   per-parameter LR multipliers (LoRA+), merged by ``(lr, weight_decay)`` into few groups.
 * ``build_optimizer``: ``adamw`` is one ``torch.optim.AdamW``; ``muon`` is
   ``torch.optim.Muon`` on the 2-D weights of the repeated blocks plus AdamW on the rest,
