@@ -41,7 +41,7 @@ FILE_SUFFIXES = (".safetensors", ".sft")
 TINY_CONFIG = {"block_out_channels": (16, 32, 32, 32), "layers_per_block": 1,
                "latent_channels": 32, "norm_num_groups": 8, "sample_size": 64}
 TINY_SEED = 0
-DTYPES = ("fp32", "bf16", "fp16")  # plus "auto": bf16 / fp16 on accelerators, fp32 on CPU
+VAE_DTYPES = ("fp32", "bf16", "fp16")  # plus "auto": bf16 / fp16 on accelerators, fp32 on CPU
 DRAWS = ("mode", "sample")
 WHAT = ("give 'tiny', a MOSS-Image pipeline folder (with vae/), its vae/ folder, or a "
         "ComfyUI vae/*.safetensors file")
@@ -133,7 +133,7 @@ class VAE:
     @classmethod
     def load(cls, path: str, dtype: str = "auto", device: str = "cpu") -> VAE:
         dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev, allowed=DTYPES, cpu_auto="fp32")
+        dt = resolve_dtype(dtype, dev, allowed=VAE_DTYPES, cpu_auto="fp32")
         if str(path) == "tiny":
             return cls(build_tiny(), dt, dev, TINY_ID)
         return cls(load_model(Path(path)), dt, dev, LATENT_ID)
@@ -143,7 +143,7 @@ class VAE:
         """The ``key_id`` that ``load(path, dtype, device)`` reports, without loading
         anything (``docs/encoders.md#cache-keys``): ``flux2-vae/<fp32|bf16|fp16>``
         (``flux2-vae-tiny/...``)."""
-        dt = resolve_dtype(dtype, resolve_device(device), allowed=DTYPES, cpu_auto="fp32")
+        dt = resolve_dtype(dtype, resolve_device(device), allowed=VAE_DTYPES, cpu_auto="fp32")
         return f"{TINY_ID if str(path) == 'tiny' else LATENT_ID}/{dtype_name(dt)}"
 
     @property

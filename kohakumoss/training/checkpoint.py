@@ -14,8 +14,8 @@ It is assembled in a ``.tmp-*`` folder, every file fsynced, then renamed into pl
 at any moment leaves either the old set of checkpoints or the old set plus one complete
 new one. The last ``keep`` checkpoints are kept.
 
-Every read checks what it reads against the manifest (a safetensors file is hashed while it
-is read, once) and raises ``IntegrityError`` naming the file. ``load_newest`` (resume) skips
+Every read checks what it reads against the manifest (``verified.py``: a safetensors file is
+hashed while it is read, once) and raises ``IntegrityError`` naming the file. ``load_newest`` (resume) skips
 a newest checkpoint that fails, moves it aside with a warning, and takes the previous one.
 A folder with an ``optimizer.pt`` and no manifest is the old, pickled format: it is never
 unpickled; resuming from it is refused, and only its weights can be exported (unverified).
@@ -25,10 +25,8 @@ Files in a checkpoint that its manifest does not list are ignored.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -39,9 +37,14 @@ import torch
 from safetensors.torch import load_file
 
 from kohakumoss import faults
-from kohakumoss.artifacts import (ArtifactError, hash_bytes, hash_file, public_mode, temp_dir,
+from kohakumoss.artifacts import (ArtifactError, hash_file, public_mode, temp_dir,
                                   write_safetensors)
-from kohakumoss.errors import IntegrityError, KohakuError
+from kohakumoss.errors import KohakuError
+from kohakumoss.training.verified import Damaged
+from kohakumoss.training.verified import (check_hash as _check_hash, check_size as _check_size,
+                                          hash_problem as _hash_problem, parse_json as _parse_json,
+                                          read_safetensors as _read_safetensors,
+                                          read_small as _read_small, size_problem as _size_problem)
 from kohakumoss.training.statefile import dumps_state, flatten_state, loads_state, unflatten_state
 
 logger = logging.getLogger(__name__)
@@ -53,26 +56,8 @@ TRAINABLE, EMA_FILE = "trainable.safetensors", "ema.safetensors"
 OPT_TENSORS, OPT_TREE = "optimizer.safetensors", "optimizer.json"
 LEGACY = "optimizer.pt"  # the old format's pickle: never opened
 
-# safetensors dtype names -> torch
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16,
-          "U32": torch.uint32, "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn,
-          "F8_E5M2": torch.float8_e5m2}
-
-
 class LegacyCheckpointError(KohakuError):
     """A checkpoint of the old format (``optimizer.pt``, a pickle), which is never loaded."""
-
-
-class Damaged(IntegrityError):
-    """A checkpoint file that is missing, unreadable or not what its manifest records."""
-
-    def __init__(self, folder: Path, problem: str):
-        self.folder, self.problem = folder, problem
-        super().__init__(f"{problem}; the checkpoint {folder} is damaged: export or resume from "
-                         f"another step (training skips a damaged newest checkpoint by itself), "
-                         f"or delete it")
 
 
 @dataclasses.dataclass
@@ -323,89 +308,6 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
     if not ok:
         raise Damaged(folder, f"{f} is not a checkpoint manifest")
     return m
-
-
-def _size_problem(f: Path, entry: dict[str, Any]) -> str | None:
-    try:
-        size = f.stat().st_size
-    except FileNotFoundError:
-        return f"{f} is missing"
-    if size != entry["size"]:
-        return (f"{f} has {size} bytes, its manifest records {entry['size']} (truncated or "
-                f"overwritten)")
-    return None
-
-
-def _hash_problem(f: Path, digest: str, entry: dict[str, Any]) -> str | None:
-    if digest != entry["blake2b"]:
-        return f"{f} does not match the blake2b hash its manifest records (its bytes changed)"
-    return None
-
-
-def _check_size(f: Path, entry: dict[str, Any]) -> None:
-    if problem := _size_problem(f, entry):
-        raise Damaged(f.parent, problem)
-
-
-def _check_hash(f: Path, digest: str, entry: dict[str, Any]) -> None:
-    if problem := _hash_problem(f, digest, entry):
-        raise Damaged(f.parent, problem)
-
-
-def _read_small(f: Path, entry: dict[str, Any]) -> bytes:
-    _check_size(f, entry)
-    data = f.read_bytes()
-    _check_hash(f, hash_bytes(data), entry)
-    return data
-
-
-def _parse_json(f: Path, data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError as e:
-        raise Damaged(f.parent, f"{f} is not valid JSON ({e})") from None
-
-
-def _read_safetensors(f: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Read a safetensors file once, each tensor into its own memory, hashing the bytes as
-    they come; the result is returned only if the hash matches. The (not yet verified)
-    header's offsets are bounds-checked before anything is allocated."""
-    _check_size(f, entry)
-    size, h, out = entry["size"], hashlib.blake2b(digest_size=16), {}  # = artifacts.hash_file
-
-    def broken(why: str) -> Damaged:
-        return Damaged(f.parent, f"{f} is not a whole safetensors file ({why})")
-
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 2 <= n <= size - 8:
-            raise broken("bad header length")
-        header_bytes = fh.read(n)
-        h.update(head)
-        h.update(header_bytes)
-        try:
-            header = json.loads(header_bytes)
-            spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), k,
-                            DTYPES[v["dtype"]], [int(s) for s in v["shape"]])
-                           for k, v in header.items() if k != "__metadata__")
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-            raise broken(f"unreadable header: {e!r}") from None
-        pos = 0
-        for begin, end, name, dtype, shape in spans:
-            if begin != pos or min(shape, default=0) < 0 or \
-                    end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
-                raise broken(f"tensor {name!r} lies outside the file")
-            t = torch.empty(shape, dtype=dtype)
-            buf = t.reshape(-1).view(torch.uint8).numpy()
-            if fh.readinto(buf) != len(buf):
-                raise broken("ends early")
-            h.update(buf)
-            out[name], pos = t, end
-        if 8 + n + pos != size:
-            raise broken("bytes after the last tensor")
-    _check_hash(f, h.hexdigest(), entry)
-    return out
 
 
 # -- writing -------------------------------------------------------------------------------
