@@ -34,7 +34,7 @@ from PIL import Image, ImageOps
 
 from kohakumoss.config import DatasetEntry, ResolutionConfig
 from kohakumoss.data.rows import MAX_IMAGE_PIXELS
-from kohakumoss.data.sources.base import ALPHA_MODES, open_image
+from kohakumoss.data.sources.images import ALPHA_MODES, open_image
 
 log = logging.getLogger(__name__)
 
