@@ -173,9 +173,11 @@ def test_saved_file_metadata_and_our_loader_reads_it(tmp_path):
     with torch.no_grad():
         assert rel_error(fresh(*x), y) <= TOL
     handle.remove()
-    bf16, _ = comfy_state_dict(aset, model)
-    assert {v.dtype for v in bf16.values() if v.ndim} == {torch.bfloat16}
-    assert all(v.dtype == torch.float32 for k, v in bf16.items() if k.endswith(".alpha"))
+    bf16, _ = comfy_state_dict(aset, model)  # the factors bf16; the DoRA scales and alphas float32
+    assert {k.rsplit(".", 1)[-1] for k, v in bf16.items() if v.dtype == torch.float32} == \
+        {"dora_scale", "alpha"}
+    factors = ("_up.weight", "_down.weight", ".diff")
+    assert {v.dtype for k, v in bf16.items() if k.endswith(factors)} == {torch.bfloat16}
 
 
 def test_dense_deltas_writer():

@@ -18,8 +18,13 @@ Each module keeps LyCORIS 4.1.3's own math; this file only routes around its qui
   last one trained, scale ``alpha / n``); eval and export use all blocks, ``alpha / blocks``.
 - OFT/BOFT compute their rotation in float32 (``.float().inverse()``), so their parameters
   stay float32 and they run at float32 precision even in a float64 model.
-- DiagOFT's bypass at a multiplier != 1 fails (``view`` of a non-contiguous einsum): there
-  the weight is rebuilt by its ``make_weight(m)``, a bias moves linearly to its m = 1 rotation.
+- The strength (multiplier) rule is one for every kind (``docs/adapters.md#strength``): at
+  ``m`` the layer is ``W + m dW``, ``b + m db``, with ``(dW, db)`` its change at 1
+  (``weight_delta``), and ``m = 0`` is the base layer exactly. LyCORIS's own rule differs for
+  OFT/BOFT (it interpolates the rotation and leaves ``rescale`` unscaled, so ``m = 0`` is
+  not the base; DiagOFT's bypass at ``m != 1`` also fails on a non-contiguous view): here
+  their forward at ``m`` is ``base + m (forward at 1 - base)``, as DoRA's is.
+  ``native_merged_weight`` keeps LyCORIS's rule (what ComfyUI builds on for OFT/BOFT blocks).
 - OFT/BOFT/T-LoRA/IA3/DoRA/diff fail (or leak float32 into the next layer) when the
   activation dtype differs from theirs outside autocast (a bf16 or float64 model): they run
   on the base output cast to their dtype and return the activation dtype.
@@ -125,24 +130,12 @@ def _oft_bias_shift(lyco: DiagOFTModule, like: torch.Tensor) -> torch.Tensor | i
     return shift[0].to(like)
 
 
-def _oft_partial(lyco: DiagOFTModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """DiagOFT at a multiplier != 1: LyCORIS's bypass fails there (a view of a non-contiguous
-    einsum), so the weight is rebuilt by its ``make_weight(m)`` and a bias moves linearly
-    towards its rotation at m = 1."""
-    bypass, lyco.bypass_mode = lyco.bypass_mode, False
-    try:
-        y = type(lyco).forward(lyco, x, *args, **kwargs)
-    finally:
-        lyco.bypass_mode = bypass
-    return y + lyco.multiplier * _oft_bias_shift(lyco, y)
-
-
 def _math(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     kind, m = kind_of(lyco), lyco.multiplier
-    if kind == "oft" and m != 1:
-        return _oft_partial(lyco, x, *args, **kwargs)
-    if getattr(lyco, "wd", False) and m != 1:
-        base = lyco.org_forward(x)
+    if m == 0:  # strength 0: the base layer, exactly
+        return lyco.org_forward(x, *args, **kwargs)
+    if m != 1 and (kind in ("oft", "boft") or getattr(lyco, "wd", False)):
+        base = lyco.org_forward(x)  # the strength rule: base + m (full - base)
         lyco.multiplier = 1.0
         try:
             full = type(lyco).forward(lyco, x)
@@ -161,7 +154,7 @@ def _needs_own_dtype(lyco: LycorisBaseModule) -> bool:
         return True
     if not lyco.bypass_mode:
         return False
-    return lyco.multiplier == 1 if kind == "oft" else kind in ("boft", "tlora", "ia3")
+    return kind in ("oft", "boft", "tlora", "ia3")
 
 
 def _run(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -223,8 +216,11 @@ def _on_master_copy(lyco: LycorisBaseModule):
 
 
 @torch.no_grad()
-def merged_weight(lyco: LycorisBaseModule, m: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layer's effective (weight, bias) at multiplier ``m``, in master dtype."""
+def native_merged_weight(lyco: LycorisBaseModule, m: float
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's (weight, bias) at multiplier ``m`` by LyCORIS's own rule, in master dtype:
+    the strength rule at ``m = 1``; for OFT/BOFT at other ``m`` the interpolated rotation (with
+    ``rescale`` unscaled), which ComfyUI's OFT/BOFT adapters build on."""
     kind = kind_of(lyco)
     with _on_master_copy(lyco) as base:
         W, b = base.weight, base.bias
@@ -249,6 +245,34 @@ def merged_weight(lyco: LycorisBaseModule, m: float) -> tuple[torch.Tensor, torc
         elif kind in BASE_OUTPUT and b is not None:
             b = lyco.bypass_forward(torch.zeros(1, W.shape[1], dtype=W.dtype, device=W.device), m)[0]
         return Wm.to(W).view(W.shape), b
+
+
+@torch.no_grad()
+def weight_delta(lyco: LycorisBaseModule) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's change at multiplier 1, ``(dW, db)`` in master dtype (``db`` None for a
+    layer without bias). An additive kind's ``dW`` comes straight from its factors."""
+    kind, base = kind_of(lyco), lyco.org_module[0]
+    if kind in ("locon", "loha", "lokr") and not lyco.wd:
+        with _on_master_copy(lyco) as proxy:
+            d = lyco.get_diff_weight(1.0)[0] if kind == "locon" else \
+                lyco.get_weight(lyco.shape) * lyco.scalar
+            return d.to(proxy.weight).view(proxy.weight.shape), None
+    W1, b1 = native_merged_weight(lyco, 1.0)
+    dW = W1 - base.weight.detach().to(W1)
+    return dW, None if base.bias is None else b1.to(W1) - base.bias.detach().to(W1)
+
+
+@torch.no_grad()
+def merged_weight(lyco: LycorisBaseModule, m: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's effective (weight, bias) at multiplier ``m``, in master dtype, by the one
+    strength rule: ``W + m dW``, ``b + m db`` (``m = 0``: the base exactly)."""
+    if m == 1:
+        return native_merged_weight(lyco, 1.0)
+    dW, db = weight_delta(lyco)
+    base = lyco.org_module[0]
+    W = base.weight.detach().to(dW)
+    b = None if base.bias is None else base.bias.detach().to(dW)
+    return W + m * dW, (b if db is None else b + m * db)
 
 
 class Attached:

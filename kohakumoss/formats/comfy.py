@@ -9,17 +9,23 @@ repack) layout. Per layer (module path -> tensor set; key style and cast come la
   trained scale x the rank ComfyUI divides by (LoKr with no decomposed factor: scale in w1);
 - + DoRA on the output axis: ``dora_scale * (||W|| + eps) / (||W + dW|| + eps)``, as ComfyUI
   normalises rows by the original ``||W||``; input-axis DoRA unchanged;
-- oft (not rescaled), boft: ``oft_blocks`` [+ ``rescale``, BOFT], ``alpha`` = constraint x out;
+- oft (not rescaled), boft: ``oft_blocks`` [+ ``rescale``, BOFT], ``alpha`` = constraint x out
+  (``rotations="diff"``: a dense ``diff``, which ComfyUI's slider scales linearly and its
+  half-precision patching applies; its blocks are exact at strength 1 in float32 only);
 - ia3, rescaled oft, oft/boft on a biased layer (ComfyUI's OFT ignores ``rescale``, neither
   rotates a bias), glora that ComfyUI would read as the old layout: dense ``diff`` [+ ``diff_b``];
 - dylora: plain LoRA of the full rank, its scale folded into ``lora_up``, ``alpha`` = r;
-- tlora: plain LoRA of rank 2r, unmasked: up ``[P λ s, -P0 λ0 s]``, down ``[Q; Q0]``, alpha 2r;
+- tlora: plain LoRA of rank <= 2r, unmasked, of ``s (P λ Q - P0 λ0 Q0)`` refactored without
+  cancellation (``exact_low_rank``), ``alpha`` = its rank;
 - trained norms: ``w_norm``.
 
-Fused layout (``formats.keys``' q/k/v rule): a joint block's q/k/v become one
-``layers.N.proj.qkv`` layer; plain LoRA parts are repacked exactly (stacked downs,
-block-diagonal up with each part's alpha/r folded in, ``alpha`` = total rank), anything else
-is a dense ``diff`` [3D, D].
+Tensors are cast by ``lycoris.file_tensor``: the file's dtype, float32 for DoRA's magnitude
+and OFT/BOFT's ``rescale``. What ComfyUI's strength slider does with each set is
+``comfy_strength_delta`` (``docs/exports.md#strength``).
+
+Fused layout (``formats.comfy_fused``): a joint block's q/k/v become one
+``layers.N.proj.qkv`` layer; plain LoRA parts are repacked exactly, anything else is a dense
+``diff`` [3D, D].
 
 Reading (``load_adapter_file``): whatever ComfyUI's loader reads of the LyCORIS family --
 LyCORIS native files, ComfyUI files fused or not, our own -- split back to q/k/v (a plain
@@ -30,41 +36,46 @@ DoRA scales turned back into LyCORIS's, then built into LyCORIS modules on the m
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from kohakumoss.adapters.runtime import Attached, dylora_rank, kind_of, merged_weight
+from kohakumoss.adapters.runtime import (Attached, dylora_rank, kind_of, merged_weight,
+                                         native_merged_weight, weight_delta)
 from kohakumoss.adapters.sets import AdapterSetError, Sets, build_modules
 from kohakumoss.artifacts import atomic_path, write_safetensors
-from kohakumoss.formats.keys import fused_layer, fused_path, qkv_layer, qkv_paths
-from kohakumoss.formats.lycoris import AdapterFileError, lycoris_metadata, read_lycoris, stem
+from kohakumoss.formats.comfy_fused import (PLAIN_LORA, Delta, _alpha, fuse_qkv_sets,  # noqa: F401
+                                            repack_qkv_lora, split_fused_qkv)
+from kohakumoss.formats.keys import qkv_layer
+from kohakumoss.formats.lycoris import (AdapterFileError, file_tensor, lycoris_metadata,
+                                        read_lycoris, stem)
 
-PLAIN_LORA = frozenset({"lora_up.weight", "lora_down.weight", "alpha"})
 RANK_OF = {"locon": "lora_down.weight", "loha": "hada_w1_b", "glora": "a2.weight"}
 EPS_COMFY = torch.finfo(torch.float32).eps  # ComfyUI patches float32 copies of the weights
-
-Delta = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def _alpha(value: float) -> torch.Tensor:
-    return torch.tensor(float(value), dtype=torch.float32)
+ROTATIONS = ("blocks", "diff")  # how OFT/BOFT layers are written
 
 
 @torch.no_grad()
 def layer_delta(lyco) -> Delta:
     """The layer's exact (dW, db) at multiplier 1 in master dtype; db None when the bias
     does not move (or there is none)."""
-    Wm, bm = merged_weight(lyco, 1.0)
-    base = lyco.org_module[0]
-    dW = Wm - base.weight.detach().to(Wm)
-    if base.bias is None or bm is None:
-        return dW, None
-    db = bm.to(Wm) - base.bias.detach().to(Wm)
-    return dW, (db if bool(db.any()) else None)
+    dW, db = weight_delta(lyco)
+    return dW, (db if db is not None and bool(db.any()) else None)
+
+
+@torch.no_grad()
+def exact_low_rank(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``up @ down`` refactored in float64 as balanced factors ``U sqrt(S)``, ``sqrt(S) Vᵀ`` of
+    its thin SVD (through QR of each side, so only [k, k] is decomposed): each factor's
+    rounding is then relative to the product, whatever cancels inside ``up @ down``."""
+    qa, ra = torch.linalg.qr(up.detach().double())
+    qb, rb = torch.linalg.qr(down.detach().double().T)
+    u, sv, vh = torch.linalg.svd(ra @ rb.T, full_matrices=False)
+    root = sv.sqrt()
+    return (qa @ u) * root, root[:, None] * (vh @ qb.T)
 
 
 def _dense(delta: Delta) -> dict[str, torch.Tensor]:
@@ -109,8 +120,15 @@ def _factored(lyco, kind: str) -> dict[str, torch.Tensor]:
     return s
 
 
-def _oft(lyco, kind: str) -> dict[str, torch.Tensor]:
-    if lyco.org_module[0].bias is not None or (kind == "oft" and lyco.rescaled):
+def writes_blocks(lyco, rotations: str = "blocks") -> bool:
+    """Whether this layer's ComfyUI set is native OFT/BOFT blocks (on the split layout)."""
+    kind = kind_of(lyco)
+    return (rotations == "blocks" and kind in ("oft", "boft") and lyco.org_module[0].bias is None
+            and not (kind == "oft" and lyco.rescaled))
+
+
+def _oft(lyco, kind: str, rotations: str) -> dict[str, torch.Tensor]:
+    if not writes_blocks(lyco, rotations):
         return _dense(layer_delta(lyco))
     s = {"oft_blocks": lyco.oft_blocks.detach().clone(), "alpha": _alpha(lyco.constraint)}
     if lyco.rescaled:
@@ -119,127 +137,54 @@ def _oft(lyco, kind: str) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def layer_set(lyco) -> dict[str, torch.Tensor]:
-    """The ComfyUI tensor set of one LyCORIS module (unfused, master dtype)."""
+def layer_set(lyco, rotations: str = "blocks") -> dict[str, torch.Tensor]:
+    """The ComfyUI tensor set of one LyCORIS module (unfused, master dtype); ``rotations``
+    ``diff`` writes OFT/BOFT as dense deltas."""
+    if rotations not in ROTATIONS:
+        raise ValueError(f"rotations {rotations!r}: one of {', '.join(ROTATIONS)}")
     kind = kind_of(lyco)
     if kind in ("locon", "loha", "lokr", "glora"):
         return _factored(lyco, kind)
     if kind in ("oft", "boft"):
-        return _oft(lyco, kind)
+        return _oft(lyco, kind, rotations)
     if kind == "dylora":
         down, up, scale = lyco.get_weight(dylora_rank(lyco))  # all blocks, alpha / blocks
         return {"lora_up.weight": up.detach() * float(scale),
                 "lora_down.weight": down.detach().clone(), "alpha": _alpha(down.shape[0])}
-    if kind == "tlora":
+    if kind == "tlora":  # s (P λ Q - P0 λ0 Q0): its two terms are as large as W, dW is not
         s = float(lyco.scale)
-        up = torch.cat([lyco.p_layer.weight * lyco.lambda_layer * s,
-                        -(lyco.base_p * lyco.base_lambda) * s], dim=1)
-        down = torch.cat([lyco.q_layer.weight, lyco.base_q], dim=0)
-        return {"lora_up.weight": up.detach(), "lora_down.weight": down.detach(),
-                "alpha": _alpha(down.shape[0])}
+        up, down = exact_low_rank(torch.cat([lyco.p_layer.weight * lyco.lambda_layer * s,
+                                             -(lyco.base_p * lyco.base_lambda) * s], dim=1),
+                                  torch.cat([lyco.q_layer.weight, lyco.base_q], dim=0))
+        return {"lora_up.weight": up, "lora_down.weight": down, "alpha": _alpha(down.shape[0])}
     return _dense(layer_delta(lyco))  # ia3, diff
 
 
-def layer_sets(modules: Mapping[str, object], norms: Mapping[str, object]) -> Sets:
-    sets = {path: layer_set(lyco) for path, lyco in modules.items()}
+def layer_sets(modules: Mapping[str, object], norms: Mapping[str, object],
+               rotations: str = "blocks") -> Sets:
+    sets = {path: layer_set(lyco, rotations) for path, lyco in modules.items()}
     sets.update({path: {"w_norm": n.w_norm.detach().clone()} for path, n in norms.items()})
     return sets
 
 
-def repack_qkv_lora(parts: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
-    """Plain LoRA sets of q, k, v (None: absent) -> one fused LoRA: stacked downs, block-diagonal
-    up holding each part's ``alpha / r``, ``alpha`` = total rank."""
-    present = [p for p in parts if p is not None]
-    D = present[0]["lora_up.weight"].shape[0]
-    dt = torch.promote_types(present[0]["lora_up.weight"].dtype, torch.float32)
-    total = sum(p["lora_down.weight"].shape[0] for p in present)
-    up, downs, col = torch.zeros(3 * D, total, dtype=dt), [], 0
-    for i, p in enumerate(parts):
-        if p is None:
-            continue
-        u, d = p["lora_up.weight"].to(dt), p["lora_down.weight"].to(dt)
-        if u.shape[0] != D:
-            raise ValueError(f"q/k/v LoRA parts of different widths ({u.shape[0]} vs {D}) "
-                             f"cannot fuse")
-        r = d.shape[0]
-        a = float(p["alpha"]) if "alpha" in p else float(r)
-        up[i * D:(i + 1) * D, col:col + r] = u * (a / r)
-        downs.append(d)
-        col += r
-    return {"lora_up.weight": up, "lora_down.weight": torch.cat(downs), "alpha": _alpha(total)}
-
-
-def _fused_dense(deltas: list[Delta | None]) -> dict[str, torch.Tensor]:
-    ref = next(d for d in deltas if d is not None)[0]
-    diff = torch.cat([d[0] if d is not None else torch.zeros_like(ref) for d in deltas])
-    if all(d is None or d[1] is None for d in deltas):
-        return {"diff": diff}
-    zero = torch.zeros(ref.shape[0], dtype=ref.dtype)
-    return {"diff": diff, "diff_b": torch.cat([d[1] if d is not None and d[1] is not None else zero
-                                               for d in deltas])}
-
-
-def fuse_qkv_sets(sets: Sets, delta_of: Callable[[str], Delta]) -> Sets:
-    """Each joint block's q/k/v sets -> one ``layers.N.proj.qkv`` set, in place of the q/k/v."""
-    out: Sets = {}
-    for path, s in sets.items():
-        n = qkv_layer(path)
-        if n is None:
-            out[path] = s
-            continue
-        fused, paths = fused_path(n), qkv_paths(n)
-        if fused in out:
-            continue
-        parts = [sets.get(p) for p in paths]
-        if all(p is None or ("lora_up.weight" in p and set(p) <= PLAIN_LORA) for p in parts):
-            out[fused] = repack_qkv_lora(parts)
-        else:
-            out[fused] = _fused_dense([delta_of(p) if p in sets else None for p in paths])
-    return out
-
-
-def split_fused_qkv(sets: Sets) -> Sets:
-    """Fused ``layers.N.proj.qkv`` sets -> q/k/v: a plain LoRA is split by row thirds of
-    ``lora_up``, each third keeping its non-zero rank columns (and those rows of
-    ``lora_down``) with ``alpha * used / total`` (the same scale); a ``diff`` by row thirds."""
-    out = {}
-    for path, t in sets.items():
-        n = fused_layer(path)
-        if n is None:
-            out[path] = t
-            continue
-        parts = qkv_paths(n)
-        if set(t) <= {"diff", "diff_b"}:
-            for name, *chunks in zip(parts, *(t[k].chunk(3, 0) for k in sorted(t))):
-                out[name] = dict(zip(sorted(t), chunks))
-        elif set(t) <= PLAIN_LORA and "lora_up.weight" in t:
-            up, down = t["lora_up.weight"], t["lora_down.weight"]
-            total = down.shape[0]
-            alpha = float(t["alpha"]) if "alpha" in t else float(total)
-            for name, up_part in zip(parts, up.chunk(3, 0)):
-                used = up_part.ne(0).any(0).nonzero().flatten()
-                if len(used):
-                    out[name] = {"lora_up.weight": up_part[:, used], "lora_down.weight": down[used],
-                                 "alpha": torch.tensor(alpha * len(used) / total)}
-        else:
-            raise AdapterFileError(f"fused {path} holds {sorted(t)}: only a plain LoRA or a dense "
-                                   f"diff can be split into q/k/v")
-    return out
-
-
 def keyed(sets: Sets, style: str = "lora_unet", dtype: torch.dtype = torch.bfloat16
           ) -> dict[str, torch.Tensor]:
-    """``<stem>.<tensor>`` keys; floating tensors with ndim > 0 cast to ``dtype``, 0-dim
-    scalars kept float32; contiguous CPU copies."""
-    out = {}
-    for path, s in sets.items():
-        st = stem(path, style)
-        for name, t in s.items():
-            t = t.detach().to("cpu")
-            if t.is_floating_point():
-                t = t.to(dtype if t.ndim else torch.float32)
-            out[f"{st}.{name}"] = t.contiguous().clone()
-    return out
+    """``<stem>.<tensor>`` keys, each tensor cast by ``lycoris.file_tensor`` (the file's
+    ``dtype``; float32 for scalars, DoRA scales and ``rescale``)."""
+    return {f"{stem(path, style)}.{name}": file_tensor(name, t, dtype)
+            for path, s in sets.items() for name, t in s.items()}
+
+
+@torch.no_grad()
+def comfy_strength_delta(lyco, strength: float, blocks: bool) -> torch.Tensor:
+    """The weight delta ComfyUI's slider at ``strength`` gives this layer (float32 patching):
+    native OFT/BOFT ``blocks`` give ``s (native(s) - W)``, LyCORIS's interpolated rotation
+    scaled once more (OFT: ``s² (R - I) W``; BOFT: every stage ``s R_i + (1 - s) I``, then
+    ``rescale``); every other set follows the strength rule, ``s dW``."""
+    if not blocks or strength in (0.0, 1.0):
+        return strength * weight_delta(lyco)[0]
+    Wn, _ = native_merged_weight(lyco, strength)
+    return strength * (Wn - lyco.org_module[0].weight.detach().to(Wn))
 
 
 def comfy_metadata(algo: str, rank: str, fused_qkv: bool, style: str, base_model: str = "",
@@ -257,10 +202,11 @@ def _check_fusable(model, paths) -> None:
 
 def comfy_state_dict(adapters, model, fused_qkv: bool = False, style: str = "lora_unet",
                      dtype: torch.dtype = torch.bfloat16, base_model: str = "",
-                     params_hash: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                     params_hash: str = "", rotations: str = "blocks"
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of the ComfyUI file of an ``AdapterSet`` (or ``Attached``)."""
     stem("", style)  # validates the style
-    sets = layer_sets(adapters.modules, adapters.norms)
+    sets = layer_sets(adapters.modules, adapters.norms, rotations)
     if fused_qkv:
         _check_fusable(model, sets)
         sets = fuse_qkv_sets(sets, lambda p: layer_delta(adapters.modules[p]))
@@ -283,7 +229,7 @@ def comfy_from_weight_deltas(deltas: Mapping[str, Delta], fused_qkv: bool = Fals
 
 
 def convert_file(model, src_path: str | Path, fused_qkv: bool = False, style: str = "lora_unet",
-                 dtype: torch.dtype = torch.bfloat16
+                 dtype: torch.dtype = torch.bfloat16, rotations: str = "blocks"
                  ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Rewrite any adapter file ``load_adapter_file`` reads (LyCORIS native, ComfyUI fused or
     not, our own comfy files) for ComfyUI: plain LoRA stays LoRA (repacked when fused), other
@@ -294,7 +240,7 @@ def convert_file(model, src_path: str | Path, fused_qkv: bool = False, style: st
         src_meta = f.metadata() or {}
     handle = load_adapter_file(model, src_path, multiplier=1.0, mode="bypass")
     try:
-        sets = layer_sets(handle.modules, handle.norms)
+        sets = layer_sets(handle.modules, handle.norms, rotations)
         if fused_qkv:
             _check_fusable(model, sets)
             sets = fuse_qkv_sets(sets, lambda p: layer_delta(handle.modules[p]))

@@ -7,7 +7,8 @@ Keys are ``<stem>.<tensor>``: the stem ``lora_unet_<module path with . -> _>`` o
 on read also ``lycoris_<X_>``, ``X`` and ``X`` under a checkpoint prefix
 (``diffusion_model.X``, ``model.diffusion_model.X``, ``transformer.X``). Tensors are
 LyCORIS's own (``lora_up.weight``, ``hada_w1_a``, ``lokr_w1``, ``oft_blocks``, ``diff``,
-``w_norm`` ...), floats with ndim > 0 in the file's dtype, 0-dim scalars float32.
+``w_norm`` ...), floats with ndim > 0 in the file's dtype except the tensors of
+``KEEP_FP32``, 0-dim scalars float32 (``file_tensor``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ TENSOR_NAMES = sorted([
     "oft_blocks", "rescale", "a1.weight", "a2.weight", "b1.weight", "b2.weight", "bm.weight",
     "on_input", "weight", "diff", "diff_b", "w_norm", "b_norm", "q_layer.weight",
     "p_layer.weight", "lambda_layer", "base_q", "base_p", "base_lambda"], key=len, reverse=True)
+# kept in float32 in a bf16/fp16 file: scales and corrections whose rounding moves the whole
+# weight rather than the delta (docs/formats.md#adapter-files): DoRA's magnitude, OFT/BOFT's
+# rescale, and T-LoRA's trained factors, whose delta is P λ Q - P0 λ0 Q0 with P0 λ0 Q0 (the
+# base's top singular part, re-derived by the loader) as large as the weight
+KEEP_FP32 = frozenset({"dora_scale", "rescale", "q_layer.weight", "p_layer.weight",
+                       "lambda_layer"})
 STYLES = (PREFIX, "diffusion_model")  # the stems a file we write names layers by
 LAYOUTS = ("LyCORIS or ComfyUI adapter tensors (<stem>.lora_up.weight, .hada_w1_a, .lokr_w1, "
            ".diff ...)")
@@ -67,6 +74,19 @@ def stem_index(paths: Iterable[str]) -> dict[str, str]:
 def tensor_name(key: str) -> str | None:
     """The LyCORIS tensor name ``key`` ends with (the longest), or None."""
     return next((s for s in TENSOR_NAMES if key.endswith("." + s)), None)
+
+
+def file_tensor(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor ``name`` (a LyCORIS tensor name) as a file of ``dtype`` stores it: floats with
+    ndim > 0 in ``dtype``, those of ``KEEP_FP32`` at least float32, 0-dim scalars float32;
+    a contiguous CPU copy."""
+    t = t.detach().to("cpu")
+    if t.is_floating_point():
+        if t.ndim == 0:
+            t = t.to(torch.float32)
+        else:
+            t = t.to(torch.promote_types(dtype, torch.float32) if name in KEEP_FP32 else dtype)
+    return t.contiguous().clone()
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -132,7 +152,7 @@ def read_lycoris(path: str | Path, model: nn.Module) -> tuple[Sets, dict[str, st
 
 # -- writing ----------------------------------------------------------------------------------
 def lycoris_state_dict(adapters, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """LyCORIS's native save set of an ``AdapterSet``, ``ndim > 0`` floats cast to ``dtype``.
+    """LyCORIS's native save set of an ``AdapterSet``, cast by ``file_tensor``.
 
     DyLoRA writes its full-rank scale as ``alpha`` (``alpha_file / r`` = ``alpha / blocks``),
     so any LoRA loader reproduces the trained layer."""
@@ -142,16 +162,10 @@ def lycoris_state_dict(adapters, dtype: torch.dtype = torch.bfloat16) -> dict[st
         if kind_of(lyco) == "dylora":
             sd["alpha"] = lyco.alpha / lyco.block_count * lyco.lora_dim
         for k, v in sd.items():
-            out[f"{lyco.lora_name}.{k}"] = v
+            out[f"{lyco.lora_name}.{k}"] = file_tensor(k, v, dtype)
     for n in adapters.norms.values():
-        out[f"{n.lora_name}.w_norm"] = n.w_norm
-    cast = {}
-    for k, v in out.items():
-        v = v.detach().to("cpu")
-        if v.is_floating_point():
-            v = v.to(dtype if v.ndim else torch.float32)
-        cast[k] = v.contiguous()
-    return cast
+        out[f"{n.lora_name}.w_norm"] = file_tensor("w_norm", n.w_norm, dtype)
+    return out
 
 
 def lycoris_metadata(cfg) -> dict[str, str]:
