@@ -262,6 +262,22 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelsConfig:
+    """Which kernel computes each op (``docs/engines.md#tuning``): ``kmoss tune_kernels``
+    times every backend on the plan's shapes; train uses the table when it matches the device."""
+
+    table: Literal["auto", "off"] = knob(
+        "auto", help="auto: tune and use the fastest backend per shape; off: reference kernels")
+    tune_seconds: float = knob(60.0, check=lambda v: v >= 0,
+                               allowed="a number >= 0 (seconds kmoss tune_kernels may spend)")
+    retune_seconds: float = knob(60.0, check=lambda v: v >= 0,
+                                 allowed="a number >= 0 (seconds train may spend on shapes the "
+                                         "table lacks; 0 = reference kernels for them)")
+    backends: tuple[str, ...] = knob((), help="backend names the tuner may pick (e.g. [compile, "
+                                              "triton]); [] = every registered backend")
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     world_size: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (data-parallel ranks)")
 
@@ -281,6 +297,7 @@ SECTIONS: dict[str, type] = {
     "preview": PreviewConfig,
     "export": ExportConfig,
     "train": TrainConfig,
+    "kernels": KernelsConfig,
     "parallel": ParallelConfig,
 }
 
@@ -301,6 +318,7 @@ class Params:
     preview: PreviewConfig
     export: ExportConfig
     train: TrainConfig
+    kernels: KernelsConfig
     parallel: ParallelConfig
     path: str = "params.yaml"
 

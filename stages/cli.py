@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from stages import cache_latents, cache_text, check, doctor, export, grid, plan, sample, scan, train
+from stages import (cache_latents, cache_text, check, doctor, export, grid, plan, sample, scan, train,
+                    tune_kernels)
 
 app = typer.Typer(
     name="kmoss",
@@ -17,6 +18,7 @@ app.command("scan")(scan.main)
 app.command("plan")(plan.main)
 app.command("cache_text")(cache_text.main)
 app.command("cache_latents")(cache_latents.main)
+app.command("tune_kernels")(tune_kernels.main)
 app.command("train")(train.main)
 app.command("sample")(sample.main)
 app.command("grid")(grid.main)

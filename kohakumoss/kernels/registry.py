@@ -1,11 +1,21 @@
 """The kernel registry: each op of the op table (``kohakumoss.model.ops``) maps to its
-reference and to the backends that may replace it, each declaring when it can run.
+reference and to the backends that may replace it, each declaring where it can run
+(``available(device, dtype)``) and, optionally, which problem shapes it takes
+(``fits(dims)``, see ``kohakumoss.kernels.problems``; default: any shape).
 
-``build_op_table(device, dtype, choices)`` makes one model's table: per op, the first
-backend of ``choices[op]`` that can run on ``(device, dtype)``, else the reference. Every
-name in ``choices`` is checked first, so a typo is an error even where the backend could
-not have run anyway. The dispatch is logged once per distinct ``(device, dtype, dispatch)``,
-naming any chosen backend that could not run. ``docs/engines.md`` says how to add a backend.
+``build_op_table(device, dtype, choices, tuned)`` makes one model's table. Per op:
+
+- a static choice (``choices[op]``, an ordered list): the first backend that can run on
+  ``(device, dtype)``, else the reference. Every name is checked first, so a typo is an
+  error even where the backend could not have run anyway;
+- else, with a tuning table (``tuned``: ``{"op/dtype/shape key": [backend, ...]}``, fastest
+  first, from ``kohakumoss.kernels.tuning``): a ``TunedOp`` that buckets each call's shape,
+  looks its entry up and calls the fastest backend that can run, falling back to the next
+  (and last to the reference) when one raises, saying why once;
+- else the reference.
+
+The dispatch is logged once per distinct ``(device, dtype, dispatch)``. ``docs/engines.md``
+says how to add a backend.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kohakumoss.errors import KohakuError
+from kohakumoss.kernels.problems import PROBLEMS, Problem, call_dtype
 from kohakumoss.model.ops import REFERENCE, OpTable
 
 log = logging.getLogger(__name__)
@@ -24,6 +35,8 @@ log = logging.getLogger(__name__)
 REFERENCE_NAME = "reference"
 
 Choices = Mapping[str, str | Sequence[str]]
+Tuned = Mapping[str, Sequence[str]]  # "op/dtype/shape key" -> backend names, fastest first
+Fits = Callable[[Mapping[str, int]], bool]
 
 
 class KernelError(KohakuError):
@@ -36,6 +49,75 @@ class Backend:
     name: str
     fn: Callable
     available: Callable[[torch.device, torch.dtype], bool]  # can it run on (device, dtype)?
+    fits: Fits | None = None  # does it take this problem shape? None: any shape
+
+    def takes(self, dims: Mapping[str, int]) -> bool:
+        return self.fits is None or bool(self.fits(dims))
+
+
+def entry_key(op: str, dtype: torch.dtype, key: str) -> str:
+    """The tuning table's key of one (op, dtype, shape bucket): ``situ/bfloat16/N=1024,F=128``."""
+    return f"{op}/{str(dtype).removeprefix('torch.')}/{key}"
+
+
+def parse_entry_key(text: str) -> tuple[str, torch.dtype, str] | None:
+    op, _, rest = text.partition("/")
+    name, _, key = rest.partition("/")
+    dtype = getattr(torch, name, None)
+    return (op, dtype, key) if isinstance(dtype, torch.dtype) and key else None
+
+
+def _reason(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
+
+
+class TunedOp:
+    """One op of one model's table, dispatching each call by ``(dtype, shape bucket)``.
+
+    ``chains[(dtype, key)]`` holds the backends to try, fastest first (the reference is
+    always the last resort). A backend that raises is not tried again by this op; the reason
+    is logged once. A call whose shape has no entry runs the reference (logged once per key).
+    """
+
+    def __init__(self, op: str, problem: Problem, chains: dict[tuple[torch.dtype, str], list[Backend]],
+                 note: Callable[[tuple, str], None]):
+        self.op, self.problem, self.chains, self._note = op, problem, chains, note
+        self.reference = REFERENCE[op]
+        self.broken: dict[str, str] = {}
+        names = sorted({b.name for chain in chains.values() for b in chain})
+        self.__qualname__ = f"tuned({op}: {', '.join([*names, REFERENCE_NAME])})"
+
+    def backend_for(self, *args) -> str:
+        """The backend a call with these arguments runs (barring a failure)."""
+        dims = self.problem.dims(*args)
+        for b in self.chains.get((call_dtype(args), self.problem.key(dims)), []):
+            if b.name not in self.broken and b.takes(dims):
+                return b.name
+        return REFERENCE_NAME
+
+    def __call__(self, *args):
+        dims = self.problem.dims(*args)
+        dtype, key = call_dtype(args), self.problem.key(dims)
+        chain = self.chains.get((dtype, key))
+        if chain is None:
+            self._note(("untuned", self.op, dtype, key),
+                       f"{self.op}: the tuning table has no entry for {entry_key(self.op, dtype, key)}; "
+                       f"it runs the reference")
+            return self.reference(*args)
+        for b in chain:
+            if b.name in self.broken or not b.takes(dims):
+                continue
+            try:
+                return b.fn(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # a backend that fails to build or run: the next one
+                self.broken[b.name] = _reason(e)
+                self._note(("broken", self.op, b.name),
+                           f"{self.op}: backend {b.name} failed ({self.broken[b.name]}); "
+                           f"using the next choice from now on")
+        return self.reference(*args)
 
 
 class KernelRegistry:
@@ -49,13 +131,15 @@ class KernelRegistry:
         return self._backends[op]
 
     def register(self, op: str, name: str, fn: Callable,
-                 available: Callable[[torch.device, torch.dtype], bool]) -> Backend:
+                 available: Callable[[torch.device, torch.dtype], bool],
+                 fits: Fits | None = None) -> Backend:
         """Add backend ``name`` of ``op``: ``fn`` has the reference's signature and results;
-        ``available(device, dtype)`` says whether it can run there."""
+        ``available(device, dtype)`` says whether it can run there; ``fits(dims)`` whether it
+        takes a problem shape (``kohakumoss.kernels.problems``; None: any)."""
         backends = self._op(op)
         if name == REFERENCE_NAME or name in backends:
             raise KernelError(f"op {op!r} already has a backend named {name!r}; pick another name")
-        backends[name] = Backend(op, name, fn, available)
+        backends[name] = Backend(op, name, fn, available, fits)
         return backends[name]
 
     def unregister(self, op: str, name: str) -> None:
@@ -72,6 +156,20 @@ class KernelRegistry:
             raise KernelError(f"op {op!r} has no backend {name!r}; it has "
                               f"{', '.join(self.names(op))}")
         return backends[name]
+
+    def eligible(self, op: str, device: torch.device | str, dtype: torch.dtype,
+                 allow: Sequence[str] | None = None) -> list[Backend]:
+        """The backends of ``op`` that can run on ``(device, dtype)`` (those in ``allow``
+        when given), in registration order."""
+        device = torch.device(device)
+        return [b for b in self._op(op).values()
+                if (allow is None or b.name in allow) and b.available(device, dtype)]
+
+    def note(self, key: tuple, message: str, level: int = logging.INFO) -> None:
+        """Log ``message`` once per ``key`` for this registry."""
+        if key not in self._logged:
+            self._logged.add(key)
+            log.log(level, "%s", message)
 
     def dispatch(self, device: torch.device | str, dtype: torch.dtype,
                  choices: Choices | None = None) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -93,24 +191,67 @@ class KernelRegistry:
                 unable.setdefault(op, []).append(name)
         return chosen, unable
 
+    def tuned_op(self, op: str, device: torch.device | str, tuned: Tuned) -> TunedOp | None:
+        """A ``TunedOp`` for ``op`` from the table's entries, or None when no entry names a
+        backend (other than the reference) that can run here."""
+        device = torch.device(device)
+        chains: dict[tuple[torch.dtype, str], list[Backend]] = {}
+        for text, names in tuned.items():
+            parsed = parse_entry_key(text)
+            if parsed is None or parsed[0] != op:
+                continue
+            _, dtype, key = parsed
+            chain = chains.setdefault((dtype, key), [])
+            for name in names:
+                if name == REFERENCE_NAME:
+                    break  # what follows is slower than the reference
+                b = self._op(op).get(name)
+                if b is None or not b.available(device, dtype):
+                    self.note(("unusable", op, name, str(device), dtype),
+                              f"{op}: the tuning table names backend {name}, which "
+                              f"{'is not registered' if b is None else 'cannot run'} here; "
+                              f"the next choice runs")
+                    continue
+                chain.append(b)
+        if op not in PROBLEMS or not any(chains.values()):
+            return None
+        return TunedOp(op, PROBLEMS[op], chains, self.note)
+
     def build_op_table(self, device: torch.device | str, dtype: torch.dtype,
-                       choices: Choices | None = None) -> OpTable:
+                       choices: Choices | None = None, tuned: Tuned | None = None) -> OpTable:
         """A new table for one model computing in ``dtype`` on ``device``."""
         device = torch.device(device)
         chosen, unable = self.dispatch(device, dtype, choices)
         table = OpTable()
+        picked = []
         for op, name in chosen.items():
             if name != REFERENCE_NAME:
                 table.override(op, self.backend(op, name).fn)
-        key = (str(device), dtype, tuple(chosen.items()), tuple((k, tuple(v)) for k, v in unable.items()))
-        if key not in self._logged:
-            self._logged.add(key)
-            picked = [f"{op}={name}" for op, name in chosen.items() if name != REFERENCE_NAME]
-            notes = [f"{op}: {', '.join(names)} cannot run here" for op, names in unable.items()]
-            log.info("kernels on %s/%s: %s%s", device, str(dtype).removeprefix("torch."),
-                     ", ".join(picked) + ", the rest reference" if picked else "every op reference",
-                     f" ({'; '.join(notes)})" if notes else "")
+                picked.append(f"{op}={name}")
+            elif tuned and op not in (choices or {}):
+                t = self.tuned_op(op, device, tuned)
+                if t is not None:
+                    table.override(op, t)
+                    picked.append(_tuned_summary(t))
+        notes = [f"{op}: {', '.join(names)} cannot run here" for op, names in unable.items()]
+        key = (str(device), dtype, tuple(picked), tuple(notes))
+        self.note(key, "kernels on %s/%s: %s%s" % (
+            device, str(dtype).removeprefix("torch."),
+            ", ".join(picked) + ", the rest reference" if picked else "every op reference",
+            f" ({'; '.join(notes)})" if notes else ""))
         return table
+
+
+def _tuned_summary(t: TunedOp) -> str:
+    """``situ=compile on 2/3 shapes``: each winner other than the reference, on how many of
+    the op's table entries (the others run the reference)."""
+    wins: dict[str, int] = {}
+    for chain in t.chains.values():
+        if chain:
+            wins[chain[0].name] = wins.get(chain[0].name, 0) + 1
+    total = len(t.chains)
+    return f"{t.op}=" + ", ".join(f"{n} on {k}/{total} shapes" for n, k in
+                                  sorted(wins.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 KERNELS = KernelRegistry()
@@ -118,10 +259,11 @@ KERNELS = KernelRegistry()
 
 
 def register_backend(op: str, name: str, fn: Callable,
-                     available: Callable[[torch.device, torch.dtype], bool]) -> Backend:
-    return KERNELS.register(op, name, fn, available)
+                     available: Callable[[torch.device, torch.dtype], bool],
+                     fits: Fits | None = None) -> Backend:
+    return KERNELS.register(op, name, fn, available, fits)
 
 
 def build_op_table(device: torch.device | str, dtype: torch.dtype,
-                   choices: Choices | None = None) -> OpTable:
-    return KERNELS.build_op_table(device, dtype, choices)
+                   choices: Choices | None = None, tuned: Tuned | None = None) -> OpTable:
+    return KERNELS.build_op_table(device, dtype, choices, tuned)

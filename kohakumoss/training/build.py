@@ -27,7 +27,8 @@ from kohakumoss.formats import load_dit
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
-from kohakumoss.training.engines import AppliedEngines, EnginePlan, apply_engines, engine_plan
+from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engines, engine_plan,
+                                         plan_token_batches, tuned_kernels)
 from kohakumoss.training.inputs import make_timesteps
 from kohakumoss.training.optim import build_optimizer, build_scheduler
 from kohakumoss.training.trainable import Trainable, make_trainable
@@ -40,6 +41,7 @@ class RunPaths:
     text_cache: Path
     latent_cache: Path
     run: Path
+    kernels: Path | None = None  # the tuning table's folder; None: reference kernels, no tuning
 
     @property
     def checkpoints(self) -> Path:
@@ -65,13 +67,19 @@ class Components:
 
 def build_components(params: Params, paths: RunPaths,
                      engines: EnginePlan | None = None) -> Components:
-    """The run's components; ``engines`` defaults to ``engine_plan(params, device)``."""
+    """The run's components; ``engines`` defaults to ``engine_plan(params, device)``. With
+    ``paths.kernels`` (and no tuned choices in ``engines``) the op table follows the tuning
+    table there, the shapes it lacks measured first (``tuned_kernels``)."""
     p = params
     device = resolve_device(p.train.device)
-    _, plan = read_plan(paths.plan)
+    plan_rows, plan = read_plan(paths.plan)
     engines = engines if engines is not None else engine_plan(p, device)
     # loaded straight in the dtype the precision policy holds the weights in
     model = load_dit(p.model.transformer, engines.precision.weights, device)
+    if paths.kernels is not None and not engines.tuned:
+        tuned = tuned_kernels(p, engines, paths.kernels, model.config,
+                              plan_token_batches(plan_rows))
+        engines = dataclasses.replace(engines, tuned=tuned)
     applied = apply_engines(model, engines)
     trainable = make_trainable(model, p)
     named = trainable.named_parameters()

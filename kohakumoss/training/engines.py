@@ -4,25 +4,39 @@ fixed order (``docs/engines.md``):
 1. precision: the weights are held in the policy's dtype (``cast_model``; a no-op for a
    model loaded in it, which ``build_components`` does);
 2. kernels: the model gets its own op table from the kernel registry, chosen for the
-   device and the dtype the forward computes in;
+   device and the dtype the forward computes in: static choices, else per shape bucket from
+   the tuning table (``tuned``, made by ``tuned_kernels`` from ``kmoss tune_kernels``' table);
 3. memory: recomputation wraps the elementwise ops of that table (so it wraps whichever
    backend step 2 chose), then per-block activation checkpointing wraps the repeated blocks.
 
 Each step only reads what the steps before it left. The engines run on the base model
 before the trainable set is made: adapters take their dtype from the base weights step 1
 set, and an adapter that wraps a linear inside a block is recomputed with the block.
-Every engine here keeps outputs and gradients bit-identical (``tests/test_engines.py``).
+Every engine here keeps outputs and gradients bit-identical (``tests/test_engines.py``); a
+tuned kernel other than the reference keeps them within its dtype's tolerance.
+
+``tune_kernels`` (the ``kmoss tune_kernels`` stage) and ``tuned_kernels`` (train) wire the
+params, the plan and the transformer's shape to the tuner (``kohakumoss.kernels.tuning``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import torch
 
-from kohakumoss.config import Params
-from kohakumoss.kernels import build_op_table
+from kohakumoss.config import Params, stage_params
+from kohakumoss.kernels import KERNELS, build_op_table
+from kohakumoss.kernels.problems import plan_problems
+from kohakumoss.kernels.table import TABLE, device_signature, read_table, winners
+from kohakumoss.kernels.tuning import TuneResult, tune, tune_table
+from kohakumoss.model.config import DiTConfig
+from kohakumoss.model.ops import REFERENCE
 from kohakumoss.memory import apply_block_checkpointing, apply_recompute
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
@@ -35,6 +49,8 @@ class EnginePlan:
     kernels: Mapping[str, str | Sequence[str]] = dataclasses.field(default_factory=dict)
     recompute: bool = True  # recompute the elementwise ops' fp32 intermediates in backward
     checkpoint_every: int = 0  # checkpoint every n-th repeated block; 0: none
+    # "op/dtype/shape key" -> backends fastest first, for the ops without a static choice
+    tuned: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -47,19 +63,104 @@ class AppliedEngines:
     checkpointed: list[str]
 
 
-def engine_plan(params: Params, device: torch.device) -> EnginePlan:
+def engine_plan(params: Params, device: torch.device,
+                tuned: Mapping[str, Sequence[str]] | None = None) -> EnginePlan:
     """The plan of a training run: precision from ``train.dtype`` and ``adapter.full``;
-    reference kernels (no backend is chosen in params.yaml yet); recomputation on, as every
-    run so far trained with it; no block checkpointing (no knob for it yet)."""
+    the kernels of the tuning table's entries ``tuned`` (``tuned_kernels``; none: the
+    references); recomputation on, as every run so far trained with it; no block
+    checkpointing (no knob for it yet)."""
     return EnginePlan(device=device, precision=precision_policy(params.train.dtype,
-                                                                full=params.adapter.full))
+                                                                full=params.adapter.full),
+                      tuned=dict(tuned or {}))
 
 
 def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngines:
     """Apply precision, kernels and memory to ``model`` in that order (see the module)."""
     cast_model(model, plan.precision.weights)
-    model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels)
+    model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
     recomputed = apply_recompute(model) if plan.recompute else []
     checkpointed = (apply_block_checkpointing(model, plan.checkpoint_every)
                     if plan.checkpoint_every else [])
     return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed)
+
+
+# -- kernel tuning: the tune_kernels stage and train's window ------------------------------------
+log = logging.getLogger(__name__)
+
+TUNE_PARAMS = ["model.transformer", "train.dtype", "train.device", "kernels.table",
+               "kernels.tune_seconds", "kernels.backends"]
+
+
+def plan_token_batches(plan: pa.Table) -> list[list[tuple[int, int]]]:
+    """Each planned batch's samples as ``(image_tokens, text_tokens)``."""
+    batch = plan.column("batch").to_pylist()
+    pairs = zip(plan.column("image_tokens").to_pylist(), plan.column("text_tokens").to_pylist())
+    out: dict[int, list[tuple[int, int]]] = {}
+    for g, pair in zip(batch, pairs):
+        out.setdefault(g, []).append(pair)
+    return [out[g] for g in sorted(out)]
+
+
+def _allow(params: Params) -> list[str] | None:
+    """``kernels.backends`` (None: every backend); names registered for no op are reported."""
+    names = params.kernels.backends
+    if not names:
+        return None
+    known = {n for op in REFERENCE for n in KERNELS.names(op)}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        log.warning("%s: kernels.backends names %s, which no op has here (backends: %s); ignored",
+                    params.path, ", ".join(unknown), ", ".join(sorted(known)))
+    return list(names)
+
+
+def tune_kernels(params: Params, plan_dir: str | Path, out: str | Path
+                 ) -> tuple[dict[str, Any], TuneResult, Any]:
+    """``kmoss tune_kernels``: measure the backends on the plan's shapes for this device and
+    the training dtype into ``out`` (kept entries are not measured again)."""
+    from kohakumoss.checks.params import transformer_config
+    from kohakumoss.data.planfile import read_plan
+    from kohakumoss.device import resolve_device
+
+    device = resolve_device(params.train.device)
+    dtype = precision_policy(params.train.dtype, full=params.adapter.full).compute
+    plan, manifest = read_plan(plan_dir)
+    off = params.kernels.table == "off"
+    problems = {} if off else plan_problems(transformer_config(params), plan_token_batches(plan))
+    return tune_table(out, problems, device, dtype, budget_s=params.kernels.tune_seconds,
+                      allow=_allow(params), params=stage_params(params, TUNE_PARAMS),
+                      inputs={"plan": manifest})
+
+
+def tuned_kernels(params: Params, plan: EnginePlan, directory: str | Path | None,
+                  config: DiTConfig, batches: list[list[tuple[int, int]]]) -> dict[str, list[str]]:
+    """The tuning table's choices for this device (``EnginePlan.tuned``): the table in
+    ``directory`` when its signature matches (else why not, plainly), plus the shapes it
+    lacks, measured now within ``kernels.retune_seconds`` (not saved). A changed table is an
+    ``IntegrityError``."""
+    k = params.kernels
+    if k.table == "off":
+        log.info("kernels.table is off: every op runs its reference kernel")
+        return {}
+    signature = device_signature(plan.device)
+    section = None
+    if directory is None or not (Path(directory) / TABLE).is_file():
+        log.warning("no kernel tuning table in %s (run `kmoss tune_kernels`, or `dvc repro`)",
+                    directory)
+    else:
+        table = read_table(directory)
+        section = table.section(signature)
+        if section is None:
+            log.warning("the kernel tuning table %s is not used: %s", Path(directory) / TABLE,
+                        table.why_not(signature))
+    problems = plan_problems(config, batches)
+    dtype = plan.precision.compute
+    have = section["entries"] if section else {}
+    result = tune(problems, plan.device, dtype, budget_s=k.retune_seconds, allow=_allow(params),
+                  have=have)
+    if result.entries or result.untuned:
+        log.warning("measured %d kernel shape(s) the table lacks in %.1f s (kernels.retune_seconds"
+                    " = %g; not saved: `kmoss tune_kernels` keeps them)%s", len(result.entries),
+                    result.seconds, k.retune_seconds,
+                    f"; {len(result.untuned)} left on the reference kernels" if result.untuned else "")
+    return {**winners(section), **winners({"entries": result.entries})}

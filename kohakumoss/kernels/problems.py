@@ -1,0 +1,183 @@
+"""Problem shapes: what size of work an op call is, bucketed so a tuning table stays small.
+
+For each tunable op of the op table (``kohakumoss.model.ops``) a ``Problem`` says:
+
+- ``dims(*args)``: the call's shape as named sizes, e.g. ``{"N": 16200, "D": 3072}``;
+- ``keyed``: the sizes that pick a table entry; token counts (``N``, the longest segment
+  ``L``) are rounded up to a bucket (``bucket``), model sizes (D, F, H, Dh) are exact;
+- ``make(dims, dtype, device, generator)``: inputs of that shape for the tuner to time.
+
+``plan_problems(config, batches)`` lists the shapes a plan's batches give each op of the
+MOSS-Image DiT (``kohakumoss.model.dit``): text blocks over the text tokens, joint blocks over
+image + text tokens, the final norm over the image tokens. An op with no ``Problem`` is not
+tuned (its backend is chosen statically, or it is the reference).
+
+Legend: N tokens, B samples, D width, F ffn width, H heads, Dh head dim, S segments,
+L longest segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from kohakumoss.model.config import DiTConfig
+from kohakumoss.model.ops import compute_dtype
+
+Dims = dict[str, int]
+MIN_BUCKET = 16
+
+
+def bucket(n: int) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, ... (2^k and 1.5 * 2^k) that is >= ``n``:
+    at most 1.5x apart, so a table holds a few entries per op for a whole plan."""
+    b = MIN_BUCKET
+    while True:
+        for size in (b, b * 3 // 2):
+            if size >= n:
+                return size
+        b *= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    op: str
+    dims: Callable[..., Dims]
+    keyed: tuple[str, ...]
+    make: Callable[[Mapping[str, int], torch.dtype, torch.device, torch.Generator], tuple]
+    tokens: tuple[str, ...] = ("N",)  # keyed sizes that are bucketed
+
+    def key(self, dims: Mapping[str, int]) -> str:
+        """The table key of a shape: ``N=16384,D=3072`` (token sizes bucketed)."""
+        return ",".join(f"{k}={bucket(dims[k]) if k in self.tokens else dims[k]}"
+                        for k in self.keyed)
+
+
+def _rand(g: torch.Generator, device, dtype, *shape: int, grad: bool = True) -> torch.Tensor:
+    """Standard normal values drawn by ``g`` (a generator on ``device``), in ``dtype``."""
+    t = torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def _seg(n: int, b: int, device) -> torch.Tensor:
+    """Sample ids of ``n`` tokens in ``b`` near-equal contiguous samples."""
+    b = max(1, min(b, n))
+    return (torch.arange(n) * b // max(n, 1)).to(device)
+
+
+def _lengths(n: int, longest: int) -> list[int]:
+    """``n`` tokens as segments of ``longest`` tokens and a remainder."""
+    longest = max(1, min(longest, n))
+    return [longest] * (n // longest) + ([n % longest] if n % longest else [])
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def _make_rms(d, dtype, device, g):
+    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["D"]), 1e-6)
+
+
+def _make_mod_rms(d, dtype, device, g):
+    f32 = torch.float32
+    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["D"]),
+            _rand(g, device, f32, d["B"], d["D"]), _rand(g, device, f32, d["B"], d["D"]),
+            _seg(d["N"], d["B"], device), 1e-6)
+
+
+def _make_qk(d, dtype, device, g):
+    cd = compute_dtype(dtype)
+    half = d["Dh"] // 2
+    return (_rand(g, device, dtype, d["N"], d["H"], d["Dh"]), _rand(g, device, dtype, d["Dh"]),
+            _rand(g, device, cd, d["N"], half, grad=False),
+            _rand(g, device, cd, d["N"], half, grad=False), 1e-6)
+
+
+def _make_situ(d, dtype, device, g):
+    return (_rand(g, device, dtype, d["N"], d["F"]), _rand(g, device, dtype, d["N"], d["F"]))
+
+
+def _make_residual(d, dtype, device, g):
+    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["N"], d["D"]))
+
+
+def _make_gated(d, dtype, device, g):
+    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["N"], d["D"]),
+            _rand(g, device, torch.float32, d["B"], d["D"]), _seg(d["N"], d["B"], device))
+
+
+def _make_attention(d, dtype, device, g):
+    q, k, v = (_rand(g, device, dtype, d["N"], d["H"], d["Dh"]) for _ in range(3))
+    return q, k, v, _lengths(d["N"], d["L"])
+
+
+PROBLEMS: dict[str, Problem] = {p.op: p for p in (
+    Problem("rms_norm", lambda x, w, eps: {"N": _rows(x), "D": x.shape[-1]}, ("N", "D"),
+            _make_rms),
+    Problem("modulated_rms_norm",
+            lambda x, w, shift, scale, seg, eps: {"N": x.shape[0], "D": x.shape[1],
+                                                  "B": shift.shape[0]},
+            ("N", "D"), _make_mod_rms),
+    Problem("qk_norm_rope",
+            lambda x, w, cos, sin, eps: {"N": x.shape[0], "H": x.shape[1], "Dh": x.shape[2]},
+            ("N", "H", "Dh"), _make_qk),
+    Problem("situ", lambda u, g: {"N": _rows(u), "F": u.shape[-1]}, ("N", "F"), _make_situ),
+    Problem("residual", lambda x, y: {"N": _rows(x), "D": x.shape[-1]}, ("N", "D"),
+            _make_residual),
+    Problem("gated_residual",
+            lambda x, y, gate, seg: {"N": x.shape[0], "D": x.shape[1], "B": gate.shape[0]},
+            ("N", "D"), _make_gated),
+    Problem("varlen_attention",
+            lambda q, k, v, lengths: {"N": q.shape[0], "H": q.shape[1], "Dh": q.shape[2],
+                                      "L": max(lengths, default=0),
+                                      "S": sum(1 for n in lengths if n)},
+            ("N", "L", "H", "Dh"), _make_attention, tokens=("N", "L")),
+)}
+
+
+def call_dtype(args: Sequence) -> torch.dtype:
+    """The dtype a call computes in: that of its first tensor argument."""
+    return next(a.dtype for a in args if isinstance(a, torch.Tensor))
+
+
+def plan_problems(config: DiTConfig, batches: Iterable[Sequence[tuple[int, int]]]
+                  ) -> dict[str, dict[str, Dims]]:
+    """``{op: {key: dims}}``: the shapes each op sees over ``batches`` (per batch, each
+    sample's ``(image_tokens, text_tokens)``); per key, the dims of its largest batch."""
+    D, F, H, Dh = config.dim, config.ffn_dim, config.heads, config.head_dim
+    out: dict[str, dict[str, Dims]] = {op: {} for op in PROBLEMS}
+
+    def add(op: str, dims: Dims) -> None:
+        key = PROBLEMS[op].key(dims)
+        held = out[op].get(key)
+        if held is None or dims["N"] > held["N"]:
+            out[op][key] = dims
+
+    for samples in batches:
+        img = [int(i) for i, _ in samples]
+        txt = [int(t) for _, t in samples]
+        B, n_img, n_txt = len(samples), sum(img), sum(txt)
+        if not B:
+            continue
+        if config.text_blocks and n_txt:
+            S, L = sum(1 for t in txt if t), max(txt)
+            add("rms_norm", {"N": n_txt, "D": D})
+            add("qk_norm_rope", {"N": n_txt, "H": H, "Dh": Dh})
+            add("varlen_attention", {"N": n_txt, "H": H, "Dh": Dh, "L": L, "S": S})
+            add("residual", {"N": n_txt, "D": D})
+            add("situ", {"N": n_txt, "F": F})
+        joint = [i + t for i, t in zip(img, txt)]
+        n = sum(joint)
+        if n:
+            add("modulated_rms_norm", {"N": n, "D": D, "B": B})
+            add("qk_norm_rope", {"N": n, "H": H, "Dh": Dh})
+            add("varlen_attention", {"N": n, "H": H, "Dh": Dh, "L": max(joint),
+                                     "S": sum(1 for j in joint if j)})
+            add("gated_residual", {"N": n, "D": D, "B": B})
+            add("situ", {"N": n, "F": F})
+        if n_img:
+            add("modulated_rms_norm", {"N": n_img, "D": D, "B": B})
+    return {op: shapes for op, shapes in out.items() if shapes}
