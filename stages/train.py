@@ -16,6 +16,8 @@ def main(
     catalog: Path = typer.Option(Path("artifacts/catalog"), help="The scan's catalog directory."),
     text_cache: Path = typer.Option(Path("artifacts/cache/text"), help="Text cache directory."),
     latent_cache: Path = typer.Option(Path("artifacts/cache/latents"), help="Latent cache directory."),
+    kernels: Path = typer.Option(Path("artifacts/kernels"), help="Kernel tuning table directory "
+                                 "(kmoss tune_kernels)."),
     runs: Path = typer.Option(Path("runs"), help="Runs folder; this run writes runs/<run.name>/."),
 ) -> None:
     """Train on the plan's batches in order: latents and text from the caches, the MOSS
@@ -25,13 +27,15 @@ def main(
     made against another plan or other training params is refused). Metrics and plots go to
     runs/<name>/dvclive (dvc exp show, dvc plots show); they are rebuilt from the
     checkpoints on every start, so a finished run started again only rebuilds them.
+    The op table follows the kernel tuning table when it matches this device (shapes it
+    lacks are measured first, within kernels.retune_seconds).
     """
     from kohakumoss.params import load_params
     from kohakumoss.training.build import RunPaths, build_components
     from kohakumoss.training.trainer import Trainer
 
     p = load_params(params)
-    paths = RunPaths(plan, catalog, text_cache, latent_cache, runs / p.run.name)
+    paths = RunPaths(plan, catalog, text_cache, latent_cache, runs / p.run.name, kernels)
     result = Trainer(p, paths, build_components(p, paths)).run()
     if not result.losses:
         console.print(f"the run is complete at step {result.end_step}; its metrics and summary were "
