@@ -74,27 +74,47 @@ def export(
     file: Path = typer.Argument(..., help="An exported ComfyUI adapter file."),
     source: Path = typer.Option(..., "--source", "-s", help="The checkpoint (or adapter file) it "
                                                             "was exported from."),
+    strength: float = typer.Option(1.0, help="The strength (ComfyUI's slider) to compare at."),
+    patch: str = typer.Option("fp32", "--patch-dtype",
+                              help="ComfyUI's patching dtype: fp32 (its usual float32 copy) or "
+                                   "fp16 / bf16 (low-VRAM loads patch in the compute dtype); "
+                                   "half dtypes compare the patched weight."),
+    model: str = typer.Option(None, "--model", "-m",
+                              help="The base model: tiny or a model path. Given, no params file "
+                                   "is read; default: the params file's model.transformer."),
     params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
                                 help="model.transformer names the base weights."),
-    tolerance: float = typer.Option(1e-2, help="Largest relative error per weight (1e-2 suits "
-                                               "bf16 files; use 1e-5 for fp32 exports)."),
+    tolerance: float = typer.Option(None, help="Largest relative error per weight; default 5e-3 "
+                                               "for a bf16/fp16 file, 1e-5 for fp32, and 4 unit "
+                                               "roundoffs of the weight with --patch-dtype "
+                                               "fp16/bf16."),
 ) -> None:
     """Load FILE the way ComfyUI interprets its keys and tensors (LoRA, LoHa, LoKr, OFT, BOFT,
     GLoRA, diff, DoRA semantics on the fused or split layout) and report, per targeted
-    weight, the relative error against the source adapter's own delta, and every key
-    ComfyUI would not load. Exit code 1 on any failure."""
-    from kohakumoss.params import load_params
+    weight, the relative error at STRENGTH against the source adapter (kmoss's strength rule;
+    ComfyUI's own for native OFT/BOFT blocks, with a note), and every key ComfyUI would not
+    load. Exit code 1 on any failure."""
     from kohakumoss.export.check import check_export
+    from kohakumoss.params import load_params
 
-    rows, unloaded = check_export(load_params(params), file, source)
+    p = None if model is not None or not params.is_file() else load_params(params)
+    res = check_export(p, file, source, strength, model=model, patch=patch)
+    tol = res.tolerance if tolerance is None else tolerance
     failed = 0
-    for row in rows:
-        ok = row.rel_error <= tolerance
+    for row in res.rows:
+        ok = row.rel_error <= tol
         failed += not ok
-        out.print(f"{'PASS' if ok else 'FAIL'}  {row.name:<48} rel {row.rel_error:.3e}", highlight=False)
-    for key in unloaded:
+        why = f"  ({row.note})" if row.note else ""
+        out.print(f"{'PASS' if ok else 'FAIL'}  {row.name:<48} rel {row.rel_error:.3e}{why}",
+                  highlight=False)
+    for key in res.unloaded:
         out.print(f"FAIL  not loaded by ComfyUI: {key}", highlight=False)
-    if failed or unloaded:
-        out.print(f"[bold red]{failed} weight(s) off, {len(unloaded)} key(s) unloaded[/]")
+    for note in res.notes:
+        out.print(f"NOTE  {note}", highlight=False)
+    what = "weights" if patch == "fp32" else f"{patch}-patched weights"
+    if failed or res.unloaded:
+        out.print(f"[bold red]{failed} weight(s) off (tolerance {tol:.1e}), {len(res.unloaded)} "
+                  f"key(s) unloaded[/]")
         raise typer.Exit(1)
-    out.print(f"[green]{len(rows)} weights match the source adapter; every key loads[/]")
+    out.print(f"[green]{len(res.rows)} {what} at strength {strength:g} match the source adapter "
+              f"(tolerance {tol:.1e}); every key loads[/]")

@@ -42,6 +42,9 @@ def checkpoint(
     strength: float = typer.Option(1.0, help="Adapter strength merged into merged/diffusers."),
     fused_qkv: bool = typer.Option(True, help="ComfyUI's fused layers.N.proj.qkv layout."),
     style: str = typer.Option("lora_unet", help="ComfyUI key style: lora_unet | diffusion_model."),
+    rotations: str = typer.Option("blocks", help="ComfyUI file, OFT/BOFT layers: blocks (compact; "
+                                                 "ComfyUI's slider exact at 1 only) | diff (dense: "
+                                                 "linear at every strength, much larger)."),
     dtype: str = typer.Option("bf16", help="Saved dtype: bf16 | fp16 | fp32."),
     ema: bool = typer.Option(False, help="Use the checkpoint's EMA weights."),
     model: str = typer.Option(None, "--model", "-m",
@@ -60,7 +63,7 @@ def checkpoint(
     src = load_source(p, path, ema=ema, model=model)
     target = out or default_output(src, path, format)
     written = write_export(src, format, target, strength=strength, fused_qkv=fused_qkv, style=style,
-                           dtype=dtype)
+                           dtype=dtype, rotations=rotations)
     console.print(f"wrote {written}")
 
 

@@ -12,6 +12,7 @@ only once the new one is complete. An export is a pure function of (source, expo
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,12 @@ from kohakumoss.precision.dtypes import DTYPES
 from kohakumoss.training.checkpoint import is_checkpoint
 from kohakumoss.training.trained import load_trained
 
+log = logging.getLogger(__name__)
+
 FORMATS = ("comfy", "lycoris", "merged", "diffusers")
+# LyCORIS tensors ComfyUI's loader has no adapter for (it logs and skips them)
+COMFY_SKIPS = {"ia3": ("weight", "on_input"),
+               "tlora": ("q_layer.weight", "p_layer.weight", "lambda_layer")}
 SOURCES = ("a training checkpoint folder (runs/<name>/checkpoints/step-N) or an adapter file "
            "(.safetensors, LyCORIS or ComfyUI)")
 
@@ -91,11 +97,27 @@ def merged_state(src: Source, strength: float) -> dict[str, torch.Tensor]:
     return merged.merged_state(src.model, src.adapters, strength)
 
 
+def _warn_lycoris_in_comfy(src: Source, out: Path) -> None:
+    """Say so when ComfyUI cannot load a LyCORIS file (IA3, T-LoRA), and name the file it loads."""
+    kinds = [comfy.kind_of(m) for m in src.adapters.modules.values()]
+    for kind, names in COMFY_SKIPS.items():
+        if kind in kinds:
+            log.warning("%s: ComfyUI does not load this LyCORIS file's %s tensors (%d keys: %s "
+                        "of %d layers); it is for lycoris-lora and kmoss. For ComfyUI use the "
+                        "comfy file (export format 'comfy', which export.formats auto writes "
+                        "beside it), which loads", out, "IA3" if kind == "ia3" else "T-LoRA",
+                        len(names) * kinds.count(kind), ", ".join(names), kinds.count(kind))
+
+
 def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fused_qkv: bool = True,
-                 style: str = "lora_unet", dtype: str = "bf16", metadata: dict[str, str] | None = None
-                 ) -> Path:
+                 style: str = "lora_unet", dtype: str = "bf16", metadata: dict[str, str] | None = None,
+                 rotations: str = "blocks") -> Path:
+    """Write ``src`` as ``fmt`` to ``out``. ``rotations`` (comfy only): OFT/BOFT as native
+    ``blocks`` (compact; ComfyUI's slider is exact at 1 only) or dense ``diff`` (linear at every
+    strength, also in ComfyUI's half-precision patching; far larger)."""
     for what, value, allowed in (("format", fmt, FORMATS), ("dtype", dtype, tuple(DTYPES)),
-                                 ("style", style, lycoris.STYLES)):
+                                 ("style", style, lycoris.STYLES),
+                                 ("rotations", rotations, comfy.ROTATIONS)):
         if value not in allowed:
             raise ExportError(f"export {what} {value!r}: one of {', '.join(allowed)}")
     out = Path(out)
@@ -108,16 +130,17 @@ def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fus
     if fmt == "comfy":
         if src.kind == "file":
             tensors, m = comfy.convert_file(src.model, src.path, fused_qkv=fused_qkv, style=style,
-                                            dtype=dt)
+                                            dtype=dt, rotations=rotations)
         else:
             tensors, m = comfy.comfy_state_dict(src.adapters, src.model, fused_qkv=fused_qkv,
-                                                style=style, dtype=dt)
+                                                style=style, dtype=dt, rotations=rotations)
         comfy.save_comfy_file(out, tensors, {**m, **meta})
     elif fmt == "lycoris":
         if src.kind != "adapter":
             raise ExportError("the lycoris format is written from a training checkpoint; a "
                               "foreign file converts to 'comfy', 'merged' or 'diffusers'")
         lycoris.save_lycoris(src.adapters, out, dtype=dt, metadata=meta)
+        _warn_lycoris_in_comfy(src, out)
     elif fmt == "merged":
         merged.save_merged(merged_state(src, strength), out, config, dtype=dt, fused_qkv=fused_qkv,
                            strength=strength, metadata=meta)

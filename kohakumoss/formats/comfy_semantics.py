@@ -16,10 +16,15 @@ own copy): every formula is written from ComfyUI's ``comfy/lora.py`` and
   result does not have the weight's shape (ComfyUI logs an error and leaves the weight) are
   reported as unloaded.
 
-Decisions: the math runs in float64 on the weights (ComfyUI uses float32 copies) so the
-check measures the conversion, not rounding; DoRA's epsilon is float32's, as in ComfyUI.
+Decisions: by default the math runs in float64 on the weights (ComfyUI's usual patching
+uses float32 copies) so the check measures the file, not rounding; DoRA's epsilon is then
+float32's, as in ComfyUI. ``dtype`` float16 / bfloat16 is ComfyUI's low-VRAM patching
+(``LowVramPatch``: the weight already cast to the compute dtype, every tensor cast to it, the
+math in it, DoRA's epsilon that dtype's); there its OFT/BOFT fail (the Cayley step multiplies
+a half ``I + Q`` by a float32 inverse), are logged and leave the weight as it was.
 OFT applies the strength twice (ComfyUI's ``(R s - s I)`` then ``s x diff``), BOFT
-interpolates every stage: both are exact at strength 1 only. OFT ignores ``rescale``.
+interpolates every stage, then scales by ``s`` once more: both are exact at strength 1 only.
+OFT ignores ``rescale``.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ class Patch:
 @dataclasses.dataclass
 class Row:
     name: str
-    rel_error: float
+    rel_error: float  # of the weight delta; with half-precision patching, of the patched weight
+    note: str = ""  # why ComfyUI did not apply the patch, when it did not
 
 
 def strip_prefix(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -169,25 +175,30 @@ def load_patches(file_tensors: Mapping[str, torch.Tensor], base_state: Mapping[s
     return patches, sorted(unloaded)
 
 
-def _f(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().to("cpu", torch.float64)
+def _f(x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return x.detach().to("cpu", dtype)
+
+
+def _half(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float16, torch.bfloat16)
 
 
 def weight_decompose(dora: torch.Tensor, W: torch.Tensor, diff: torch.Tensor, alpha, strength: float
                      ) -> torch.Tensor:
     """ComfyUI's DoRA: output axis normalised by the ORIGINAL weight's rows, input axis by the
-    columns of ``W + alpha * diff``."""
+    columns of ``W + alpha * diff``; epsilon of the patching dtype (float32's for float64)."""
     if alpha is None:
         raise PatchFailed("DoRA without alpha")
     calc = W + diff * alpha
-    dora = _f(dora)
+    dora = _f(dora, W.dtype)
+    eps = torch.finfo(W.dtype).eps if _half(W.dtype) else EPS
     if dora.shape[0] == calc.shape[0]:
         norm = (W.reshape(W.shape[0], -1).norm(dim=1, keepdim=True)
                 .reshape(W.shape[0], *[1] * (W.dim() - 1)))
     else:
         norm = (calc.transpose(0, 1).reshape(calc.shape[1], -1).norm(dim=1, keepdim=True)
                 .reshape(calc.shape[1], *[1] * (calc.dim() - 1)).transpose(0, 1))
-    calc = calc * (dora / (norm + EPS))
+    calc = calc * (dora / (norm + eps))
     return calc if strength == 1.0 else W + strength * (calc - W)
 
 
@@ -210,8 +221,12 @@ def _cayley(blocks: torch.Tensor, alpha) -> torch.Tensor:
 
 
 def apply_patch(p: Patch, W: torch.Tensor, strength: float = 1.0) -> torch.Tensor:
-    """The patched weight (float64) for one patch on the float64 weight ``W``."""
-    v = {k: _f(x) for k, x in p.tensors.items()}
+    """The patched weight for one patch on the weight ``W``, in ``W``'s dtype (float64, or the
+    half dtype of low-VRAM patching)."""
+    v = {k: _f(x, W.dtype) for k, x in p.tensors.items()}
+    if p.kind in ("oft", "boft") and _half(W.dtype):
+        raise PatchFailed(f"ComfyUI's {p.kind.upper()} fails when patching in {W.dtype} "
+                          f"(half I + Q times a float32 inverse): not applied")
     if p.kind == "diff":
         if v["diff"].shape != W.shape:
             raise PatchFailed(f"diff {tuple(v['diff'].shape)} != weight {tuple(W.shape)}")
@@ -282,7 +297,7 @@ def apply_patch(p: Patch, W: torch.Tensor, strength: float = 1.0) -> torch.Tenso
             raise PatchFailed("BOFT without alpha ('>' on None)")
         blocks = v["blocks"]
         m, _, b = blocks.shape[:3]
-        r, I, inp = _cayley(blocks, p.alpha), torch.eye(b, dtype=torch.float64), W
+        r, I, inp = _cayley(blocks, p.alpha), torch.eye(b, dtype=W.dtype), W
         try:
             for i in range(m):
                 bi, k = r[i], 2**i * (b // 2)
@@ -303,19 +318,18 @@ def apply_patch(p: Patch, W: torch.Tensor, strength: float = 1.0) -> torch.Tenso
     raise AssertionError(p.kind)
 
 
-def _each_delta(file_tensors, base_state, strength: float):
-    """Yields (name, delta | None, keys of a failed patch) for every patched base weight."""
+def _each_patched(file_tensors, base_state, strength: float, dtype: torch.dtype):
+    """Yields (name, base weight in float64, patched weight in ``dtype`` or None, keys of a
+    failed patch, why) for every patched base weight, then (None, ..., unloaded keys, "")."""
     base = strip_prefix(base_state)
     patches, unloaded = load_patches(file_tensors, base)
     for name, p in patches.items():
         W = _f(base[name])
         try:
-            new = apply_patch(p, W, strength)
+            yield name, W, apply_patch(p, W.to(dtype), strength), (), ""
         except (PatchFailed, RuntimeError) as e:
-            yield name, None, p.keys, str(e)
-            continue
-        yield name, (new - W).to(torch.promote_types(base[name].dtype, torch.float32)), (), ""
-    yield None, None, tuple(unloaded), ""
+            yield name, W, None, p.keys, str(e)
+    yield None, None, None, tuple(unloaded), ""
 
 
 def comfy_weight_deltas(file_tensors: Mapping[str, torch.Tensor],
@@ -323,10 +337,10 @@ def comfy_weight_deltas(file_tensors: Mapping[str, torch.Tensor],
                         ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(new - old weight for every base weight/bias the file changes, the file keys ComfyUI
     would not load or apply). ``base_state``: official or fused-q/k/v layout, any prefix."""
-    deltas, unloaded = {}, []
-    for name, delta, failed, _ in _each_delta(file_tensors, base_state, strength):
-        if delta is not None:
-            deltas[name] = delta
+    deltas, unloaded, base = {}, [], strip_prefix(base_state)
+    for name, W, new, failed, _ in _each_patched(file_tensors, base_state, strength, torch.float64):
+        if new is not None:
+            deltas[name] = (new - W).to(torch.promote_types(base[name].dtype, torch.float32))
         unloaded += failed
     return deltas, sorted(unloaded)
 
@@ -350,18 +364,30 @@ def read_file(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def verify(file: str | Path | Mapping[str, torch.Tensor], base_state: Mapping[str, torch.Tensor],
-           expected_deltas: Mapping[str, torch.Tensor], strength: float = 1.0
-           ) -> tuple[list[Row], list[str]]:
-    """One row per weight changed by the file or expected to change (relative error of
-    ComfyUI's delta against ``expected_deltas``), plus the keys ComfyUI would not load.
-    Streams one weight at a time; ``expected_deltas`` may be a lazy mapping."""
+           expected_deltas: Mapping[str, torch.Tensor], strength: float = 1.0,
+           dtype: torch.dtype = torch.float64) -> tuple[list[Row], list[str]]:
+    """One row per weight changed by the file or expected to change, plus the keys ComfyUI
+    would not load. ``dtype`` float64: the relative error of ComfyUI's weight delta against
+    ``expected_deltas``; float16 / bfloat16 (low-VRAM patching): the relative error of the
+    patched weight against ``W + expected`` (a patch ComfyUI fails on leaves ``W``, and says
+    why in the row's note). Streams one weight at a time; ``expected_deltas`` may be lazy."""
     tensors = read_file(file) if isinstance(file, (str, Path)) else file
-    rows, unloaded, seen = [], [], set()
-    for name, delta, failed, _ in _each_delta(tensors, base_state, strength):
+    rows, unloaded, seen, base = [], [], set(), strip_prefix(base_state)
+    for name, W, new, failed, why in _each_patched(tensors, base_state, strength, dtype):
         unloaded += failed
         if name is None:
             continue
         seen.add(name)
-        rows.append(Row(name, rel_error(delta, expected_deltas.get(name))))
-    rows += [Row(n, rel_error(None, expected_deltas[n])) for n in expected_deltas if n not in seen]
+        want = expected_deltas.get(name)
+        if _half(dtype):
+            target = W + _f(want) if want is not None else W
+            rows.append(Row(name, rel_error(new if new is not None else W.to(dtype), target), why))
+        else:
+            rows.append(Row(name, rel_error(None if new is None else new - W, want), why))
+    for n in [n for n in expected_deltas if n not in seen]:
+        if _half(dtype):
+            W = _f(base[n])
+            rows.append(Row(n, rel_error(W.to(dtype), W + _f(expected_deltas[n]))))
+        else:
+            rows.append(Row(n, rel_error(None, expected_deltas[n])))
     return rows, sorted(unloaded)
