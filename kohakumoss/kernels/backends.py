@@ -1,0 +1,97 @@
+"""The kernel backends, registered in ``KERNELS`` when ``kohakumoss.kernels`` is imported.
+
+| op | backend | runs on |
+| --- | --- | --- |
+| rms_norm, modulated_rms_norm, qk_norm_rope, situ, residual, gated_residual | ``triton`` | CUDA sm80+, fp32/bf16/fp16 (or CPU tensors when Triton was first imported with ``TRITON_INTERPRET=1``) |
+| varlen_attention | ``flash_varlen`` | CUDA sm80+, bf16/fp16 (head dim a multiple of 8, <= 256) |
+| varlen_attention | ``flex`` | CUDA sm80+, fp32/bf16/fp16 (head dim a power of two >= 16) |
+
+Triton is imported lazily, on the first availability question or call: a machine without
+it, or one where it fails to import, reports these backends unavailable (the reason is
+logged once) and ``kohakumoss`` imports as ever. The attention backends declare their
+head-dim limits (``fits``, used by the tuned dispatch); a static choice is made by device
+and dtype alone, so inputs outside the limits fall back to the reference inside the
+backend, said once in the log.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from kohakumoss.kernels import attention
+from kohakumoss.kernels.registry import register_backend
+
+log = logging.getLogger(__name__)
+
+TRITON_OPS = {  # op -> the module holding its Triton kernels
+    "rms_norm": "triton_norm",
+    "modulated_rms_norm": "triton_norm",
+    "qk_norm_rope": "triton_rope",
+    "situ": "triton_pointwise",
+    "residual": "triton_pointwise",
+    "gated_residual": "triton_pointwise",
+}
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_modules: dict[str, ModuleType | None] = {}
+_why: dict[str, str] = {}
+
+
+def triton_module(name: str) -> ModuleType | None:
+    """``kohakumoss.kernels.<name>`` or None when it (Triton) cannot be imported here; the
+    reason is logged once and kept in ``triton_unavailable_reason``."""
+    if name not in _modules:
+        try:
+            _modules[name] = importlib.import_module(f"kohakumoss.kernels.{name}")
+        except Exception as e:  # no triton, a broken install, an old triton: not available
+            _modules[name] = None
+            _why[name] = f"{type(e).__name__}: {e}"
+            log.info("triton kernels (%s) unavailable: %s", name, _why[name])
+    return _modules[name]
+
+
+def triton_unavailable_reason(op: str) -> str | None:
+    module = TRITON_OPS[op]
+    return None if triton_module(module) is not None else _why[module]
+
+
+def _triton_available(op: str) -> Callable[[torch.device, torch.dtype], bool]:
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        if dtype not in TRITON_DTYPES:
+            return False
+        common = triton_module("triton_common")
+        return common is not None and triton_module(TRITON_OPS[op]) is not None \
+            and common.can_run(torch.device(device))
+
+    return available
+
+
+def _triton_fn(op: str) -> Callable:
+    resolved: list[Callable] = []
+
+    def fn(*args):
+        if not resolved:
+            module = triton_module(TRITON_OPS[op])
+            if module is None:
+                raise RuntimeError(f"{op} (triton): Triton kernels cannot be imported here "
+                                   f"({_why[TRITON_OPS[op]]})")
+            resolved.append(getattr(module, op))
+        return resolved[0](*args)
+
+    fn.__name__ = op
+    fn.__qualname__ = f"triton.{op}"
+    return fn
+
+
+for _op in TRITON_OPS:
+    register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op))
+
+register_backend("varlen_attention", "flash_varlen", attention.flash_varlen_attention,
+                 attention.flash_available, fits=attention.flash_fits)
+register_backend("varlen_attention", "flex", attention.flex_varlen_attention,
+                 attention.flex_available, fits=attention.flex_fits)

@@ -1,0 +1,150 @@
+"""What the Triton kernels share: how they are jitted, where they can run, launch sizes, the
+per-sample row order their backward reductions walk, and fp32 math helpers.
+
+Importing this module imports Triton; ``kohakumoss.kernels.backends`` imports it lazily, so a
+machine without Triton reports the Triton backends unavailable instead of failing.
+
+Interpreted or compiled is decided once per process, when ``triton`` is first imported:
+with ``TRITON_INTERPRET=1`` set by then, Triton's own library functions (``tl.sum``...) are
+interpreted and so are ours; the kernels then run on CPU tensors (tests, CI). Otherwise
+they compile for CUDA devices of compute capability 8.0 or more.
+
+Legend: R rows (tokens, or tokens x heads), C columns, B samples, K row chunks per sample.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+INTERPRETED = isinstance(tl.sum, InterpretedFunction)
+"""Triton's language was built interpreted (``TRITON_INTERPRET=1`` at its first import)."""
+_INTERPRETED = tl.constexpr(INTERPRETED)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes every Triton kernel takes and returns; the math inside is fp32."""
+
+
+def jit(fn):
+    """``triton.jit`` in the mode Triton's language was built in, whatever the environment
+    says now: a kernel and the library functions it calls must be of the same kind."""
+    return InterpretedFunction(fn) if INTERPRETED else JITFunction(fn)
+
+
+def can_run(device: torch.device) -> bool:
+    """Interpreted: CPU only. Compiled: CUDA (NVIDIA) with compute capability >= 8.0."""
+    if INTERPRETED:
+        return device.type == "cpu"
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def check_tensors(op: str, *tensors: torch.Tensor) -> None:
+    """Same device, a runnable one, dtypes the kernels take: else a clear error."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{op} (triton): a {t.dtype} input; the kernels take "
+                            f"float32, bfloat16 and float16 (use the reference for others)")
+        if t.device != device:
+            raise ValueError(f"{op} (triton): inputs on {device} and {t.device}; put them on one device")
+    if not can_run(device):
+        where = "CPU tensors (interpreted)" if INTERPRETED else "CUDA devices of compute capability 8.0+"
+        raise RuntimeError(f"{op} (triton): cannot run on {device}; Triton runs here on {where}")
+
+
+def rows2d(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """``t`` as [R, cols] with unit column stride (a view when possible)."""
+    t2 = t.reshape(-1, cols)
+    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
+def lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def warps(tile: int) -> int:
+    """Warps for a tile of ``tile`` elements: about 256 elements a warp, 1 to 16."""
+    return max(1, min(16, tile // 256))
+
+
+_SMS: dict[int, int] = {}
+
+
+def programs(device: torch.device) -> int:
+    """How many programs the row-reducing backward kernels spread over (a few per SM)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 2 * _SMS[index]
+
+
+_ORDERS: dict[int, tuple] = {}  # id(seg) -> (weakref, version, B, order, starts); a few entries
+
+
+def segment_order(seg_N: torch.Tensor, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``order`` [N] int32: token indices grouped by sample, in token order within a sample;
+    ``starts`` [B+1] int32: where each sample's group begins in ``order``).
+
+    The backward kernels walk each sample's tokens through these, so a per-sample reduction
+    is a sum in registers plus one fixed-order sum of per-chunk partials: deterministic, no
+    atomics, and any ``seg`` order works (the packed layout's is sorted). Every block of a
+    step passes the same ``seg`` tensor, so the last few are remembered (by identity and
+    version; the tensor is held weakly).
+    """
+    key = id(seg_N)
+    hit = _ORDERS.get(key)
+    if hit is not None and hit[0]() is seg_N and hit[1] == seg_N._version and hit[2] == samples:
+        return hit[3], hit[4]
+    order = torch.argsort(seg_N, stable=True).to(torch.int32)
+    counts = torch.bincount(seg_N, minlength=samples)[:samples]
+    starts = torch.zeros(samples + 1, dtype=torch.int32, device=seg_N.device)
+    starts[1:] = counts.cumsum(0)
+    if len(_ORDERS) >= 8:
+        _ORDERS.pop(next(iter(_ORDERS)))
+    _ORDERS[key] = (weakref.ref(seg_N), seg_N._version, samples, order, starts)
+    return order, starts
+
+
+@jit
+def tanh_f32(x):
+    """tanh in fp32 to a few ulp, from ``exp`` alone (no libdevice: the interpreter lacks it):
+    an odd Taylor polynomial below 0.25, ``(1 - e^-2|x|) / (1 + e^-2|x|)`` above."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333
+                 + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203))))
+    t = tl.where(a < 0.25, small, big)
+    return tl.where(x < 0.0, -t, t)
+
+
+@jit
+def rounded(x, dtype: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even ``dtype``: the one rounding out. The interpreter
+    truncates fp32 -> bf16, so there the rounding is done on the bits (carry into the
+    exponent included); compiled Triton rounds to nearest-even itself."""
+    if _INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@jit
+def sigmoid_f32(x):
+    return 1.0 / (1.0 + tl.exp(-x))

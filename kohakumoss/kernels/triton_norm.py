@@ -1,0 +1,240 @@
+"""Triton RMSNorm and modulated RMSNorm (``model/ops.py``: ``rms_norm``,
+``modulated_rms_norm``), forward and backward, as ``torch.library`` custom ops.
+
+Math, per row x of D features, all in fp32, rounded once to x's dtype:
+``r = (mean(x^2) + eps)^-1/2``, ``xh = x r``, ``y = xh w``, modulated ``out = y (1 + sc) + sh``
+with the row's sample's scale/shift. Backward, with g the output gradient:
+``dsh_b = sum_{rows of b} g``, ``dsc_b = sum g y``, ``gy = g (1 + sc)``, ``dw = sum gy xh``,
+``dx = r (gy w - xh mean(gy w xh))``. The reductions over rows run per (sample, chunk)
+program in fp32 registers, then one fixed-order sum of the per-chunk partials.
+
+Legend: R rows, D features, B samples, K chunks per sample, P = B K programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kohakumoss.kernels.triton_common import (check_tensors, jit, lastdim_contiguous, pow2,
+                                              programs, rounded, rows2d, segment_order, warps)
+
+
+@jit
+def _norm_fwd(X, W, SHIFT, SCALE, SEG, OUT, R, D, sx, s_sh, s_sc, eps,
+              HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask, cmask = rows < R, cols < D
+    m = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * rstd[:, None] * w[None, :]
+    if HAS_MOD:
+        s = tl.load(SEG + rows, mask=rmask, other=0).to(tl.int64)[:, None]
+        sc = tl.load(SCALE + s * s_sc + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        sh = tl.load(SHIFT + s * s_sh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        y = y * (1.0 + sc) + sh
+    tl.store(OUT + r64 * D + cols[None, :], rounded(y, OUT.dtype.element_ty), mask=m)
+
+
+@jit
+def _norm_bwd(G, X, W, SCALE, ORDER, STARTS, DX, PW, PSC, PSH, R, D, sg, sx, s_sc, eps, K,
+              HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // K
+    k = pid % K
+    if HAS_MOD:
+        start = tl.load(STARTS + b)
+        end = tl.load(STARTS + b + 1)
+    else:
+        start = pid * 0
+        end = pid * 0 + R
+    per = (end - start + K - 1) // K
+    lo = start + k * per
+    hi = tl.minimum(lo + per, end)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    acc_w = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_sc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_sh = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_MOD:
+        sc = tl.load(SCALE + b.to(tl.int64) * s_sc + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    for i in range(lo, hi, BLOCK_R):
+        idx = i + tl.arange(0, BLOCK_R)
+        rmask = idx < hi
+        if HAS_MOD:
+            rows = tl.load(ORDER + idx, mask=rmask, other=0).to(tl.int64)[:, None]
+        else:
+            rows = idx.to(tl.int64)[:, None]
+        m = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        g = tl.load(G + rows * sg + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        xh = x * rstd[:, None]
+        if HAS_MOD:
+            acc_sh += tl.sum(g, axis=0)
+            acc_sc += tl.sum(g * (xh * w), axis=0)
+            g = g * (1.0 + sc)
+        acc_w += tl.sum(g * xh, axis=0)
+        gw = g * w
+        c = tl.sum(gw * xh, axis=1) / D
+        dx = rstd[:, None] * (gw - xh * c[:, None])
+        tl.store(DX + rows * D + cols[None, :], rounded(dx, DX.dtype.element_ty), mask=m)
+    tl.store(PW + pid * D + cols, acc_w, mask=cmask)
+    if HAS_MOD:
+        tl.store(PSC + pid * D + cols, acc_sc, mask=cmask)
+        tl.store(PSH + pid * D + cols, acc_sh, mask=cmask)
+
+
+def _tile(D: int) -> tuple[int, int]:
+    block_d = pow2(D)
+    return max(1, min(64, 4096 // block_d)), block_d
+
+
+def _forward(x, w, shift, scale, seg, eps, has_mod):
+    R, D = x.shape
+    out = torch.empty((R, D), dtype=x.dtype, device=x.device)
+    if R == 0:
+        return out
+    block_r, block_d = _tile(D)
+    s_sh, s_sc = (shift.stride(0), scale.stride(0)) if has_mod else (0, 0)
+    _norm_fwd[(triton.cdiv(R, block_r),)](
+        x, w, shift, scale, seg, out, R, D, x.stride(0), s_sh, s_sc, eps,
+        HAS_MOD=has_mod, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d))
+    return out
+
+
+def _backward(g, x, w, scale, seg, eps, has_mod):
+    R, D = x.shape
+    g = rows2d(g, D)
+    B = scale.shape[0] if has_mod else 1
+    K = max(1, -(-programs(x.device) // B))
+    P = B * K
+    dx = torch.empty((R, D), dtype=x.dtype, device=x.device)
+    pw = torch.zeros((P, D), dtype=torch.float32, device=x.device)
+    psc = torch.zeros((P, D) if has_mod else (1, 1), dtype=torch.float32, device=x.device)
+    psh = torch.zeros_like(psc)
+    if R > 0:
+        order, starts = segment_order(seg, B) if has_mod else (seg, seg)
+        block_r, block_d = _tile(D)
+        _norm_bwd[(P,)](g, x, w, scale, order, starts, dx, pw, psc, psh, R, D, g.stride(0),
+                        x.stride(0), scale.stride(0) if has_mod else 0, eps, K,
+                        HAS_MOD=has_mod, BLOCK_R=block_r, BLOCK_D=block_d,
+                        num_warps=warps(block_r * block_d))
+    dw = pw.sum(0).to(w.dtype)
+    if not has_mod:
+        return dx, dw, None, None
+    return dx, dw, psh.view(B, K, D).sum(1), psc.view(B, K, D).sum(1)  # fp32: cast by autograd
+
+
+# ---- custom ops ----------------------------------------------------------------------------
+
+@torch.library.custom_op("kohakumoss::triton_rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _forward(x, weight, x, x, x, eps, False)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("kohakumoss::triton_rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw, _, _ = _backward(g, x, weight, x, x, eps, False)
+    return dx, dw
+
+
+@_rms_norm_bwd_op.register_fake
+def _(g, x, weight, eps):
+    return torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device), torch.empty_like(weight)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_backward(ctx, g):
+    x, weight = ctx.saved_tensors
+    dx, dw = torch.ops.kohakumoss.triton_rms_norm_bwd(g, x, weight, ctx.eps)
+    return dx, dw, None
+
+
+_rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+@torch.library.custom_op("kohakumoss::triton_modulated_rms_norm", mutates_args=())
+def _mod_norm_op(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                 seg: torch.Tensor, eps: float) -> torch.Tensor:
+    return _forward(x, weight, shift, scale, seg, eps, True)
+
+
+@_mod_norm_op.register_fake
+def _(x, weight, shift, scale, seg, eps):
+    return torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("kohakumoss::triton_modulated_rms_norm_bwd", mutates_args=())
+def _mod_norm_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     seg: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(g, x, weight, scale, seg, eps, True)
+
+
+@_mod_norm_bwd_op.register_fake
+def _(g, x, weight, scale, seg, eps):
+    return (torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device),
+            torch.empty_like(weight), torch.empty(scale.shape, dtype=torch.float32, device=scale.device),
+            torch.empty(scale.shape, dtype=torch.float32, device=scale.device))
+
+
+def _mod_setup(ctx, inputs, output):
+    x, weight, shift, scale, seg, eps = inputs
+    ctx.save_for_backward(x, weight, scale, seg)
+    ctx.eps, ctx.dtypes = eps, (shift.dtype, scale.dtype)
+
+
+def _mod_backward(ctx, g):
+    x, weight, scale, seg = ctx.saved_tensors
+    dx, dw, dshift, dscale = torch.ops.kohakumoss.triton_modulated_rms_norm_bwd(
+        g, x, weight, scale, seg, ctx.eps)
+    return dx, dw, dshift.to(ctx.dtypes[0]), dscale.to(ctx.dtypes[1]), None, None
+
+
+_mod_norm_op.register_autograd(_mod_backward, setup_context=_mod_setup)
+
+
+# ---- the op-table entries (the references' signatures) -------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.rms_norm`` in Triton: x of any leading shape, normalised over its last dim."""
+    check_tensors("rms_norm", x, weight)
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"rms_norm (triton): weight {tuple(weight.shape)} for {D} features")
+    out = _rms_norm_op(rows2d(x, D), lastdim_contiguous(weight), float(eps))
+    return out.view(x.shape)
+
+
+def modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
+                       scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.modulated_rms_norm`` in Triton. ``seg_N`` values must lie in [0, B)."""
+    check_tensors("modulated_rms_norm", x_ND, weight, shift_BD, scale_BD)
+    N, D = x_ND.shape
+    if weight.shape != (D,) or shift_BD.shape != scale_BD.shape or shift_BD.shape[-1:] != (D,) \
+            or shift_BD.dim() != 2 or seg_N.shape != (N,):
+        raise ValueError(f"modulated_rms_norm (triton): x {tuple(x_ND.shape)}, weight "
+                         f"{tuple(weight.shape)}, shift {tuple(shift_BD.shape)}, scale "
+                         f"{tuple(scale_BD.shape)}, seg {tuple(seg_N.shape)}; want [N, D], [D], "
+                         f"[B, D], [B, D], [N]")
+    return _mod_norm_op(lastdim_contiguous(x_ND), lastdim_contiguous(weight),
+                        lastdim_contiguous(shift_BD), lastdim_contiguous(scale_BD), seg_N,
+                        float(eps))

@@ -1,0 +1,275 @@
+"""Triton SiTU, residual add and gated residual add (``model/ops.py``: ``situ``,
+``residual``, ``gated_residual``), forward and backward, as ``torch.library`` custom ops.
+
+Math, all in fp32, rounded once to the output's dtype (the first input's):
+- SiTU: ``A(g) = 4 tanh(g/4) sigmoid(g)``, ``U(u) = 25 tanh(u/25)``, ``out = A U``;
+  ``du = go A (1 - tanh(u/25)^2)``, ``dg = go U ((1 - tanh(g/4)^2) sig + 4 tanh(g/4) sig (1 - sig))``.
+- residual: ``out = x + y``; its gradients are the output's, cast to each input's dtype.
+- gated residual: ``out = x + gate[seg] y``; ``dx = go``, ``dy = gate[seg] go``,
+  ``dgate_b = sum_{rows of b} go y`` (per (sample, chunk) program in fp32 registers, then a
+  fixed-order sum of the chunks' partials).
+
+Legend: R rows, C columns, B samples, K chunks per sample.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kohakumoss.kernels.triton_common import (check_tensors, jit, pow2, programs, rounded,
+                                              rows2d, segment_order, sigmoid_f32, tanh_f32, warps)
+
+_TILE, _BLOCK_C = 4096, 1024  # the elementwise tile: elements, widest column block
+
+
+@jit
+def _situ_fwd(U, G, OUT, R, C, su, sg, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    m = (rows < R) & (cols < C)
+    u = tl.load(U + rows * su + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + rows * sg + cols, mask=m, other=0.0).to(tl.float32)
+    out = (4.0 * tanh_f32(g / 4.0) * sigmoid_f32(g)) * (25.0 * tanh_f32(u / 25.0))
+    tl.store(OUT + rows * C + cols, rounded(out, OUT.dtype.element_ty), mask=m)
+
+
+@jit
+def _situ_bwd(GO, U, G, DU, DG, R, C, sgo, su, sg, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    m = (rows < R) & (cols < C)
+    go = tl.load(GO + rows * sgo + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * su + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + rows * sg + cols, mask=m, other=0.0).to(tl.float32)
+    tg = tanh_f32(g / 4.0)
+    sig = sigmoid_f32(g)
+    tu = tanh_f32(u / 25.0)
+    a = 4.0 * tg * sig
+    du = go * a * (1.0 - tu * tu)
+    dg = go * (25.0 * tu) * ((1.0 - tg * tg) * sig + 4.0 * tg * sig * (1.0 - sig))
+    tl.store(DU + rows * C + cols, rounded(du, DU.dtype.element_ty), mask=m)
+    tl.store(DG + rows * C + cols, rounded(dg, DG.dtype.element_ty), mask=m)
+
+
+@jit
+def _add_fwd(X, Y, GATE, SEG, OUT, R, C, sx, sy, s_gate,
+             GATED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = r.to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    m = (rows < R) & (cols < C)
+    x = tl.load(X + rows * sx + cols, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(Y + rows * sy + cols, mask=m, other=0.0).to(tl.float32)
+    if GATED:
+        s = tl.load(SEG + r, mask=r < R, other=0).to(tl.int64)[:, None]
+        y = tl.load(GATE + s * s_gate + cols, mask=m, other=0.0).to(tl.float32) * y
+    tl.store(OUT + rows * C + cols, rounded(x + y, OUT.dtype.element_ty), mask=m)
+
+
+@jit
+def _gated_bwd(GO, Y, GATE, ORDER, STARTS, DY, PGATE, C, sgo, sy, s_gate, K,
+               GATE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // K
+    k = pid % K
+    start = tl.load(STARTS + b)
+    end = tl.load(STARTS + b + 1)
+    per = (end - start + K - 1) // K
+    lo = start + k * per
+    hi = tl.minimum(lo + per, end)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    gate = tl.load(GATE + b.to(tl.int64) * s_gate + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for i in range(lo, hi, BLOCK_R):
+        idx = i + tl.arange(0, BLOCK_R)
+        rmask = idx < hi
+        rows = tl.load(ORDER + idx, mask=rmask, other=0).to(tl.int64)[:, None]
+        m = rmask[:, None] & cmask[None, :]
+        go = tl.load(GO + rows * sgo + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(DY + rows * C + cols[None, :], rounded(gate * go, DY.dtype.element_ty), mask=m)
+        if GATE_GRAD:
+            y = tl.load(Y + rows * sy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += tl.sum(go * y, axis=0)
+    if GATE_GRAD:
+        tl.store(PGATE + pid * C + cols, acc, mask=cmask)
+
+
+def _grid(R: int, C: int) -> tuple[tuple[int, int], int, int]:
+    block_c = min(_BLOCK_C, pow2(C))
+    block_r = max(1, min(64, _TILE // block_c))
+    return (triton.cdiv(R, block_r), triton.cdiv(C, block_c)), block_r, block_c
+
+
+def _check_pair(op: str, a: torch.Tensor, b: torch.Tensor, names: str) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{op} (triton): {names} of shapes {tuple(a.shape)} and {tuple(b.shape)}; "
+                         f"the kernel takes equal shapes (no broadcasting)")
+
+
+# ---- SiTU ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("kohakumoss::triton_situ", mutates_args=())
+def _situ_op(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    R, C = u.shape
+    out = torch.empty((R, C), dtype=u.dtype, device=u.device)
+    if out.numel():
+        grid, br, bc = _grid(R, C)
+        _situ_fwd[grid](u, g, out, R, C, u.stride(0), g.stride(0), BLOCK_R=br, BLOCK_C=bc,
+                        num_warps=warps(br * bc))
+    return out
+
+
+@_situ_op.register_fake
+def _(u, g):
+    return torch.empty(u.shape, dtype=u.dtype, device=u.device)
+
+
+@torch.library.custom_op("kohakumoss::triton_situ_bwd", mutates_args=())
+def _situ_bwd_op(go: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    R, C = u.shape
+    go = rows2d(go, C)
+    du = torch.empty((R, C), dtype=u.dtype, device=u.device)
+    dg = torch.empty((R, C), dtype=g.dtype, device=g.device)
+    if du.numel():
+        grid, br, bc = _grid(R, C)
+        _situ_bwd[grid](go, u, g, du, dg, R, C, go.stride(0), u.stride(0), g.stride(0),
+                        BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
+    return du, dg
+
+
+@_situ_bwd_op.register_fake
+def _(go, u, g):
+    return torch.empty(u.shape, dtype=u.dtype, device=u.device), torch.empty(g.shape, dtype=g.dtype, device=g.device)
+
+
+def _situ_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _situ_backward(ctx, go):
+    u, g = ctx.saved_tensors
+    return torch.ops.kohakumoss.triton_situ_bwd(go, u, g)
+
+
+_situ_op.register_autograd(_situ_backward, setup_context=_situ_setup)
+
+
+def situ(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``ops.situ`` in Triton: u and g of one shape (column-strided views taken as they are)."""
+    check_tensors("situ", u, g)
+    _check_pair("situ", u, g, "u and g")
+    C = u.shape[-1] if u.dim() else 1
+    return _situ_op(rows2d(u, C), rows2d(g, C)).view(u.shape)
+
+
+# ---- residual and gated residual -----------------------------------------------------------
+
+@torch.library.custom_op("kohakumoss::triton_residual", mutates_args=())
+def _residual_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    R, C = x.shape
+    out = torch.empty((R, C), dtype=x.dtype, device=x.device)
+    if out.numel():
+        grid, br, bc = _grid(R, C)
+        _add_fwd[grid](x, y, x, x, out, R, C, x.stride(0), y.stride(0), 0,
+                       GATED=False, BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
+    return out
+
+
+@_residual_op.register_fake
+def _(x, y):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _residual_setup(ctx, inputs, output):
+    ctx.dtypes = (inputs[0].dtype, inputs[1].dtype)
+
+
+def _residual_backward(ctx, go):
+    # d(x + y) = go; the reference's fp32 upcast of go and the cast back to each input's
+    # dtype are exact, so the gradients are go itself, in each input's dtype
+    return go.to(ctx.dtypes[0]), go.to(ctx.dtypes[1])
+
+
+_residual_op.register_autograd(_residual_backward, setup_context=_residual_setup)
+
+
+def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``ops.residual`` in Triton: ``x + y`` in fp32, rounded once to x's dtype."""
+    check_tensors("residual", x, y)
+    _check_pair("residual", x, y, "x and y")
+    C = x.shape[-1] if x.dim() else 1
+    return _residual_op(rows2d(x, C), rows2d(y, C)).view(x.shape)
+
+
+@torch.library.custom_op("kohakumoss::triton_gated_residual", mutates_args=())
+def _gated_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    R, C = x.shape
+    out = torch.empty((R, C), dtype=x.dtype, device=x.device)
+    if out.numel():
+        grid, br, bc = _grid(R, C)
+        _add_fwd[grid](x, y, gate, seg, out, R, C, x.stride(0), y.stride(0), gate.stride(0),
+                       GATED=True, BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
+    return out
+
+
+@_gated_op.register_fake
+def _(x, y, gate, seg):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("kohakumoss::triton_gated_residual_bwd", mutates_args=())
+def _gated_bwd_op(go: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch.Tensor,
+                  gate_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    R, C = y.shape
+    B = gate.shape[0]
+    go = rows2d(go, C)
+    K = max(1, -(-programs(y.device) // B))
+    dy = torch.empty((R, C), dtype=y.dtype, device=y.device)
+    pgate = torch.zeros((B * K, C) if gate_grad else (0, C), dtype=torch.float32, device=y.device)
+    if dy.numel():
+        order, starts = segment_order(seg, B)
+        block_c = min(256, pow2(C))
+        block_r = max(1, _TILE // 2 // block_c)
+        _gated_bwd[(B * K, triton.cdiv(C, block_c))](
+            go, y, gate, order, starts, dy, pgate, C, go.stride(0), y.stride(0), gate.stride(0), K,
+            GATE_GRAD=gate_grad, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps(block_r * block_c))
+    dgate = pgate.view(B, K, C).sum(1) if gate_grad else pgate
+    return dy, dgate
+
+
+@_gated_bwd_op.register_fake
+def _(go, y, gate, seg, gate_grad):
+    shape = gate.shape if gate_grad else (0, y.shape[1])
+    return (torch.empty(y.shape, dtype=y.dtype, device=y.device),
+            torch.empty(shape, dtype=torch.float32, device=y.device))
+
+
+def _gated_setup(ctx, inputs, output):
+    x, y, gate, seg = inputs
+    ctx.save_for_backward(y, gate, seg)
+    ctx.x_dtype = x.dtype
+
+
+def _gated_backward(ctx, go):
+    y, gate, seg = ctx.saved_tensors
+    gate_grad = ctx.needs_input_grad[2]
+    dy, dgate = torch.ops.kohakumoss.triton_gated_residual_bwd(go, y, gate, seg, gate_grad)
+    return go.to(ctx.x_dtype), dy, dgate.to(gate.dtype) if gate_grad else None, None
+
+
+_gated_op.register_autograd(_gated_backward, setup_context=_gated_setup)
+
+
+def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor,
+                   seg_N: torch.Tensor) -> torch.Tensor:
+    """``ops.gated_residual`` in Triton: ``x + gate[seg] y``. ``seg_N`` values must lie in [0, B)."""
+    check_tensors("gated_residual", x_ND, y_ND, gate_BD)
+    _check_pair("gated_residual", x_ND, y_ND, "x and y")
+    N, D = x_ND.shape
+    if gate_BD.dim() != 2 or gate_BD.shape[1] != D or seg_N.shape != (N,):
+        raise ValueError(f"gated_residual (triton): x {tuple(x_ND.shape)}, gate "
+                         f"{tuple(gate_BD.shape)}, seg {tuple(seg_N.shape)}; want [N, D], [B, D], [N]")
+    return _gated_op(rows2d(x_ND, D), rows2d(y_ND, D), rows2d(gate_BD, D), seg_N)

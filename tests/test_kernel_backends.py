@@ -1,0 +1,484 @@
+"""Every kernel backend (``kohakumoss/kernels/backends.py``) against its reference
+(``kohakumoss/model/ops.py``): the forward and every input gradient, over shapes (segment
+lengths 1, odd and long; several samples; heads; head dims) and dtypes, with a relative
+error ``||ours - ref|| / ||ref||`` under a tolerance per dtype.
+
+Where the Triton kernels run: on a CUDA machine, compiled, at these small shapes and (the
+``gpu`` tests) at the real model's; on a CPU machine, interpreted. Interpretation is decided
+when ``triton`` is first imported (``TRITON_INTERPRET=1``), and in a test session something
+(``torch._dynamo``, through lycoris) imports it long before this module, so on a CPU machine
+``test_the_interpreted_suite`` reruns this file in a subprocess with ``TRITON_INTERPRET=1``
+and the in-process Triton tests skip, pointing there. Without Triton they skip, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kohakumoss.kernels import KERNELS, backends, build_op_table
+from kohakumoss.model import FLAVORS, build_layout, ops
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+COMMON = backends.triton_module("triton_common")
+INTERPRETED = COMMON is not None and COMMON.INTERPRETED
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# one rounding out of fp32 math on both sides: they differ where fp32 sums (row norms, the
+# per-sample and per-weight reductions) land on either side of a rounding boundary
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+# attention: a differently blocked softmax, exp and accumulation in the kernel
+ATTENTION_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+ELEMENTWISE = ["rms_norm", "modulated_rms_norm", "qk_norm_rope", "situ", "residual", "gated_residual"]
+LENGTHS = {"one": [1], "odd": [5], "mixed": [1, 7, 3], "long": [37]}
+
+
+def _ids(d):
+    return str(d).removeprefix("torch.")
+
+
+TRITON_TESTS: list[str] = []  # what test_the_interpreted_suite reruns
+
+
+def triton_test(fn):
+    TRITON_TESTS.append(fn.__name__)
+    return fn
+
+
+def needs_triton():
+    if COMMON is None:
+        pytest.skip(f"triton is not installed here ({backends.triton_unavailable_reason('situ')})")
+    if not CUDA and not INTERPRETED:
+        pytest.skip("the Triton kernels run interpreted on the CPU: see test_the_interpreted_suite")
+
+
+def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    a, b = ours.detach().double(), ref.detach().double()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    d, n = (a - b).norm(), b.norm()
+    return float(d / n) if n > 0 else float(d)
+
+
+def leaf(g: torch.Generator, *shape, dtype=torch.float32, scale=1.0, grad=True):
+    t = (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+    return t.requires_grad_(grad)
+
+
+def seg_of(lengths: list[int], shuffle: bool = False, g: torch.Generator | None = None) -> torch.Tensor:
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    if shuffle:  # sample ids in any order: the backward's per-sample grouping must not care
+        seg = seg[torch.randperm(len(seg), generator=g)]
+    return seg.to(DEVICE)
+
+
+def compare(fn, ref, args, leaves: dict[str, torch.Tensor], tol: float, seed: int = 1) -> None:
+    """``fn(*args)`` against ``ref(*args)``: output and the gradient of every leaf."""
+    out, want = fn(*args), ref(*args)
+    assert out.dtype == want.dtype and out.shape == want.shape
+    err = rel(out, want)
+    assert err <= tol, f"forward: relative error {err:.2e} > {tol:.0e}"
+    g = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(want.shape, generator=g).to(want.dtype).to(DEVICE)
+    names = list(leaves)
+    got = torch.autograd.grad(out, [leaves[n] for n in names], grad_out, retain_graph=True)
+    exp = torch.autograd.grad(want, [leaves[n] for n in names], grad_out)
+    for name, a, b in zip(names, got, exp):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        err = rel(a, b)
+        assert err <= tol, f"d{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+def triton_fn(op: str):
+    return KERNELS.backend(op, "triton").fn
+
+
+# ---- the elementwise ops in Triton ---------------------------------------------------------
+
+@triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+def test_rms_norm(lengths, dtype):
+    needs_triton()
+    g = torch.Generator().manual_seed(0)
+    N = sum(lengths)
+    for shape in [(N, 48), (2, N, 64)]:  # any leading shape; a width that is no power of 2
+        x, w = leaf(g, *shape, dtype=dtype), leaf(g, shape[-1], dtype=dtype, scale=0.2)
+        w.data += 1
+        compare(triton_fn("rms_norm"), ops.rms_norm, (x, w, 1e-6), {"x": x, "weight": w}, TOL[dtype])
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+def test_modulated_rms_norm(lengths, dtype):
+    needs_triton()
+    g = torch.Generator().manual_seed(1)
+    N, D, B = sum(lengths), 48, len(lengths)
+    for shuffle in (False, True):
+        x, w = leaf(g, N, D, dtype=dtype), leaf(g, D, dtype=dtype, scale=0.2)
+        shift, scale = leaf(g, B, D, scale=0.5), leaf(g, B, D, scale=0.5)
+        seg = seg_of(lengths, shuffle, g)
+        compare(triton_fn("modulated_rms_norm"), ops.modulated_rms_norm,
+                (x, w, shift, scale, seg, 1e-6),
+                {"x": x, "weight": w, "shift": shift, "scale": scale}, TOL[dtype])
+
+
+@triton_test
+def test_modulated_rms_norm_with_columns_of_one_tensor_and_an_fp32_weight():
+    """The model's case: shift and scale are strided views of one [B, 6, D] tensor; and a
+    16-bit stream with an fp32 weight (a full finetune under autocast)."""
+    needs_triton()
+    g = torch.Generator().manual_seed(2)
+    lengths = [6, 1, 9]
+    N, D, B = sum(lengths), 64, len(lengths)
+    x, w = leaf(g, N, D, dtype=torch.bfloat16), leaf(g, D, scale=0.2)
+    mod = leaf(g, B, 6, D, scale=0.5)
+    shift, scale = mod[:, 3], mod[:, 4]
+    compare(triton_fn("modulated_rms_norm"), ops.modulated_rms_norm,
+            (x, w, shift, scale, seg_of(lengths), 1e-6), {"x": x, "weight": w, "mod": mod},
+            TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("lengths,heads,head_dim", [(LENGTHS["one"], 1, 16), (LENGTHS["mixed"], 3, 24),
+                                                    (LENGTHS["long"], 2, 32)],
+                         ids=["one-1x16", "mixed-3x24", "long-2x32"])
+@triton_test
+def test_qk_norm_rope(lengths, heads, head_dim, dtype):
+    needs_triton()
+    g = torch.Generator().manual_seed(3)
+    N = sum(lengths)
+    x, w = leaf(g, N, heads, head_dim, dtype=dtype), leaf(g, head_dim, dtype=dtype, scale=0.2)
+    theta = leaf(g, N, head_dim // 2, scale=3.0, grad=False)
+    cos, sin = theta.cos(), theta.sin()  # fp32, as rope_angles gives a 16-bit model
+    compare(triton_fn("qk_norm_rope"), ops.qk_norm_rope, (x, w, cos, sin, 1e-6),
+            {"x": x, "weight": w}, TOL[dtype])
+
+
+@triton_test
+def test_qk_norm_rope_gives_gradients_to_cos_and_sin_when_they_need_them():
+    needs_triton()
+    g = torch.Generator().manual_seed(4)
+    N, H, Dh = 9, 3, 16
+    x, w = leaf(g, N, H, Dh), leaf(g, Dh)
+    theta = leaf(g, N, Dh // 2, scale=3.0)
+    compare(triton_fn("qk_norm_rope"), ops.qk_norm_rope,
+            (x, w, theta.cos(), theta.sin(), 1e-6), {"x": x, "weight": w, "theta": theta}, 1e-5)
+
+
+@triton_test
+def test_qk_norm_rope_on_a_strided_view():
+    """The text blocks' q and k are views of one fused qkv output."""
+    needs_triton()
+    g = torch.Generator().manual_seed(5)
+    N, H, Dh = 11, 2, 32
+    qkv = leaf(g, N, 3 * H * Dh, dtype=torch.bfloat16)
+    q = qkv.view(N, 3, H, Dh).unbind(1)[1]
+    w = leaf(g, Dh, dtype=torch.bfloat16)
+    theta = leaf(g, N, Dh // 2, grad=False)
+    compare(triton_fn("qk_norm_rope"), ops.qk_norm_rope, (q, w, theta.cos(), theta.sin(), 1e-6),
+            {"qkv": qkv, "weight": w}, TOL[torch.bfloat16])
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("shape", [(1, 40), (7, 130), (37, 64)], ids=str)
+def test_situ(shape, dtype):
+    """u and g as the column halves of one fused up-gate output (strided views), over the
+    ranges where both tanh saturate (|u| >> 25, |g| >> 4) and near zero."""
+    needs_triton()
+    g = torch.Generator().manual_seed(6)
+    N, F = shape
+    ug = leaf(g, N, 2 * F, dtype=dtype, scale=20.0)
+    with torch.no_grad():
+        ug[:, ::3] *= 1e-3
+    u, gate = ug.split(F, dim=-1)
+    compare(triton_fn("situ"), ops.situ, (u, gate), {"ug": ug}, TOL[dtype])
+    u, gate = leaf(g, N, F, dtype=dtype, scale=4.0), leaf(g, N, F, dtype=dtype, scale=4.0)
+    compare(triton_fn("situ"), ops.situ, (u, gate), {"u": u, "g": gate}, TOL[dtype])
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("shape", [(1, 48), (37, 64), (2, 5, 48)], ids=str)
+def test_residual(shape, dtype):
+    needs_triton()
+    g = torch.Generator().manual_seed(7)
+    x, y = leaf(g, *shape, dtype=dtype), leaf(g, *shape, dtype=dtype, scale=0.01)
+    compare(triton_fn("residual"), ops.residual, (x, y), {"x": x, "y": y}, TOL[dtype])
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+def test_gated_residual(lengths, dtype):
+    needs_triton()
+    g = torch.Generator().manual_seed(8)
+    N, D, B = sum(lengths), 48, len(lengths)
+    for shuffle in (False, True):
+        x, y = leaf(g, N, D, dtype=dtype), leaf(g, N, D, dtype=dtype)
+        gate = leaf(g, B, D, scale=0.3)
+        seg = seg_of(lengths, shuffle, g)
+        compare(triton_fn("gated_residual"), ops.gated_residual, (x, y, gate, seg),
+                {"x": x, "y": y, "gate": gate}, TOL[dtype])
+    # a frozen gate (LoRA: the modulation takes no gradient): the kernel skips its reduction
+    gate = leaf(g, B, D, scale=0.3, grad=False)
+    compare(triton_fn("gated_residual"), ops.gated_residual, (x, y, gate, seg),
+            {"x": x, "y": y}, TOL[dtype])
+
+
+@triton_test
+def test_the_triton_kernels_refuse_what_they_cannot_take():
+    needs_triton()
+    x = torch.randn(4, 8, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(TypeError, match="float64 input; the kernels take float32, bfloat16"):
+        triton_fn("rms_norm")(x, torch.ones(8, dtype=torch.float64, device=DEVICE), 1e-6)
+    y = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x and y of shapes \(4, 8\) and \(4, 1\)"):
+        triton_fn("residual")(y, y[:, :1])
+    with pytest.raises(ValueError, match="want \\[N, D\\], \\[B, D\\], \\[N\\]"):
+        triton_fn("gated_residual")(y, y, torch.ones(2, 7, device=DEVICE), torch.zeros(4, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="want \\[N, H, Dh\\], Dh even"):
+        triton_fn("qk_norm_rope")(torch.randn(4, 2, 5, device=DEVICE), torch.ones(5, device=DEVICE),
+                                  y[:, :2], y[:, :2], 1e-6)
+
+
+@triton_test
+def test_recomputation_wraps_a_triton_op_with_the_same_gradients():
+    """``memory.apply_recompute`` wraps whatever the table holds: forward keeps the inputs,
+    backward reruns the custom op under autograd; the gradients are the plain ones."""
+    needs_triton()
+    from kohakumoss.memory import recomputed
+
+    g = torch.Generator().manual_seed(9)
+    x, w = leaf(g, 13, 64, dtype=torch.bfloat16), leaf(g, 64, dtype=torch.bfloat16)
+    shift, scale = leaf(g, 2, 64), leaf(g, 2, 64)
+    seg = seg_of([6, 7])
+    fn = triton_fn("modulated_rms_norm")
+    args = (x, w, shift, scale, seg, 1e-6)
+    plain, wrapped = fn(*args), recomputed(fn, 5)(*args)
+    assert torch.equal(plain, wrapped)
+    go = torch.randn_like(plain)
+    for a, b in zip(torch.autograd.grad(plain, [x, w, shift, scale], go),
+                    torch.autograd.grad(wrapped, [x, w, shift, scale], go)):
+        assert torch.equal(a, b)
+
+
+# ---- the real model's sizes (GPU) ----------------------------------------------------------
+
+BASE = FLAVORS["base"]
+REAL_LENGTHS = [64 * 64 + 104, 64 * 64 + 104]  # two 1 MP samples (64 x 64 latent cells) + text
+
+
+def _real_call(op: str, dtype: torch.dtype, g: torch.Generator):
+    """(args, leaves) of one joint-block call of ``op`` at the base model's sizes."""
+    N, D, F, H, Dh = sum(REAL_LENGTHS), BASE.dim, BASE.ffn_dim, BASE.heads, BASE.head_dim
+    seg = seg_of(REAL_LENGTHS)
+    x = leaf(g, N, D, dtype=dtype)
+    if op == "rms_norm":
+        w = leaf(g, D, dtype=dtype)
+        return (x, w, 1e-6), {"x": x, "weight": w}
+    if op == "modulated_rms_norm":
+        w, mod = leaf(g, D, dtype=dtype), leaf(g, 2, 6, D, scale=0.5)
+        return (x, w, mod[:, 0], mod[:, 1], seg, 1e-6), {"x": x, "weight": w, "mod": mod}
+    if op == "qk_norm_rope":
+        q, w = leaf(g, N, H, Dh, dtype=dtype), leaf(g, Dh, dtype=dtype)
+        theta = leaf(g, N, Dh // 2, scale=20.0, grad=False)
+        return (q, w, theta.cos(), theta.sin(), 1e-6), {"x": q, "weight": w}
+    if op == "situ":
+        ug = leaf(g, N, 2 * F, dtype=dtype, scale=3.0)
+        return tuple(ug.split(F, dim=-1)), {"ug": ug}
+    y = leaf(g, N, D, dtype=dtype, scale=0.1)
+    if op == "residual":
+        return (x, y), {"x": x, "y": y}
+    gate = leaf(g, 2, D, scale=0.5)
+    return (x, y, gate, seg), {"x": x, "y": y, "gate": gate}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_ids)
+@pytest.mark.parametrize("op", ELEMENTWISE)
+def test_triton_at_the_real_sizes(op, dtype):
+    """A joint block's calls for a 2 x 1 MP batch (8400 tokens) of the 5B model."""
+    needs_triton()
+    args, leaves = _real_call(op, dtype, torch.Generator().manual_seed(12))
+    compare(triton_fn(op), ops.REFERENCE[op], args, leaves, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,dtype", [("flash_varlen", torch.bfloat16), ("flash_varlen", torch.float16),
+                                           ("flex", torch.bfloat16), ("flex", torch.float32)],
+                         ids=lambda v: v if isinstance(v, str) else _ids(v))
+def test_attention_at_the_real_sizes(backend, dtype):
+    b = KERNELS.backend("varlen_attention", backend)
+    if not b.available(DEVICE, dtype):
+        pytest.skip(f"{backend} cannot run on {DEVICE} in {dtype}")
+    q, k, v = _attention_inputs(REAL_LENGTHS, BASE.heads, BASE.head_dim, dtype, grad=True)
+    compare(b.fn, ops.varlen_attention, (q, k, v, REAL_LENGTHS), {"q": q, "k": k, "v": v},
+            ATTENTION_TOL[dtype])
+
+
+# ---- the tiny model with a table of Triton kernels -----------------------------------------
+
+def _tiny_inputs(dtype):
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5), (1, 1)], [6, 0, 3])
+    g = torch.Generator().manual_seed(10)
+    img = torch.randn(layout.n_img, c.latent_channels, generator=g).to(DEVICE)
+    text = torch.randn(layout.n_txt, c.text_dim, generator=g).to(DEVICE)
+    return img, text, torch.tensor([0.9, 0.4, 0.05], device=DEVICE), layout
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_the_tiny_model_with_triton_kernels_matches_the_reference(dtype):
+    """Forward output and every parameter's gradient, with recomputation on as in training."""
+    needs_triton()
+    from kohakumoss.memory import apply_recompute
+    from kohakumoss.model import cast_model
+    from kohakumoss.model.build import tiny_transformer
+
+    img, text, sigma, layout = _tiny_inputs(dtype)
+    layout = layout.to(DEVICE)
+    results = []
+    fast = {op: "triton" for op in ELEMENTWISE}
+    if CUDA:
+        fast["varlen_attention"] = ["flash_varlen", "flex"]
+    for choices in ({}, fast):
+        model = cast_model(tiny_transformer(), dtype).to(DEVICE)
+        model.ops = build_op_table(DEVICE, dtype, choices)
+        apply_recompute(model)
+        v = model(img, text, sigma, layout)
+        v.float().square().mean().backward()
+        results.append((v, {n: p.grad for n, p in model.named_parameters()}))
+    (v_ref, g_ref), (v_tri, g_tri) = results
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]  # bf16: rounding flips compound over blocks
+    assert rel(v_tri, v_ref) <= tol
+    for name in g_ref:
+        assert rel(g_tri[name], g_ref[name]) <= tol, name
+
+
+@triton_test
+def test_parity_vectors_hold_with_the_triton_table():
+    """``kmoss check parity tests/data/vectors``' fp32 comparison, with every Triton op."""
+    needs_triton()
+    from kohakumoss.checks.parity import TOL as PARITY_TOL, load_batch, rel_error
+    from kohakumoss.formats.model_files import load_transformer
+
+    folder = ROOT / "tests" / "data" / "vectors"
+    batch = load_batch(folder)
+    layout = build_layout(batch["hw"].tolist(), batch["text_len"].tolist()).to(DEVICE)
+    model, _ = load_transformer(folder / "weights_official.safetensors", dtype=torch.float32,
+                                device=DEVICE)
+    model.ops = build_op_table(DEVICE, torch.float32, {op: "triton" for op in ELEMENTWISE})
+    with torch.no_grad():
+        v = model(batch["img"].to(DEVICE), batch["text"].to(DEVICE), batch["sigma"].to(DEVICE), layout)
+    assert rel_error(v, batch["v_fp32"]) <= PARITY_TOL[torch.float32]
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+ATTENTION_SHAPES = {"one": ([1], 2, 32), "odd": ([5, 1, 9], 3, 16), "long": ([70, 33], 2, 64),
+                    "empty": ([0, 7, 0], 1, 32)}
+
+
+def _attention_inputs(lengths, heads, head_dim, dtype, grad, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    N = sum(lengths)
+    return [leaf(g, N, heads, head_dim, dtype=dtype, grad=grad) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("case", ATTENTION_SHAPES.values(), ids=ATTENTION_SHAPES.keys())
+def test_flex_attention_forward(case, dtype):
+    """Flex with a document mask, forward (the CPU has no flex backward; the GPU test below
+    checks gradients)."""
+    lengths, heads, head_dim = case
+    if not CUDA and dtype != torch.float32:
+        pytest.skip("flex on the CPU: float32 only")
+    q, k, v = _attention_inputs(lengths, heads, head_dim, dtype, grad=False)
+    fn = KERNELS.backend("varlen_attention", "flex").fn
+    with torch.no_grad():
+        out, want = fn(q, k, v, lengths), ops.varlen_attention(q, k, v, lengths)
+    assert rel(out, want) <= ATTENTION_TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_varlen", "flex"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("case", ATTENTION_SHAPES.values(), ids=ATTENTION_SHAPES.keys())
+def test_attention_forward_and_gradients(case, dtype, backend):
+    lengths, heads, head_dim = case
+    b = KERNELS.backend("varlen_attention", backend)
+    if not b.available(DEVICE, dtype):
+        pytest.skip(f"{backend} cannot run on {DEVICE} in {dtype}")
+    q, k, v = _attention_inputs(lengths, heads, head_dim, dtype, grad=True)
+    compare(b.fn, ops.varlen_attention, (q, k, v, lengths), {"q": q, "k": k, "v": v},
+            ATTENTION_TOL[dtype])
+
+
+def test_attention_backends_refuse_bad_segments():
+    q = torch.randn(5, 2, 16)
+    for backend in ("flash_varlen", "flex"):
+        with pytest.raises(ValueError, match="segment lengths sum to 4"):
+            KERNELS.backend("varlen_attention", backend).fn(q, q, q, [3, 1])
+
+
+# ---- registration and availability ---------------------------------------------------------
+
+def test_every_backend_is_registered_and_says_where_it_runs():
+    for op in ELEMENTWISE:
+        assert "triton" in KERNELS.names(op)
+        available = KERNELS.backend(op, "triton").available
+        assert not available(torch.device("cpu"), torch.float64)
+        assert available(torch.device("cpu"), torch.float32) == (COMMON is not None and INTERPRETED)
+        if COMMON is not None and not INTERPRETED:
+            assert available(DEVICE, torch.bfloat16) == (CUDA and torch.cuda.get_device_capability() >= (8, 0))
+    assert {"flash_varlen", "flex"} <= set(KERNELS.names("varlen_attention"))
+    flash = KERNELS.backend("varlen_attention", "flash_varlen").available
+    assert not flash(torch.device("cpu"), torch.bfloat16)
+    if CUDA:
+        assert not flash(DEVICE, torch.float32)  # flash takes 16-bit only
+    table = build_op_table("cpu", torch.float64, {op: "triton" for op in ELEMENTWISE})
+    assert all(getattr(table, op) is ops.REFERENCE[op] for op in ELEMENTWISE)
+
+
+def test_kohakumoss_imports_and_reports_triton_unavailable_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"  # 'import triton' raises ImportError
+            "import torch\n"
+            "from kohakumoss.kernels import KERNELS, backends, build_op_table\n"
+            "b = KERNELS.backend('situ', 'triton')\n"
+            "assert not b.available(torch.device('cpu'), torch.float32)\n"
+            "assert not b.available(torch.device('cuda'), torch.bfloat16)\n"
+            "t = build_op_table('cpu', torch.float32, {'situ': 'triton'})\n"
+            "assert t.situ is not b.fn\n"
+            "print(backends.triton_unavailable_reason('situ'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ImportError" in done.stdout or "ModuleNotFoundError" in done.stdout
+
+
+# ---- the interpreted suite on a CPU machine ------------------------------------------------
+
+def test_the_interpreted_suite():
+    """Reruns this file with ``TRITON_INTERPRET=1`` set before anything imports Triton."""
+    if CUDA or INTERPRETED:
+        pytest.skip("the Triton tests ran in this process")
+    if COMMON is None:
+        pytest.skip(f"triton is not installed here ({backends.triton_unavailable_reason('situ')})")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    here = Path(__file__).relative_to(ROOT)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-m", "not gpu", *[f"{here}::{name}" for name in TRITON_TESTS]],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
