@@ -235,6 +235,32 @@ def test_gated_residual(lengths, dtype):
 
 
 @triton_test
+def test_every_triton_op_passes_opcheck():
+    """``torch.library.opcheck``: the schema, the autograd registration, the fake (meta)
+    implementation against the real one, and AOT dispatch with dynamic shapes, which is
+    what ``torch.compile`` relies on to see through the kernels."""
+    needs_triton()
+    for module in set(backends.TRITON_OPS.values()):  # imported on first use: registers the ops
+        backends.triton_module(module)
+    K = torch.ops.kohakumoss
+    g = torch.Generator().manual_seed(13)
+    N, D, B, H, Dh = 7, 32, 2, 2, 16
+    seg = seg_of([3, 4])
+    cases = {
+        "triton_rms_norm": (leaf(g, N, D), leaf(g, D), 1e-6),
+        "triton_modulated_rms_norm": (leaf(g, N, D), leaf(g, D), leaf(g, B, D), leaf(g, B, D), seg, 1e-6),
+        "triton_qk_norm_rope": (leaf(g, N, H, Dh), leaf(g, Dh), leaf(g, N, Dh // 2, grad=False),
+                                leaf(g, N, Dh // 2, grad=False), 1e-6),
+        "triton_situ": (leaf(g, N, D, dtype=torch.bfloat16), leaf(g, N, D, dtype=torch.bfloat16)),
+        "triton_residual": (leaf(g, N, D, dtype=torch.bfloat16), leaf(g, N, D)),
+        "triton_gated_residual": (leaf(g, N, D), leaf(g, N, D), leaf(g, B, D), seg),
+    }
+    for name, args in cases.items():
+        result = torch.library.opcheck(getattr(K, name).default, args)
+        assert set(result.values()) == {"SUCCESS"}, (name, result)
+
+
+@triton_test
 def test_the_triton_kernels_refuse_what_they_cannot_take():
     needs_triton()
     x = torch.randn(4, 8, dtype=torch.float64, device=DEVICE)

@@ -228,7 +228,7 @@ def _gated_bwd_op(go: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: to
     go = rows2d(go, C)
     K = max(1, -(-programs(y.device) // B))
     dy = torch.empty((R, C), dtype=y.dtype, device=y.device)
-    pgate = torch.zeros((B * K, C) if gate_grad else (0, C), dtype=torch.float32, device=y.device)
+    pgate = torch.zeros((B * K, C) if gate_grad else (1, 1), dtype=torch.float32, device=y.device)
     if dy.numel():
         order, starts = segment_order(seg, B)
         block_c = min(256, pow2(C))
@@ -236,8 +236,9 @@ def _gated_bwd_op(go: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: to
         _gated_bwd[(B * K, triton.cdiv(C, block_c))](
             go, y, gate, order, starts, dy, pgate, C, go.stride(0), y.stride(0), gate.stride(0), K,
             GATE_GRAD=gate_grad, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps(block_r * block_c))
-    dgate = pgate.view(B, K, C).sum(1) if gate_grad else pgate
-    return dy, dgate
+    if not gate_grad:  # an empty [0, C] answer (the kernel had a one-element dummy)
+        return dy, torch.zeros((0, C), dtype=torch.float32, device=y.device)
+    return dy, pgate.view(B, K, C).sum(1)
 
 
 @_gated_bwd_op.register_fake

@@ -132,7 +132,7 @@ def _qk_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cos: torc
     N, H, Dh = x.shape
     g = lastdim_contiguous(g)
     dx = torch.empty((N, H, Dh), dtype=x.dtype, device=x.device)
-    shape = (N, Dh // 2) if rope_grad else (0, Dh // 2)
+    shape = (N, Dh // 2) if rope_grad else (1, 1)  # (1, 1): a valid pointer the kernel never uses
     dc = torch.empty(shape, dtype=cos.dtype, device=x.device)
     ds = torch.empty(shape, dtype=sin.dtype, device=x.device)
     bt, bh, bj, nw = _tile(H, Dh // 2)
@@ -143,6 +143,9 @@ def _qk_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cos: torc
                       g.stride(0), g.stride(1), cos.stride(0), sin.stride(0), H, eps,
                       HALF=Dh // 2, ROPE_GRAD=rope_grad, BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=bj,
                       num_warps=nw)
+    if not rope_grad:
+        dc = torch.empty((0, Dh // 2), dtype=cos.dtype, device=x.device)
+        ds = torch.empty((0, Dh // 2), dtype=sin.dtype, device=x.device)
     return dx, pw.sum(0).to(weight.dtype), dc, ds
 
 

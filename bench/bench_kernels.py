@@ -1,0 +1,143 @@
+"""Per-op benchmark of the kernel backends (not a test).
+
+    PYTHONPATH=. python bench/bench_kernels.py [--flavor base] [--samples 2] [--grid 64] [--text 104]
+        [--dtype bfloat16] [--ops situ,rms_norm,...] [--commit HASH]
+
+For each op of the op table, at the shapes one joint block of the ``--flavor`` model (base:
+D 3072, F 8192, 24 heads of 128) sees for a packed batch of ``samples`` images of
+``grid x grid`` latent cells with ``text`` tokens each (2 x 64 x 64 + 104: 8400 tokens),
+times the reference in eager mode, ``torch.compile`` of the reference and every registered
+backend that can run here: the forward alone (no grad) and forward + backward (every input
+gradient). Median of ``--iters`` runs after ``--warmup``, CUDA events. Also the relative
+error of each backend against the reference, and the forward's effective bandwidth
+(bytes of the inputs and the output over the time). Prints one JSON object (and writes
+``$OUT/bench_kernels.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from kohakumoss.kernels import KERNELS
+from kohakumoss.kernels.problems import PROBLEMS
+from kohakumoss.checks.parity import rel_error
+from kohakumoss.model import FLAVORS
+from kohakumoss.model import ops
+from _report import report  # bench/_report.py (the script's folder is on sys.path)
+
+
+def timed(fn, warmup: int, iters: int) -> float:
+    """Median seconds of ``fn()``."""
+    for _ in range(warmup):
+        fn()
+    cuda = torch.cuda.is_available()
+    out = []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def problem_dims(args) -> dict[str, int]:
+    """Every op at the joint sequence's size (``rms_norm`` and ``residual`` run on the text
+    tokens in the model, but their kernels are measured at the same size as the rest)."""
+    c = FLAVORS[args.flavor]
+    img, txt = args.grid * args.grid, args.text
+    return {"N": args.samples * (img + txt), "D": c.dim, "B": args.samples, "F": c.ffn_dim,
+            "H": c.heads, "Dh": c.head_dim, "L": img + txt}
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def bench_op(op: str, dims: dict, dtype: torch.dtype, device: torch.device, args) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    inputs = PROBLEMS[op].make(dims, dtype, device, g)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    with torch.no_grad():
+        ref_out = ops.REFERENCE[op](*inputs)
+    grad = torch.randn_like(ref_out)
+
+    variants = {"eager": ops.REFERENCE[op]}
+    try:
+        variants["compile"] = KERNELS.backend(op, "compile").fn
+    except Exception:  # no registered compile backend for this op: compile the reference here
+        variants["compile"] = torch.compile(ops.REFERENCE[op])
+    for b in KERNELS.eligible(op, device, dtype):
+        if b.name != "compile":
+            variants[b.name] = b.fn
+
+    res: dict = {"dims": dims, "backends": {}}
+    for name, fn in variants.items():
+        entry: dict = {}
+        try:
+            with torch.no_grad():
+                out = fn(*inputs)
+                entry["rel_error"] = rel_error(out, ref_out)
+                entry["fwd_ms"] = 1e3 * timed(lambda: fn(*inputs), args.warmup, args.iters)
+            entry["fwd_GBps"] = nbytes(*inputs, out) / (entry["fwd_ms"] / 1e3) / 1e9
+
+            def step():
+                for t in leaves:
+                    t.grad = None
+                fn(*inputs).backward(grad)
+
+            entry["fwd_bwd_ms"] = 1e3 * timed(step, args.warmup, args.iters)
+        except Exception as e:  # a backend that cannot run this shape: say so, go on
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        res["backends"][name] = entry
+    base = res["backends"]["eager"]
+    comp = res["backends"].get("compile", {})
+    for name, entry in res["backends"].items():
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            if key in entry and key in base:
+                entry[f"{key.removesuffix('_ms')}_x_eager"] = round(base[key] / entry[key], 2)
+            if key in entry and key in comp:
+                entry[f"{key.removesuffix('_ms')}_x_compile"] = round(comp[key] / entry[key], 2)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--flavor", default="base")
+    p.add_argument("--samples", type=int, default=2)
+    p.add_argument("--grid", type=int, default=64)
+    p.add_argument("--text", type=int, default=104)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--ops", default=",".join(PROBLEMS))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--commit", default="")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "commit": args.commit,
+           "dtype": args.dtype, "batch": f"{args.samples} x ({args.grid}x{args.grid} + {args.text})"}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    results = {op: bench_op(op, problem_dims(args), dtype, device, args)
+               for op in args.ops.split(",")}
+    report({"env": env, "ops": results}, "bench_kernels")
+
+
+if __name__ == "__main__":
+    main()
