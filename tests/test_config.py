@@ -80,6 +80,20 @@ def test_dataset_level_keys_and_caption_override():
     assert type(d.caption).__name__.lower().startswith("nl")
 
 
+def test_kernels_section_defaults_and_refusals():
+    k = make_params([{"source": "kohya", "path": "x"}]).kernels
+    assert (k.table, k.tune_seconds, k.retune_seconds, k.backends) == ("auto", 60.0, 60.0, ())
+    k = make_params([{"source": "kohya", "path": "x"}],
+                    kernels={"table": "off", "backends": ["compile"], "tune_seconds": 5}).kernels
+    assert (k.table, k.backends, k.tune_seconds) == ("off", ("compile",), 5.0)
+    with pytest.raises(ConfigError, match="kernels.table = 'fast' is not allowed"):
+        make_params([{"source": "kohya", "path": "x"}], kernels={"table": "fast"})
+    with pytest.raises(ConfigError, match=r"kernels.tune_seconds = -1.0 is not allowed: a number >= 0"):
+        make_params([{"source": "kohya", "path": "x"}], kernels={"tune_seconds": -1})
+    with pytest.raises(ConfigError, match="kernels.tune_second: unknown key; did you mean 'tune_seconds'"):
+        make_params([{"source": "kohya", "path": "x"}], kernels={"tune_second": 1})
+
+
 def test_stage_params_selects_declared_keys():
     p = make_params([{"source": "kohya", "path": "x"}])
     sp = stage_params(p, ["run.seed", "batching"])

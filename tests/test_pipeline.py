@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from kohakumoss.cache import build
 from kohakumoss.data import planfile, scan
 from kohakumoss.export import stage as export_stage
+from kohakumoss.training.engines import TUNE_PARAMS
 from stages.cli import app
 
 from conftest import ROOT
@@ -35,6 +36,14 @@ def test_dvc_yaml_declares_what_the_code_reads():
     assert stages["cache_text"]["params"] == build.TEXT_PARAMS
     assert stages["cache_latents"]["params"] == build.LATENT_PARAMS
     assert stages["export"]["params"] == export_stage.PARAMS
+    assert stages["tune_kernels"]["params"] == TUNE_PARAMS
+    # the tuning table sits between the caches and train, and train depends on it
+    order = list(stages)
+    assert order.index("cache_latents") < order.index("tune_kernels") < order.index("train")
+    assert "artifacts/plan" in stages["tune_kernels"]["deps"]
+    assert "kohakumoss/kernels" in stages["tune_kernels"]["deps"]
+    assert "artifacts/kernels/table.json" in stages["train"]["deps"]
+    assert "kernels" in stages["train"]["params"]
 
 
 def test_cli_reports_user_errors_cleanly(tmp_path):

@@ -24,6 +24,7 @@ a changed or truncated table is an ``IntegrityError``, never read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import platform
 from importlib import metadata
@@ -60,8 +61,10 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown cpu"
 
 
+@functools.cache
 def kernel_sources() -> str:
-    """The package version and a hash of every kernel source file and the op contract."""
+    """The package version and a hash of every kernel source file and the op contract, read
+    once per process (the code that runs is the code imported, whatever changes on disk)."""
     return code_version(*KERNEL_SOURCES)
 
 
