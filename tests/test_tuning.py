@@ -240,7 +240,7 @@ def test_the_compile_backend_matches_the_reference_forward_and_backward():
         problem = PROBLEMS[op]
         dims = {"N": 37, "D": 64, "F": 64, "H": 2, "Dh": 32, "B": 3}
         for n in (37, 50):  # a second token count: no recompile needed, same results
-            args = problem.make({**dims, "N": n}, F32, CPU, g)
+            args = problem.make({**dims, "N": n}, F32, CPU, g, True)
             leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             want = ops.REFERENCE[op](*args)
             got = compiled(*args)
@@ -356,3 +356,20 @@ def test_a_tiny_run_through_the_compile_table_gives_the_stored_curve_within_fp32
     assert torch.allclose(torch.tensor(losses, dtype=torch.float64),
                           torch.tensor(stored, dtype=torch.float64), rtol=1e-5, atol=0), \
         [(a, b) for a, b in zip(losses, stored)]
+
+
+def test_an_adapter_run_times_the_activations_gradients_only():
+    seen = []
+
+    def rms(x, w, eps):
+        seen.append((x.requires_grad, w.requires_grad))
+        return ops.rms_norm(x, w, eps)
+
+    r = KernelRegistry()
+    r.register("rms_norm", "spy", rms, _cpu)
+    problems = {"rms_norm": {"N=16,D=8": {"N": 16, "D": 8}}}
+    frozen = tuning.tune(problems, CPU, F32, budget_s=60, weights_grad=False, registry=r)
+    assert set(seen) == {(True, False)} and frozen.entries["rms_norm/float32/N=16,D=8"]["grads"] == "activations"
+    seen.clear()
+    full = tuning.tune(problems, CPU, F32, budget_s=60, weights_grad=True, registry=r)
+    assert set(seen) == {(True, True)} and full.entries["rms_norm/float32/N=16,D=8"]["grads"] == "all"

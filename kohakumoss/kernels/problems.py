@@ -5,7 +5,10 @@ For each tunable op of the op table (``kohakumoss.model.ops``) a ``Problem`` say
 - ``dims(*args)``: the call's shape as named sizes, e.g. ``{"N": 16200, "D": 3072}``;
 - ``keyed``: the sizes that pick a table entry; token counts (``N``, the longest segment
   ``L``) are rounded up to a bucket (``bucket``), model sizes (D, F, H, Dh) are exact;
-- ``make(dims, dtype, device, generator)``: inputs of that shape for the tuner to time.
+- ``make(dims, dtype, device, generator, weights_grad)``: inputs of that shape for the
+  tuner to time; activations take a gradient, the op's parameters (norm weights, per-sample
+  shift / scale / gate) only with ``weights_grad`` (a full finetune: an adapter run's
+  frozen base gives them none).
 
 ``plan_problems(config, batches)`` lists the shapes a plan's batches give each op of the
 MOSS-Image DiT (``kohakumoss.model.dit``): text blocks over the text tokens, joint blocks over
@@ -46,7 +49,7 @@ class Problem:
     op: str
     dims: Callable[..., Dims]
     keyed: tuple[str, ...]
-    make: Callable[[Mapping[str, int], torch.dtype, torch.device, torch.Generator], tuple]
+    make: Callable[[Mapping[str, int], torch.dtype, torch.device, torch.Generator, bool], tuple]
     tokens: tuple[str, ...] = ("N",)  # keyed sizes that are bucketed
 
     def key(self, dims: Mapping[str, int]) -> str:
@@ -77,39 +80,40 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
-def _make_rms(d, dtype, device, g):
-    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["D"]), 1e-6)
+def _make_rms(d, dtype, device, g, wg):
+    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["D"], grad=wg), 1e-6)
 
 
-def _make_mod_rms(d, dtype, device, g):
+def _make_mod_rms(d, dtype, device, g, wg):
     f32 = torch.float32
-    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["D"]),
-            _rand(g, device, f32, d["B"], d["D"]), _rand(g, device, f32, d["B"], d["D"]),
-            _seg(d["N"], d["B"], device), 1e-6)
+    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["D"], grad=wg),
+            _rand(g, device, f32, d["B"], d["D"], grad=wg),
+            _rand(g, device, f32, d["B"], d["D"], grad=wg), _seg(d["N"], d["B"], device), 1e-6)
 
 
-def _make_qk(d, dtype, device, g):
+def _make_qk(d, dtype, device, g, wg):
     cd = compute_dtype(dtype)
     half = d["Dh"] // 2
-    return (_rand(g, device, dtype, d["N"], d["H"], d["Dh"]), _rand(g, device, dtype, d["Dh"]),
+    return (_rand(g, device, dtype, d["N"], d["H"], d["Dh"]),
+            _rand(g, device, dtype, d["Dh"], grad=wg),
             _rand(g, device, cd, d["N"], half, grad=False),
             _rand(g, device, cd, d["N"], half, grad=False), 1e-6)
 
 
-def _make_situ(d, dtype, device, g):
+def _make_situ(d, dtype, device, g, wg):
     return (_rand(g, device, dtype, d["N"], d["F"]), _rand(g, device, dtype, d["N"], d["F"]))
 
 
-def _make_residual(d, dtype, device, g):
+def _make_residual(d, dtype, device, g, wg):
     return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["N"], d["D"]))
 
 
-def _make_gated(d, dtype, device, g):
+def _make_gated(d, dtype, device, g, wg):
     return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["N"], d["D"]),
-            _rand(g, device, torch.float32, d["B"], d["D"]), _seg(d["N"], d["B"], device))
+            _rand(g, device, torch.float32, d["B"], d["D"], grad=wg), _seg(d["N"], d["B"], device))
 
 
-def _make_attention(d, dtype, device, g):
+def _make_attention(d, dtype, device, g, wg):
     q, k, v = (_rand(g, device, dtype, d["N"], d["H"], d["Dh"]) for _ in range(3))
     return q, k, v, _lengths(d["N"], d["L"])
 

@@ -12,7 +12,8 @@ with a manifest (``kohakumoss.artifacts``), written by ``kmoss tune_kernels``.
             "order": ["triton", "compile", "reference"],     # fastest first
             "ms": {"reference": 3.1, "compile": 1.2, "triton": 0.9},   # forward + backward
             "failed": {"tilelang": "ImportError: ..."},
-            "shape": {"N": 16800, "F": 8192}}},               # the shape timed
+            "shape": {"N": 16800, "F": 8192},                  # the shape timed
+            "grads": "activations"}},                          # or "all" (full finetune)
         "tuning": {"first_run": {...}, "last_run": {...}, "total_seconds": 41.0}}}}
 
 A table is trusted only where its section's signature equals this process's: the device

@@ -1,8 +1,8 @@
 """The tuner: per op, dtype and shape bucket, time every backend that can run and rank them.
 
 What is timed: one training use of the op, forward then backward (``autograd.grad`` of the
-output against a fixed random gradient, for every input that takes a gradient), on inputs of
-the bucket's largest planned shape (``kohakumoss.kernels.problems``). Two warm-up calls (the
+output against a fixed random gradient, for the activations, and for the op's parameters in
+a full finetune), on inputs of the bucket's largest planned shape (``kohakumoss.kernels.problems``). Two warm-up calls (the
 first compiles what compiles), then the median of 5 to 50 timed calls (as many as fit in
 ~50 ms): CUDA events on a GPU, ``perf_counter`` on the CPU. A backend that raises is
 recorded as failed, with the reason, and never ranked. A backend must beat the reference by
@@ -120,11 +120,12 @@ def rank(ms: Mapping[str, float]) -> list[str]:
 
 
 def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names: Sequence[str],
-            registry: KernelRegistry, expired: Callable[[], bool]) -> dict[str, Any] | None:
+            registry: KernelRegistry, expired: Callable[[], bool],
+            weights_grad: bool = True) -> dict[str, Any] | None:
     """One entry: every backend in ``names`` (the reference first) timed on ``dims``;
     None when ``expired()`` turned true before the last one was timed."""
     generator = torch.Generator(device=device).manual_seed(0)
-    args = PROBLEMS[op].make(dims, dtype, device, generator)
+    args = PROBLEMS[op].make(dims, dtype, device, generator, weights_grad)
     ms, failed = {}, {}
     for name in names:
         if expired():
@@ -145,14 +146,18 @@ def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names
             registry.note(("tune-failed", op, name, str(dtype)),
                           f"{op}: backend {name} failed while tuning ({failed[name]}); not used",
                           logging.WARNING)
-    return {"order": rank(ms), "ms": ms, "failed": failed, "shape": dims}
+    return {"order": rank(ms), "ms": ms, "failed": failed, "shape": dims,
+            "grads": "all" if weights_grad else "activations"}
 
 
 def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
          dtype: torch.dtype, *, budget_s: float, allow: Sequence[str] | None = None,
-         have: Mapping[str, Any] | None = None, registry: KernelRegistry = KERNELS,
-         clock: Callable[[], float] = time.monotonic) -> TuneResult:
-    """Measure every wanted entry not in ``have`` within ``budget_s`` seconds."""
+         have: Mapping[str, Any] | None = None, weights_grad: bool = True,
+         registry: KernelRegistry = KERNELS, clock: Callable[[], float] = time.monotonic
+         ) -> TuneResult:
+    """Measure every wanted entry not in ``have`` within ``budget_s`` seconds; the op's
+    parameters take gradients when ``weights_grad`` (a full finetune), else only the
+    activations do (an adapter run's frozen base)."""
     device = torch.device(device)
     start = clock()
     todo = {k: v for k, v in wanted_entries(problems, device, dtype, allow=allow,
@@ -166,7 +171,8 @@ def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         for key, (op, dims) in todo.items():
             names = [REFERENCE_NAME] + [b.name for b in registry.eligible(op, device, dtype, allow)]
-            entry = None if expired() else measure(op, dims, device, dtype, names, registry, expired)
+            entry = None if expired() else measure(op, dims, device, dtype, names, registry, expired,
+                                                          weights_grad)
             if entry is None:
                 untuned.append(key)
             else:
@@ -176,9 +182,9 @@ def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
 
 def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]],
                device: torch.device | str, dtype: torch.dtype, *, budget_s: float,
-               allow: Sequence[str] | None = None, params: dict[str, Any],
-               inputs: dict[str, Manifest], registry: KernelRegistry = KERNELS
-               ) -> tuple[dict[str, Any], TuneResult, Manifest]:
+               allow: Sequence[str] | None = None, weights_grad: bool = True,
+               params: dict[str, Any], inputs: dict[str, Manifest],
+               registry: KernelRegistry = KERNELS) -> tuple[dict[str, Any], TuneResult, Manifest]:
     """Bring ``directory``'s table up to date for this device and ``problems``: keep what it
     holds for this signature, measure the missing entries, drop sections measured on this
     device with other software or kernel sources. Returns (this device's section, what was
@@ -202,7 +208,7 @@ def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]]
         section = {"signature": signature, "entries": {}, "tuning": {}}
         table.devices[signature_key(signature)] = section
     result = tune(problems, device, dtype, budget_s=budget_s, allow=allow,
-                  have=section["entries"], registry=registry)
+                  have=section["entries"], weights_grad=weights_grad, registry=registry)
     section["entries"].update(result.entries)
     run = {"seconds": result.seconds, "budget_s": budget_s, "measured": len(result.entries),
            "untuned": len(result.untuned)}

@@ -114,6 +114,13 @@ def _allow(params: Params) -> list[str] | None:
     return list(names)
 
 
+def _weights_grad(params: Params) -> bool:
+    """Whether the ops' parameters (norm weights, modulation) take gradients in this run:
+    a full finetune, or trained norms; an adapter run's frozen base gives them none. The
+    table's entries are not keyed by it: the run that first measures a shape decides."""
+    return params.adapter.full or params.adapter.train_norms
+
+
 def tune_kernels(params: Params, plan_dir: str | Path, out: str | Path
                  ) -> tuple[dict[str, Any], TuneResult, Any]:
     """``kmoss tune_kernels``: measure the backends on the plan's shapes for this device and
@@ -128,8 +135,8 @@ def tune_kernels(params: Params, plan_dir: str | Path, out: str | Path
     off = params.kernels.table == "off"
     problems = {} if off else plan_problems(transformer_config(params), plan_token_batches(plan))
     return tune_table(out, problems, device, dtype, budget_s=params.kernels.tune_seconds,
-                      allow=_allow(params), params=stage_params(params, TUNE_PARAMS),
-                      inputs={"plan": manifest})
+                      allow=_allow(params), weights_grad=_weights_grad(params),
+                      params=stage_params(params, TUNE_PARAMS), inputs={"plan": manifest})
 
 
 def tuned_kernels(params: Params, plan: EnginePlan, directory: str | Path | None,
@@ -157,7 +164,7 @@ def tuned_kernels(params: Params, plan: EnginePlan, directory: str | Path | None
     dtype = plan.precision.compute
     have = section["entries"] if section else {}
     result = tune(problems, plan.device, dtype, budget_s=k.retune_seconds, allow=_allow(params),
-                  have=have)
+                  have=have, weights_grad=_weights_grad(params))
     if result.entries or result.untuned:
         log.warning("measured %d kernel shape(s) the table lacks in %.1f s (kernels.retune_seconds"
                     " = %g; not saved: `kmoss tune_kernels` keeps them)%s", len(result.entries),
