@@ -7,10 +7,13 @@ For each op of the op table, at the shapes one joint block of the ``--flavor`` m
 D 3072, F 8192, 24 heads of 128) sees for a packed batch of ``samples`` images of
 ``grid x grid`` latent cells with ``text`` tokens each (2 x 64 x 64 + 104: 8400 tokens),
 times the reference in eager mode, ``torch.compile`` of the reference and every registered
-backend that can run here: the forward alone (no grad) and forward + backward (every input
-gradient). Median of ``--iters`` runs after ``--warmup``, CUDA events. Also the relative
-error of each backend against the reference, and the forward's effective bandwidth
-(bytes of the inputs and the output over the time). Prints one JSON object (and writes
+backend that can run here: the forward alone (no grad) and forward + backward (the input
+gradients of an adapter run, or with ``--full`` of a full finetune). Median of ``--iters`` samples (each 10 calls back to back) after ``--warmup``,
+CUDA events; and the device's kernel time per call (profiler; host launch gaps excluded).
+Also the relative error of each backend against the reference, and the forward's effective
+bandwidth (bytes of the inputs and the output over the kernel time). ``--sweep`` adds
+Triton launch settings (programs per SM of the reducing backward kernels, elements per
+warp). Prints one JSON object (and writes
 ``$OUT/bench_kernels.json``).
 """
 
@@ -30,9 +33,12 @@ from kohakumoss.model import FLAVORS
 from kohakumoss.model import ops
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
+DEFAULT_KNOBS = (4, 512)  # triton_common.PROGRAMS_PER_SM, ELEMENTS_PER_WARP
 
-def timed(fn, warmup: int, iters: int) -> float:
-    """Median seconds of ``fn()``."""
+
+def timed(fn, warmup: int, iters: int, reps: int = 10) -> float:
+    """Median seconds per call of ``fn()``, each sample timing ``reps`` calls back to back
+    (so the host's launch work overlaps the device's, as in a model's forward)."""
     for _ in range(warmup):
         fn()
     cuda = torch.cuda.is_available()
@@ -41,15 +47,31 @@ def timed(fn, warmup: int, iters: int) -> float:
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            for _ in range(reps):
+                fn()
             b.record()
             torch.cuda.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
+            out.append(a.elapsed_time(b) / 1e3 / reps)
         else:
             t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
+            for _ in range(reps):
+                fn()
+            out.append((time.perf_counter() - t0) / reps)
     return statistics.median(out)
+
+
+def device_time(fn, reps: int = 10) -> float | None:
+    """Seconds per call the device spends in kernels (profiler), launch gaps excluded."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in prof.key_averages())
+    return total_us / 1e6 / reps
 
 
 def problem_dims(args) -> dict[str, int]:
@@ -67,30 +89,42 @@ def nbytes(*ts) -> int:
 
 def bench_op(op: str, dims: dict, dtype: torch.dtype, device: torch.device, args) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
-    inputs = PROBLEMS[op].make(dims, dtype, device, g)
+    inputs = PROBLEMS[op].make(dims, dtype, device, g, args.full)
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     with torch.no_grad():
         ref_out = ops.REFERENCE[op](*inputs)
     grad = torch.randn_like(ref_out)
 
-    variants = {"eager": ops.REFERENCE[op]}
+    variants = {"eager": (ops.REFERENCE[op], None)}
     try:
-        variants["compile"] = KERNELS.backend(op, "compile").fn
+        variants["compile"] = (KERNELS.backend(op, "compile").fn, None)
     except Exception:  # no registered compile backend for this op: compile the reference here
-        variants["compile"] = torch.compile(ops.REFERENCE[op])
+        variants["compile"] = (torch.compile(ops.REFERENCE[op]), None)
     for b in KERNELS.eligible(op, device, dtype):
         if b.name != "compile":
-            variants[b.name] = b.fn
+            variants[b.name] = (b.fn, None)
+            if b.name == "triton" and args.sweep:  # launch settings: programs/SM, elements/warp
+                for pps, epw in ((2, 512), (8, 512), (4, 256), (4, 1024)):
+                    variants[f"triton[pps={pps},epw={epw}]"] = (b.fn, (pps, epw))
 
     res: dict = {"dims": dims, "backends": {}}
-    for name, fn in variants.items():
+    common = None
+    for name, (fn, knobs) in variants.items():
         entry: dict = {}
+        if name.startswith("triton"):
+            from kohakumoss.kernels import triton_common as common
+            common.PROGRAMS_PER_SM, common.ELEMENTS_PER_WARP = knobs or DEFAULT_KNOBS
+            entry["knobs"] = {"programs_per_sm": common.PROGRAMS_PER_SM,
+                              "elements_per_warp": common.ELEMENTS_PER_WARP}
         try:
             with torch.no_grad():
                 out = fn(*inputs)
                 entry["rel_error"] = rel_error(out, ref_out)
                 entry["fwd_ms"] = 1e3 * timed(lambda: fn(*inputs), args.warmup, args.iters)
-            entry["fwd_GBps"] = nbytes(*inputs, out) / (entry["fwd_ms"] / 1e3) / 1e9
+                kernel = device_time(lambda: fn(*inputs))
+                if kernel is not None:
+                    entry["fwd_kernel_ms"] = 1e3 * kernel
+                    entry["fwd_kernel_GBps"] = nbytes(*inputs, out) / kernel / 1e9
 
             def step():
                 for t in leaves:
@@ -98,13 +132,18 @@ def bench_op(op: str, dims: dict, dtype: torch.dtype, device: torch.device, args
                 fn(*inputs).backward(grad)
 
             entry["fwd_bwd_ms"] = 1e3 * timed(step, args.warmup, args.iters)
+            kernel = device_time(step)
+            if kernel is not None:
+                entry["fwd_bwd_kernel_ms"] = 1e3 * kernel
         except Exception as e:  # a backend that cannot run this shape: say so, go on
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         res["backends"][name] = entry
+    if common is not None:
+        common.PROGRAMS_PER_SM, common.ELEMENTS_PER_WARP = DEFAULT_KNOBS
     base = res["backends"]["eager"]
     comp = res["backends"].get("compile", {})
     for name, entry in res["backends"].items():
-        for key in ("fwd_ms", "fwd_bwd_ms"):
+        for key in ("fwd_ms", "fwd_bwd_ms", "fwd_kernel_ms", "fwd_bwd_kernel_ms"):
             if key in entry and key in base:
                 entry[f"{key.removesuffix('_ms')}_x_eager"] = round(base[key] / entry[key], 2)
             if key in entry and key in comp:
@@ -123,12 +162,17 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--commit", default="")
+    p.add_argument("--sweep", action="store_true", help="also time Triton launch settings")
+    p.add_argument("--full", action="store_true",
+                   help="weights and modulation take gradients too (a full finetune; default: "
+                        "an adapter run, where only the activations do)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "commit": args.commit,
-           "dtype": args.dtype, "batch": f"{args.samples} x ({args.grid}x{args.grid} + {args.text})"}
+           "dtype": args.dtype, "gradients": "all" if args.full else "activations (adapter run)",
+           "batch": f"{args.samples} x ({args.grid}x{args.grid} + {args.text})"}
     try:
         import triton
         env["triton"] = triton.__version__

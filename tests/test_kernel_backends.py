@@ -131,6 +131,28 @@ def test_modulated_rms_norm(lengths, dtype):
 
 
 @triton_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_norms_of_an_adapter_run(dtype):
+    """Frozen norm weights and modulation (LoRA): only x takes a gradient, and the kernels
+    make no reductions; and each of weight, shift, scale needing one alone."""
+    needs_triton()
+    g = torch.Generator().manual_seed(14)
+    lengths = [9, 1, 4]
+    N, D, B = sum(lengths), 64, len(lengths)
+    seg = seg_of(lengths)
+    x = leaf(g, N, D, dtype=dtype)
+    w = leaf(g, D, dtype=dtype, grad=False)
+    compare(triton_fn("rms_norm"), ops.rms_norm, (x, w, 1e-6), {"x": x}, TOL[dtype])
+    for wants in ([], ["weight"], ["shift"], ["scale"]):
+        w = leaf(g, D, dtype=dtype, grad="weight" in wants)
+        shift = leaf(g, B, D, scale=0.5, grad="shift" in wants)
+        scale = leaf(g, B, D, scale=0.5, grad="scale" in wants)
+        named = {"x": x, "weight": w, "shift": shift, "scale": scale}
+        compare(triton_fn("modulated_rms_norm"), ops.modulated_rms_norm,
+                (x, w, shift, scale, seg, 1e-6), {k: named[k] for k in ["x", *wants]}, TOL[dtype])
+
+
+@triton_test
 def test_modulated_rms_norm_with_columns_of_one_tensor_and_an_fp32_weight():
     """The model's case: shift and scale are strided views of one [B, 6, D] tensor; and a
     16-bit stream with an fp32 weight (a full finetune under autocast)."""

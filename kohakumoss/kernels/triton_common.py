@@ -73,22 +73,29 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+ELEMENTS_PER_WARP = 512
+
+
 def warps(tile: int) -> int:
-    """Warps for a tile of ``tile`` elements: about 256 elements a warp, 1 to 16."""
-    return max(1, min(16, tile // 256))
+    """Warps for a tile of ``tile`` elements: ``ELEMENTS_PER_WARP`` each, 1 to 16."""
+    return max(1, min(16, tile // ELEMENTS_PER_WARP))
 
 
 _SMS: dict[int, int] = {}
+PROGRAMS_PER_SM = 4
+"""Programs per multiprocessor of the row-reducing backward kernels: each walks its rows
+one tile after another, so several per SM hide the loads' latency; each also writes one
+fp32 partial row per reduced tensor (summed after)."""
 
 
 def programs(device: torch.device) -> int:
-    """How many programs the row-reducing backward kernels spread over (a few per SM)."""
+    """How many programs the row-reducing backward kernels spread over."""
     if device.type != "cuda":
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return 2 * _SMS[index]
+    return PROGRAMS_PER_SM * _SMS[index]
 
 
 _ORDERS: dict[int, tuple] = {}  # id(seg) -> (weakref, version, B, order, starts); a few entries
@@ -119,17 +126,33 @@ def segment_order(seg_N: torch.Tensor, samples: int) -> tuple[torch.Tensor, torc
 
 
 @jit
-def tanh_f32(x):
-    """tanh in fp32 to a few ulp, from ``exp`` alone (no libdevice: the interpreter lacks it):
-    an odd Taylor polynomial below 0.25, ``(1 - e^-2|x|) / (1 + e^-2|x|)`` above."""
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    a2 = a * a
-    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333
-                 + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203))))
-    t = tl.where(a < 0.25, small, big)
-    return tl.where(x < 0.0, -t, t)
+def _tanh_series(x):
+    """tanh for 0 <= x < 0.25: its odd Taylor polynomial to x^9 (error below 1e-9 there)."""
+    x2 = x * x
+    return x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333
+                + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203))))
+
+
+@jit
+def tanh_nonneg(x):
+    """tanh(x) for x >= 0 in fp32 to a few ulp, from one ``exp2`` (no libdevice: the
+    interpreter lacks it): the series below 0.25, ``(1 - e^-2x) / (1 + e^-2x)`` above."""
+    b = tl.exp2(x * -2.885390081777927)  # e^(-2x)
+    return tl.where(x < 0.25, _tanh_series(x), (1.0 - b) / (1.0 + b))
+
+
+@jit
+def gate_parts(g):
+    """For SiTU's gate: ``(tanh(|g|/4), sigmoid(|g|), e^-|g|)`` from one ``exp2`` and one
+    division. With ``a = e^(-|g|/2)``: ``tanh(|g|/4) = (1 - a) / (1 + a)`` and
+    ``sigmoid(|g|) = 1 / (1 + a^2)``; ``a <= 1``, so nothing overflows."""
+    ag = tl.abs(g)
+    a = tl.exp2(ag * -0.7213475204444817)  # e^(-|g|/2)
+    one_a = 1.0 + a
+    one_a2 = 1.0 + a * a
+    num = tl.where(ag < 1.0, _tanh_series(0.25 * ag) * one_a, 1.0 - a)
+    r = 1.0 / (one_a * one_a2)
+    return num * one_a2 * r, one_a * r, a * a
 
 
 @jit
@@ -145,6 +168,3 @@ def rounded(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-@jit
-def sigmoid_f32(x):
-    return 1.0 / (1.0 + tl.exp(-x))

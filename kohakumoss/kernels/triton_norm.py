@@ -43,7 +43,8 @@ def _norm_fwd(X, W, SHIFT, SCALE, SEG, OUT, R, D, sx, s_sh, s_sc, eps,
 
 @jit
 def _norm_bwd(G, X, W, SCALE, ORDER, STARTS, DX, PW, PSC, PSH, R, D, sg, sx, s_sc, eps, K,
-              HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+              HAS_MOD: tl.constexpr, WEIGHT_GRAD: tl.constexpr, MOD_GRAD: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // K
     k = pid % K
@@ -77,16 +78,19 @@ def _norm_bwd(G, X, W, SCALE, ORDER, STARTS, DX, PW, PSC, PSH, R, D, sg, sx, s_s
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
         xh = x * rstd[:, None]
         if HAS_MOD:
-            acc_sh += tl.sum(g, axis=0)
-            acc_sc += tl.sum(g * (xh * w), axis=0)
+            if MOD_GRAD:
+                acc_sh += tl.sum(g, axis=0)
+                acc_sc += tl.sum(g * (xh * w), axis=0)
             g = g * (1.0 + sc)
-        acc_w += tl.sum(g * xh, axis=0)
+        if WEIGHT_GRAD:
+            acc_w += tl.sum(g * xh, axis=0)
         gw = g * w
         c = tl.sum(gw * xh, axis=1) / D
         dx = rstd[:, None] * (gw - xh * c[:, None])
         tl.store(DX + rows * D + cols[None, :], rounded(dx, DX.dtype.element_ty), mask=m)
-    tl.store(PW + pid * D + cols, acc_w, mask=cmask)
-    if HAS_MOD:
+    if WEIGHT_GRAD:
+        tl.store(PW + pid * D + cols, acc_w, mask=cmask)
+    if MOD_GRAD:
         tl.store(PSC + pid * D + cols, acc_sc, mask=cmask)
         tl.store(PSH + pid * D + cols, acc_sh, mask=cmask)
 
@@ -109,26 +113,36 @@ def _forward(x, w, shift, scale, seg, eps, has_mod):
     return out
 
 
-def _backward(g, x, w, scale, seg, eps, has_mod):
+def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad):
+    """(dx, dw or [0], dshift and dscale in fp32 or [0, D]). Without a reduction to make,
+    every program takes one tile of rows; with one, B K programs walk their chunks."""
     R, D = x.shape
     g = rows2d(g, D)
     B = scale.shape[0] if has_mod else 1
-    K = max(1, -(-programs(x.device) // B))
+    block_r, block_d = _tile(D)
+    reduce = weight_grad or (has_mod and mod_grad)
+    tiles = max(1, triton.cdiv(R, block_r))
+    if reduce:
+        K = max(1, triton.cdiv(programs(x.device), B))
+    else:  # about two programs a tile (samples' sizes are not known here without a sync)
+        K = tiles if B == 1 else max(1, triton.cdiv(2 * tiles, B))
     P = B * K
+    f32 = dict(dtype=torch.float32, device=x.device)
     dx = torch.empty((R, D), dtype=x.dtype, device=x.device)
-    pw = torch.zeros((P, D), dtype=torch.float32, device=x.device)
-    psc = torch.zeros((P, D) if has_mod else (1, 1), dtype=torch.float32, device=x.device)
-    psh = torch.zeros_like(psc)
+    pw = torch.empty((P, D) if weight_grad else (1, 1), **f32)
+    psc = torch.empty((P, D) if has_mod and mod_grad else (1, 1), **f32)
+    psh = torch.empty_like(psc)
     if R > 0:
         order, starts = segment_order(seg, B) if has_mod else (seg, seg)
-        block_r, block_d = _tile(D)
         _norm_bwd[(P,)](g, x, w, scale, order, starts, dx, pw, psc, psh, R, D, g.stride(0),
                         x.stride(0), scale.stride(0) if has_mod else 0, eps, K,
-                        HAS_MOD=has_mod, BLOCK_R=block_r, BLOCK_D=block_d,
-                        num_warps=warps(block_r * block_d))
-    dw = pw.sum(0).to(w.dtype)
-    if not has_mod:
-        return dx, dw, None, None
+                        HAS_MOD=has_mod, WEIGHT_GRAD=weight_grad, MOD_GRAD=has_mod and mod_grad,
+                        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d))
+    elif weight_grad or mod_grad:
+        pw.zero_(), psc.zero_(), psh.zero_()
+    dw = pw.sum(0).to(w.dtype) if weight_grad else torch.empty((0,), dtype=w.dtype, device=x.device)
+    if not (has_mod and mod_grad):
+        return dx, dw, torch.empty((0, D), **f32), torch.empty((0, D), **f32)
     return dx, dw, psh.view(B, K, D).sum(1), psc.view(B, K, D).sum(1)  # fp32: cast by autograd
 
 
@@ -145,15 +159,16 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("kohakumoss::triton_rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw, _, _ = _backward(g, x, weight, x, x, eps, False)
+def _rms_norm_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw, _, _ = _backward(g, x, weight, x, x, eps, False, weight_grad, False)
     return dx, dw
 
 
 @_rms_norm_bwd_op.register_fake
-def _(g, x, weight, eps):
-    return torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device), torch.empty_like(weight)
+def _(g, x, weight, eps, weight_grad):
+    return (torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device),
+            torch.empty(weight.shape if weight_grad else (0,), dtype=weight.dtype, device=x.device))
 
 
 def _rms_setup(ctx, inputs, output):
@@ -164,8 +179,9 @@ def _rms_setup(ctx, inputs, output):
 
 def _rms_backward(ctx, g):
     x, weight = ctx.saved_tensors
-    dx, dw = torch.ops.kohakumoss.triton_rms_norm_bwd(g, x, weight, ctx.eps)
-    return dx, dw, None
+    weight_grad = ctx.needs_input_grad[1]
+    dx, dw = torch.ops.kohakumoss.triton_rms_norm_bwd(g, x, weight, ctx.eps, weight_grad)
+    return dx, dw if weight_grad else None, None
 
 
 _rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
@@ -184,16 +200,18 @@ def _(x, weight, shift, scale, seg, eps):
 
 @torch.library.custom_op("kohakumoss::triton_modulated_rms_norm_bwd", mutates_args=())
 def _mod_norm_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     seg: torch.Tensor, eps: float
+                     seg: torch.Tensor, eps: float, weight_grad: bool, mod_grad: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(g, x, weight, scale, seg, eps, True)
+    return _backward(g, x, weight, scale, seg, eps, True, weight_grad, mod_grad)
 
 
 @_mod_norm_bwd_op.register_fake
-def _(g, x, weight, scale, seg, eps):
+def _(g, x, weight, scale, seg, eps, weight_grad, mod_grad):
+    mod = scale.shape if mod_grad else (0, scale.shape[1])
     return (torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device),
-            torch.empty_like(weight), torch.empty(scale.shape, dtype=torch.float32, device=scale.device),
-            torch.empty(scale.shape, dtype=torch.float32, device=scale.device))
+            torch.empty(weight.shape if weight_grad else (0,), dtype=weight.dtype, device=x.device),
+            torch.empty(mod, dtype=torch.float32, device=x.device),
+            torch.empty(mod, dtype=torch.float32, device=x.device))
 
 
 def _mod_setup(ctx, inputs, output):
@@ -204,9 +222,12 @@ def _mod_setup(ctx, inputs, output):
 
 def _mod_backward(ctx, g):
     x, weight, scale, seg = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mod_grad = need[2] or need[3]
     dx, dw, dshift, dscale = torch.ops.kohakumoss.triton_modulated_rms_norm_bwd(
-        g, x, weight, scale, seg, ctx.eps)
-    return dx, dw, dshift.to(ctx.dtypes[0]), dscale.to(ctx.dtypes[1]), None, None
+        g, x, weight, scale, seg, ctx.eps, need[1], mod_grad)
+    return (dx, dw if need[1] else None, dshift.to(ctx.dtypes[0]) if need[2] else None,
+            dscale.to(ctx.dtypes[1]) if need[3] else None, None, None)
 
 
 _mod_norm_op.register_autograd(_mod_backward, setup_context=_mod_setup)

@@ -4,6 +4,8 @@
 Math, all in fp32, rounded once to the output's dtype (the first input's):
 - SiTU: ``A(g) = 4 tanh(g/4) sigmoid(g)``, ``U(u) = 25 tanh(u/25)``, ``out = A U``;
   ``du = go A (1 - tanh(u/25)^2)``, ``dg = go U ((1 - tanh(g/4)^2) sig + 4 tanh(g/4) sig (1 - sig))``.
+  Both tanh and the sigmoid of g come from one ``exp2`` and one division (``gate_parts``),
+  tanh(u/25) from another: the special-function unit, not memory, bounds this kernel.
 - residual: ``out = x + y``; its gradients are the output's, cast to each input's dtype.
 - gated residual: ``out = x + gate[seg] y``; ``dx = go``, ``dy = gate[seg] go``,
   ``dgate_b = sum_{rows of b} go y`` (per (sample, chunk) program in fp32 registers, then a
@@ -18,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import (check_tensors, jit, pow2, programs, rounded,
-                                              rows2d, segment_order, sigmoid_f32, tanh_f32, warps)
+from kohakumoss.kernels.triton_common import (check_tensors, gate_parts, jit, pow2, programs,
+                                              rounded, rows2d, segment_order, tanh_nonneg, warps)
 
 _TILE, _BLOCK_C = 4096, 1024  # the elementwise tile: elements, widest column block
 
@@ -31,8 +33,11 @@ def _situ_fwd(U, G, OUT, R, C, su, sg, BLOCK_R: tl.constexpr, BLOCK_C: tl.conste
     m = (rows < R) & (cols < C)
     u = tl.load(U + rows * su + cols, mask=m, other=0.0).to(tl.float32)
     g = tl.load(G + rows * sg + cols, mask=m, other=0.0).to(tl.float32)
-    out = (4.0 * tanh_f32(g / 4.0) * sigmoid_f32(g)) * (25.0 * tanh_f32(u / 25.0))
-    tl.store(OUT + rows * C + cols, rounded(out, OUT.dtype.element_ty), mask=m)
+    t4, sp, a2 = gate_parts(g)
+    gate = 4.0 * tl.where(g >= 0.0, t4 * sp, -t4 * (a2 * sp))  # 4 tanh(g/4) sigmoid(g)
+    tu = tanh_nonneg(tl.abs(u) * 0.04)
+    value = 25.0 * tl.where(u < 0.0, -tu, tu)  # 25 tanh(u/25)
+    tl.store(OUT + rows * C + cols, rounded(gate * value, OUT.dtype.element_ty), mask=m)
 
 
 @jit
@@ -43,12 +48,17 @@ def _situ_bwd(GO, U, G, DU, DG, R, C, sgo, su, sg, BLOCK_R: tl.constexpr, BLOCK_
     go = tl.load(GO + rows * sgo + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + rows * su + cols, mask=m, other=0.0).to(tl.float32)
     g = tl.load(G + rows * sg + cols, mask=m, other=0.0).to(tl.float32)
-    tg = tanh_f32(g / 4.0)
-    sig = sigmoid_f32(g)
-    tu = tanh_f32(u / 25.0)
-    a = 4.0 * tg * sig
-    du = go * a * (1.0 - tu * tu)
-    dg = go * (25.0 * tu) * ((1.0 - tg * tg) * sig + 4.0 * tg * sig * (1.0 - sig))
+    t4, sp, a2 = gate_parts(g)
+    pos = g >= 0.0
+    sig = tl.where(pos, sp, a2 * sp)  # sigmoid(g)
+    tg = tl.where(pos, t4, -t4)  # tanh(g/4)
+    tu = tanh_nonneg(tl.abs(u) * 0.04)
+    tu = tl.where(u < 0.0, -tu, tu)  # tanh(u/25)
+    # d/dg 4 tanh(g/4) sigmoid(g) = (1 - tanh^2) sigmoid + 4 tanh sigmoid (1 - sigmoid),
+    # and sigmoid(g) (1 - sigmoid(g)) = e^-|g| sigmoid(|g|)^2 on either side of 0
+    dgate = (1.0 - t4 * t4) * sig + 4.0 * tg * (a2 * sp * sp)
+    du = go * (4.0 * tg * sig) * (1.0 - tu * tu)
+    dg = go * (25.0 * tu) * dgate
     tl.store(DU + rows * C + cols, rounded(du, DU.dtype.element_ty), mask=m)
     tl.store(DG + rows * C + cols, rounded(dg, DG.dtype.element_ty), mask=m)
 
