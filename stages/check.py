@@ -85,7 +85,7 @@ def export(
     params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
                                 help="model.transformer names the base weights."),
     tolerance: float = typer.Option(None, help="Largest relative error per weight; default 5e-3 "
-                                               "for a bf16/fp16 file, 1e-5 for fp32, and 4 unit "
+                                               "for a bf16/fp16 file, 1e-5 for fp32, and 8 unit "
                                                "roundoffs of the weight with --patch-dtype "
                                                "fp16/bf16."),
 ) -> None:
