@@ -283,6 +283,29 @@ def test_every_triton_op_passes_opcheck():
 
 
 @triton_test
+def test_torch_compile_sees_through_the_triton_ops():
+    """Compiled (Dynamo + AOTAutograd: the custom ops and their fake implementations), a
+    block's elementwise chain gives the eager result and gradients, and makes one graph."""
+    needs_triton()
+    g = torch.Generator().manual_seed(15)
+    N, D, H = 10, 32, 2
+    seg = seg_of([4, 6])
+    x, w, wq = leaf(g, N, D), leaf(g, D), leaf(g, D // H)
+    mod = leaf(g, 2, 3, D, scale=0.5)
+    theta = leaf(g, N, D // H // 2, grad=False)
+    fn = {op: triton_fn(op) for op in ELEMENTWISE}
+
+    def chain(x, w, wq, mod):
+        y = fn["modulated_rms_norm"](x, w, mod[:, 0], mod[:, 1], seg, 1e-6)
+        q = fn["qk_norm_rope"](y.view(N, H, D // H), wq, theta.cos(), theta.sin(), 1e-6)
+        z = fn["situ"](q.reshape(N, D), y)
+        return fn["residual"](fn["gated_residual"](x, z, mod[:, 2], seg), fn["rms_norm"](z, w, 1e-6))
+
+    compiled = torch.compile(chain, backend="aot_eager", fullgraph=True)
+    compare(compiled, chain, (x, w, wq, mod), {"x": x, "w": w, "wq": wq, "mod": mod}, 1e-6)
+
+
+@triton_test
 def test_the_triton_kernels_refuse_what_they_cannot_take():
     needs_triton()
     x = torch.randn(4, 8, dtype=torch.float64, device=DEVICE)

@@ -49,6 +49,7 @@ def _check(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
                          f"(or one is negative) for {q.shape[0]} tokens")
 
 
+@functools.lru_cache(maxsize=8)
 def _cuda_sm80(device: torch.device) -> bool:
     return (device.type == "cuda" and torch.cuda.is_available() and torch.version.hip is None
             and torch.cuda.get_device_capability(device) >= (8, 0))
@@ -115,7 +116,7 @@ def flex_available(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype not in FLEX_DTYPES or not _cuda_sm80(device):
         return False
     try:
-        from torch.nn.attention import flex_attention  # noqa: F401
+        import torch.nn.attention.flex_attention  # noqa: F401
     except ImportError:
         return False
     return True

@@ -15,6 +15,7 @@ Legend: R rows (tokens, or tokens x heads), C columns, B samples, K row chunks p
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 import triton
@@ -45,6 +46,9 @@ def can_run(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+_RUNS: dict[torch.device, bool] = {}
+
+
 def check_tensors(op: str, *tensors: torch.Tensor) -> None:
     """Same device, a runnable one, dtypes the kernels take: else a clear error."""
     device = tensors[0].device
@@ -54,9 +58,51 @@ def check_tensors(op: str, *tensors: torch.Tensor) -> None:
                             f"float32, bfloat16 and float16 (use the reference for others)")
         if t.device != device:
             raise ValueError(f"{op} (triton): inputs on {device} and {t.device}; put them on one device")
-    if not can_run(device):
+    if torch.compiler.is_compiling():
+        return
+    if device not in _RUNS:
+        _RUNS[device] = can_run(device)
+    if not _RUNS[device]:
         where = "CPU tensors (interpreted)" if INTERPRETED else "CUDA devices of compute capability 8.0+"
         raise RuntimeError(f"{op} (triton): cannot run on {device}; Triton runs here on {where}")
+
+
+def entry(op, impl: Callable, setup: Callable, backward: Callable, bwd_op=None,
+          bwd_impl: Callable | None = None) -> Callable:
+    """How an op's kernels are called: ``op`` (a ``torch.library`` custom op over ``impl``)
+    under ``torch.compile``, which sees through it; in eager mode ``impl`` itself, through a
+    plain ``autograd.Function`` when an input needs a gradient (no autograd at all when none
+    does): the dispatcher's per-call cost adds up at a dozen calls per block. Both run the
+    same ``setup`` and ``backward``; ``ctx.bwd`` is the backward kernel's custom op or its
+    ``impl`` accordingly."""
+
+    def setup_op(ctx, inputs, output):
+        setup(ctx, inputs, output)
+        ctx.bwd = bwd_op
+
+    op.register_autograd(backward, setup_context=setup_op)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            out = impl(*inputs)
+            setup(ctx, inputs, out)
+            ctx.bwd = bwd_impl
+            return out
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in args):
+            return Eager.apply(*args)
+        return impl(*args)
+
+    return call
 
 
 def rows2d(t: torch.Tensor, cols: int) -> torch.Tensor:

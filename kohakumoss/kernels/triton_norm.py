@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import (check_tensors, jit, lastdim_contiguous, pow2,
+from kohakumoss.kernels.triton_common import (check_tensors, entry, jit, lastdim_contiguous, pow2,
                                               programs, rounded, rows2d, segment_order, warps)
 
 
@@ -148,9 +148,11 @@ def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad):
 
 # ---- custom ops ----------------------------------------------------------------------------
 
-@torch.library.custom_op("kohakumoss::triton_rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _forward(x, weight, x, x, x, eps, False)
+
+
+_rms_norm_op = torch.library.custom_op("kohakumoss::triton_rms_norm", _rms_norm_impl, mutates_args=())
 
 
 @_rms_norm_op.register_fake
@@ -158,11 +160,14 @@ def _(x, weight, eps):
     return torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("kohakumoss::triton_rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_bwd_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dw, _, _ = _backward(g, x, weight, x, x, eps, False, weight_grad, False)
     return dx, dw
+
+
+_rms_norm_bwd_op = torch.library.custom_op("kohakumoss::triton_rms_norm_bwd", _rms_norm_bwd_impl,
+                                           mutates_args=())
 
 
 @_rms_norm_bwd_op.register_fake
@@ -180,17 +185,21 @@ def _rms_setup(ctx, inputs, output):
 def _rms_backward(ctx, g):
     x, weight = ctx.saved_tensors
     weight_grad = ctx.needs_input_grad[1]
-    dx, dw = torch.ops.kohakumoss.triton_rms_norm_bwd(g, x, weight, ctx.eps, weight_grad)
+    dx, dw = ctx.bwd(g, x, weight, ctx.eps, weight_grad)
     return dx, dw if weight_grad else None, None
 
 
-_rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
+_rms_norm = entry(_rms_norm_op, _rms_norm_impl, _rms_setup, _rms_backward, _rms_norm_bwd_op,
+                  _rms_norm_bwd_impl)
 
 
-@torch.library.custom_op("kohakumoss::triton_modulated_rms_norm", mutates_args=())
-def _mod_norm_op(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                 seg: torch.Tensor, eps: float) -> torch.Tensor:
+def _mod_norm_impl(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                   seg: torch.Tensor, eps: float) -> torch.Tensor:
     return _forward(x, weight, shift, scale, seg, eps, True)
+
+
+_mod_norm_op = torch.library.custom_op("kohakumoss::triton_modulated_rms_norm", _mod_norm_impl,
+                                       mutates_args=())
 
 
 @_mod_norm_op.register_fake
@@ -198,11 +207,14 @@ def _(x, weight, shift, scale, seg, eps):
     return torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("kohakumoss::triton_modulated_rms_norm_bwd", mutates_args=())
-def _mod_norm_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     seg: torch.Tensor, eps: float, weight_grad: bool, mod_grad: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mod_norm_bwd_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       seg: torch.Tensor, eps: float, weight_grad: bool, mod_grad: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(g, x, weight, scale, seg, eps, True, weight_grad, mod_grad)
+
+
+_mod_norm_bwd_op = torch.library.custom_op("kohakumoss::triton_modulated_rms_norm_bwd",
+                                           _mod_norm_bwd_impl, mutates_args=())
 
 
 @_mod_norm_bwd_op.register_fake
@@ -224,13 +236,13 @@ def _mod_backward(ctx, g):
     x, weight, scale, seg = ctx.saved_tensors
     need = ctx.needs_input_grad
     mod_grad = need[2] or need[3]
-    dx, dw, dshift, dscale = torch.ops.kohakumoss.triton_modulated_rms_norm_bwd(
-        g, x, weight, scale, seg, ctx.eps, need[1], mod_grad)
+    dx, dw, dshift, dscale = ctx.bwd(g, x, weight, scale, seg, ctx.eps, need[1], mod_grad)
     return (dx, dw if need[1] else None, dshift.to(ctx.dtypes[0]) if need[2] else None,
             dscale.to(ctx.dtypes[1]) if need[3] else None, None, None)
 
 
-_mod_norm_op.register_autograd(_mod_backward, setup_context=_mod_setup)
+_mod_norm = entry(_mod_norm_op, _mod_norm_impl, _mod_setup, _mod_backward, _mod_norm_bwd_op,
+                  _mod_norm_bwd_impl)
 
 
 # ---- the op-table entries (the references' signatures) -------------------------------------
@@ -241,7 +253,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rms_norm (triton): weight {tuple(weight.shape)} for {D} features")
-    out = _rms_norm_op(rows2d(x, D), lastdim_contiguous(weight), float(eps))
+    out = _rms_norm(rows2d(x, D), lastdim_contiguous(weight), float(eps))
     return out.view(x.shape)
 
 
@@ -256,6 +268,5 @@ def modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch
                          f"{tuple(weight.shape)}, shift {tuple(shift_BD.shape)}, scale "
                          f"{tuple(scale_BD.shape)}, seg {tuple(seg_N.shape)}; want [N, D], [D], "
                          f"[B, D], [B, D], [N]")
-    return _mod_norm_op(lastdim_contiguous(x_ND), lastdim_contiguous(weight),
-                        lastdim_contiguous(shift_BD), lastdim_contiguous(scale_BD), seg_N,
-                        float(eps))
+    return _mod_norm(lastdim_contiguous(x_ND), lastdim_contiguous(weight),
+                     lastdim_contiguous(shift_BD), lastdim_contiguous(scale_BD), seg_N, float(eps))

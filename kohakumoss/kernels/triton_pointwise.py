@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import (check_tensors, gate_parts, jit, pow2, programs,
-                                              rounded, rows2d, segment_order, tanh_nonneg, warps)
+from kohakumoss.kernels.triton_common import (check_tensors, entry, gate_parts, jit, pow2,
+                                              programs, rounded, rows2d, segment_order,
+                                              tanh_nonneg, warps)
 
 _TILE, _BLOCK_C = 4096, 1024  # the elementwise tile: elements, widest column block
 
@@ -121,8 +122,7 @@ def _check_pair(op: str, a: torch.Tensor, b: torch.Tensor, names: str) -> None:
 
 # ---- SiTU ----------------------------------------------------------------------------------
 
-@torch.library.custom_op("kohakumoss::triton_situ", mutates_args=())
-def _situ_op(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _situ_impl(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     R, C = u.shape
     out = torch.empty((R, C), dtype=u.dtype, device=u.device)
     if out.numel():
@@ -132,13 +132,16 @@ def _situ_op(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_situ_op = torch.library.custom_op("kohakumoss::triton_situ", _situ_impl, mutates_args=())
+
+
 @_situ_op.register_fake
 def _(u, g):
     return torch.empty(u.shape, dtype=u.dtype, device=u.device)
 
 
-@torch.library.custom_op("kohakumoss::triton_situ_bwd", mutates_args=())
-def _situ_bwd_op(go: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _situ_bwd_impl(go: torch.Tensor, u: torch.Tensor, g: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     R, C = u.shape
     go = rows2d(go, C)
     du = torch.empty((R, C), dtype=u.dtype, device=u.device)
@@ -148,6 +151,10 @@ def _situ_bwd_op(go: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> tuple[to
         _situ_bwd[grid](go, u, g, du, dg, R, C, go.stride(0), u.stride(0), g.stride(0),
                         BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
     return du, dg
+
+
+_situ_bwd_op = torch.library.custom_op("kohakumoss::triton_situ_bwd", _situ_bwd_impl,
+                                       mutates_args=())
 
 
 @_situ_bwd_op.register_fake
@@ -161,10 +168,10 @@ def _situ_setup(ctx, inputs, output):
 
 def _situ_backward(ctx, go):
     u, g = ctx.saved_tensors
-    return torch.ops.kohakumoss.triton_situ_bwd(go, u, g)
+    return ctx.bwd(go, u, g)
 
 
-_situ_op.register_autograd(_situ_backward, setup_context=_situ_setup)
+_situ = entry(_situ_op, _situ_impl, _situ_setup, _situ_backward, _situ_bwd_op, _situ_bwd_impl)
 
 
 def situ(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -172,13 +179,12 @@ def situ(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     check_tensors("situ", u, g)
     _check_pair("situ", u, g, "u and g")
     C = u.shape[-1] if u.dim() else 1
-    return _situ_op(rows2d(u, C), rows2d(g, C)).view(u.shape)
+    return _situ(rows2d(u, C), rows2d(g, C)).view(u.shape)
 
 
 # ---- residual and gated residual -----------------------------------------------------------
 
-@torch.library.custom_op("kohakumoss::triton_residual", mutates_args=())
-def _residual_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _residual_impl(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     R, C = x.shape
     out = torch.empty((R, C), dtype=x.dtype, device=x.device)
     if out.numel():
@@ -186,6 +192,10 @@ def _residual_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _add_fwd[grid](x, y, x, x, out, R, C, x.stride(0), y.stride(0), 0,
                        GATED=False, BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
     return out
+
+
+_residual_op = torch.library.custom_op("kohakumoss::triton_residual", _residual_impl,
+                                       mutates_args=())
 
 
 @_residual_op.register_fake
@@ -203,7 +213,7 @@ def _residual_backward(ctx, go):
     return go.to(ctx.dtypes[0]), go.to(ctx.dtypes[1])
 
 
-_residual_op.register_autograd(_residual_backward, setup_context=_residual_setup)
+_residual = entry(_residual_op, _residual_impl, _residual_setup, _residual_backward)
 
 
 def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -211,11 +221,11 @@ def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     check_tensors("residual", x, y)
     _check_pair("residual", x, y, "x and y")
     C = x.shape[-1] if x.dim() else 1
-    return _residual_op(rows2d(x, C), rows2d(y, C)).view(x.shape)
+    return _residual(rows2d(x, C), rows2d(y, C)).view(x.shape)
 
 
-@torch.library.custom_op("kohakumoss::triton_gated_residual", mutates_args=())
-def _gated_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+def _gated_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch.Tensor
+                ) -> torch.Tensor:
     R, C = x.shape
     out = torch.empty((R, C), dtype=x.dtype, device=x.device)
     if out.numel():
@@ -225,13 +235,16 @@ def _gated_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch.T
     return out
 
 
+_gated_op = torch.library.custom_op("kohakumoss::triton_gated_residual", _gated_impl,
+                                    mutates_args=())
+
+
 @_gated_op.register_fake
 def _(x, y, gate, seg):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("kohakumoss::triton_gated_residual_bwd", mutates_args=())
-def _gated_bwd_op(go: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch.Tensor,
+def _gated_bwd_impl(go: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch.Tensor,
                   gate_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     R, C = y.shape
     B = gate.shape[0]
@@ -251,6 +264,10 @@ def _gated_bwd_op(go: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: to
     return dy, pgate.view(B, K, C).sum(1)
 
 
+_gated_bwd_op = torch.library.custom_op("kohakumoss::triton_gated_residual_bwd", _gated_bwd_impl,
+                                        mutates_args=())
+
+
 @_gated_bwd_op.register_fake
 def _(go, y, gate, seg, gate_grad):
     shape = gate.shape if gate_grad else (0, y.shape[1])
@@ -267,11 +284,12 @@ def _gated_setup(ctx, inputs, output):
 def _gated_backward(ctx, go):
     y, gate, seg = ctx.saved_tensors
     gate_grad = ctx.needs_input_grad[2]
-    dy, dgate = torch.ops.kohakumoss.triton_gated_residual_bwd(go, y, gate, seg, gate_grad)
+    dy, dgate = ctx.bwd(go, y, gate, seg, gate_grad)
     return go.to(ctx.x_dtype), dy, dgate.to(gate.dtype) if gate_grad else None, None
 
 
-_gated_op.register_autograd(_gated_backward, setup_context=_gated_setup)
+_gated = entry(_gated_op, _gated_impl, _gated_setup, _gated_backward, _gated_bwd_op,
+               _gated_bwd_impl)
 
 
 def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor,
@@ -283,4 +301,4 @@ def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor
     if gate_BD.dim() != 2 or gate_BD.shape[1] != D or seg_N.shape != (N,):
         raise ValueError(f"gated_residual (triton): x {tuple(x_ND.shape)}, gate "
                          f"{tuple(gate_BD.shape)}, seg {tuple(seg_N.shape)}; want [N, D], [B, D], [N]")
-    return _gated_op(rows2d(x_ND, D), rows2d(y_ND, D), rows2d(gate_BD, D), seg_N)
+    return _gated(rows2d(x_ND, D), rows2d(y_ND, D), rows2d(gate_BD, D), seg_N)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import (check_tensors, jit, lastdim_contiguous, pow2,
+from kohakumoss.kernels.triton_common import (check_tensors, entry, jit, lastdim_contiguous, pow2,
                                               programs, rounded, warps)
 
 
@@ -48,8 +48,8 @@ def _qk_fwd(X, W, COS, SIN, OUT, N, sxn, sxh, scn, ssn, H, eps, HALF: tl.constex
 
 @jit
 def _qk_bwd(G, X, W, COS, SIN, DX, DC, DS, PW, N, sxn, sxh, sgn, sgh, scn, ssn, H, eps,
-            HALF: tl.constexpr, ROPE_GRAD: tl.constexpr, BLOCK_T: tl.constexpr,
-            BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
+            HALF: tl.constexpr, WEIGHT_GRAD: tl.constexpr, ROPE_GRAD: tl.constexpr,
+            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     per = (N + P - 1) // P
@@ -81,8 +81,9 @@ def _qk_bwd(G, X, W, COS, SIN, DX, DC, DS, PW, N, sxn, sxh, sgn, sgh, scn, ssn, 
         xh2 = x2 * rstd
         dy1 = g1 * c + g2 * s
         dy2 = g2 * c - g1 * s
-        acc1 += tl.sum(tl.sum(dy1 * xh1, axis=1), axis=0)
-        acc2 += tl.sum(tl.sum(dy2 * xh2, axis=1), axis=0)
+        if WEIGHT_GRAD:
+            acc1 += tl.sum(tl.sum(dy1 * xh1, axis=1), axis=0)
+            acc2 += tl.sum(tl.sum(dy2 * xh2, axis=1), axis=0)
         gw1 = dy1 * w1
         gw2 = dy2 * w2
         k = ((tl.sum(gw1 * xh1, axis=2) + tl.sum(gw2 * xh2, axis=2)) / (2 * HALF))[:, :, None]
@@ -95,8 +96,9 @@ def _qk_bwd(G, X, W, COS, SIN, DX, DC, DS, PW, N, sxn, sxh, sgn, sgh, scn, ssn, 
             cp = t64[:, None] * HALF + j[None, :]
             tl.store(DC + cp, rounded(tl.sum(g1 * y1 + g2 * y2, axis=1), DC.dtype.element_ty), mask=tj)
             tl.store(DS + cp, rounded(tl.sum(g2 * y1 - g1 * y2, axis=1), DS.dtype.element_ty), mask=tj)
-    tl.store(PW + pid * (2 * HALF) + j, acc1, mask=jmask)
-    tl.store(PW + pid * (2 * HALF) + HALF + j, acc2, mask=jmask)
+    if WEIGHT_GRAD:
+        tl.store(PW + pid * (2 * HALF) + j, acc1, mask=jmask)
+        tl.store(PW + pid * (2 * HALF) + HALF + j, acc2, mask=jmask)
 
 
 def _tile(H: int, half: int) -> tuple[int, int, int, int]:
@@ -106,9 +108,8 @@ def _tile(H: int, half: int) -> tuple[int, int, int, int]:
     return bt, bh, bj, warps(2 * bt * bh * bj)
 
 
-@torch.library.custom_op("kohakumoss::triton_qk_norm_rope", mutates_args=())
-def _qk_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           eps: float) -> torch.Tensor:
+def _qk_impl(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             eps: float) -> torch.Tensor:
     N, H, Dh = x.shape
     out = torch.empty((N, H, Dh), dtype=x.dtype, device=x.device)
     if N == 0 or H == 0:
@@ -120,15 +121,19 @@ def _qk_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.
     return out
 
 
+_qk_op = torch.library.custom_op("kohakumoss::triton_qk_norm_rope", _qk_impl, mutates_args=())
+
+
 @_qk_op.register_fake
 def _(x, weight, cos, sin, eps):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("kohakumoss::triton_qk_norm_rope_bwd", mutates_args=())
-def _qk_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, eps: float, rope_grad: bool
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qk_bwd_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float, weight_grad: bool, rope_grad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw or [0], dcos and dsin or [0, Dh/2]). Without the weight's reduction every
+    program takes one tile of tokens; with it, a few programs per SM walk their chunks."""
     N, H, Dh = x.shape
     g = lastdim_contiguous(g)
     dx = torch.empty((N, H, Dh), dtype=x.dtype, device=x.device)
@@ -136,24 +141,32 @@ def _qk_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cos: torc
     dc = torch.empty(shape, dtype=cos.dtype, device=x.device)
     ds = torch.empty(shape, dtype=sin.dtype, device=x.device)
     bt, bh, bj, nw = _tile(H, Dh // 2)
-    P = max(1, min(programs(x.device), triton.cdiv(N, bt)))
-    pw = torch.zeros((P, Dh), dtype=torch.float32, device=x.device)
+    tiles = max(1, triton.cdiv(N, bt))
+    P = max(1, min(programs(x.device), tiles)) if weight_grad else tiles
+    pw = torch.zeros((P, Dh) if weight_grad else (1, 1), dtype=torch.float32, device=x.device)
     if N > 0 and H > 0:
         _qk_bwd[(P,)](g, x, weight, cos, sin, dx, dc, ds, pw, N, x.stride(0), x.stride(1),
                       g.stride(0), g.stride(1), cos.stride(0), sin.stride(0), H, eps,
-                      HALF=Dh // 2, ROPE_GRAD=rope_grad, BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=bj,
-                      num_warps=nw)
+                      HALF=Dh // 2, WEIGHT_GRAD=weight_grad, ROPE_GRAD=rope_grad, BLOCK_T=bt,
+                      BLOCK_H=bh, BLOCK_J=bj, num_warps=nw)
     if not rope_grad:
         dc = torch.empty((0, Dh // 2), dtype=cos.dtype, device=x.device)
         ds = torch.empty((0, Dh // 2), dtype=sin.dtype, device=x.device)
-    return dx, pw.sum(0).to(weight.dtype), dc, ds
+    dw = pw.sum(0).to(weight.dtype) if weight_grad else torch.empty((0,), dtype=weight.dtype,
+                                                                     device=x.device)
+    return dx, dw, dc, ds
+
+
+_qk_bwd_op = torch.library.custom_op("kohakumoss::triton_qk_norm_rope_bwd", _qk_bwd_impl,
+                                     mutates_args=())
 
 
 @_qk_bwd_op.register_fake
-def _(g, x, weight, cos, sin, eps, rope_grad):
+def _(g, x, weight, cos, sin, eps, weight_grad, rope_grad):
     N, _, Dh = x.shape
     shape = (N, Dh // 2) if rope_grad else (0, Dh // 2)
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight),
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(weight.shape if weight_grad else (0,), dtype=weight.dtype, device=x.device),
             torch.empty(shape, dtype=cos.dtype, device=x.device),
             torch.empty(shape, dtype=sin.dtype, device=x.device))
 
@@ -166,13 +179,13 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, g):
     x, weight, cos, sin = ctx.saved_tensors
-    rope_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-    dx, dw, dc, ds = torch.ops.kohakumoss.triton_qk_norm_rope_bwd(g, x, weight, cos, sin, ctx.eps,
-                                                                  rope_grad)
-    return dx, dw, dc if rope_grad else None, ds if rope_grad else None, None
+    need = ctx.needs_input_grad
+    rope_grad = need[2] or need[3]
+    dx, dw, dc, ds = ctx.bwd(g, x, weight, cos, sin, ctx.eps, need[1], rope_grad)
+    return dx, dw if need[1] else None, dc if need[2] else None, ds if need[3] else None, None
 
 
-_qk_op.register_autograd(_backward, setup_context=_setup)
+_qk = entry(_qk_op, _qk_impl, _setup, _backward, _qk_bwd_op, _qk_bwd_impl)
 
 
 def qk_norm_rope(x_NHd: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -186,5 +199,5 @@ def qk_norm_rope(x_NHd: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
         raise ValueError(f"qk_norm_rope (triton): weight {tuple(weight.shape)}, cos "
                          f"{tuple(cos.shape)}, sin {tuple(sin.shape)} for x {tuple(x_NHd.shape)}; "
                          f"want [{Dh}], [{N}, {Dh // 2}], [{N}, {Dh // 2}]")
-    return _qk_op(lastdim_contiguous(x_NHd), lastdim_contiguous(weight), lastdim_contiguous(cos),
-                  lastdim_contiguous(sin), float(eps))
+    return _qk(lastdim_contiguous(x_NHd), lastdim_contiguous(weight), lastdim_contiguous(cos),
+               lastdim_contiguous(sin), float(eps))
