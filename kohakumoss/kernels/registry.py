@@ -67,7 +67,7 @@ def parse_entry_key(text: str) -> tuple[str, torch.dtype, str] | None:
     return (op, dtype, key) if isinstance(dtype, torch.dtype) and key else None
 
 
-def _reason(e: BaseException) -> str:
+def failure_reason(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
 
@@ -81,7 +81,7 @@ class TunedOp:
     """
 
     def __init__(self, op: str, problem: Problem, chains: dict[tuple[torch.dtype, str], list[Backend]],
-                 note: Callable[[tuple, str], None]):
+                 note: Callable[..., None]):
         self.op, self.problem, self.chains, self._note = op, problem, chains, note
         self.reference = REFERENCE[op]
         self.broken: dict[str, str] = {}
@@ -113,10 +113,10 @@ class TunedOp:
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # a backend that fails to build or run: the next one
-                self.broken[b.name] = _reason(e)
+                self.broken[b.name] = failure_reason(e)
                 self._note(("broken", self.op, b.name),
                            f"{self.op}: backend {b.name} failed ({self.broken[b.name]}); "
-                           f"using the next choice from now on")
+                           f"using the next choice from now on", logging.WARNING)
         return self.reference(*args)
 
 

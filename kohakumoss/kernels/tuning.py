@@ -2,9 +2,10 @@
 
 What is timed: one training use of the op, forward then backward (``autograd.grad`` of the
 output against a fixed random gradient, for the activations, and for the op's parameters in
-a full finetune), on inputs of the bucket's largest planned shape (``kohakumoss.kernels.problems``). Two warm-up calls (the
-first compiles what compiles), then the median of 5 to 50 timed calls (as many as fit in
-~50 ms): CUDA events on a GPU, ``perf_counter`` on the CPU. A backend that raises is
+a full finetune), on inputs of the bucket's largest planned shape
+(``kohakumoss.kernels.problems``). Two warm-up calls (the first compiles what compiles),
+then the median of 5 to 50 timed calls (as many as fit in ~50 ms): CUDA events on a GPU,
+``perf_counter`` on the CPU. A backend that raises is
 recorded as failed, with the reason, and never ranked. A backend must beat the reference by
 ``MARGIN`` to rank before it (the reference is exact, and a tie is noise).
 
@@ -34,8 +35,8 @@ import torch
 from kohakumoss.artifacts import ArtifactError, Manifest
 from kohakumoss.errors import IntegrityError
 from kohakumoss.kernels.problems import PROBLEMS, Dims
-from kohakumoss.kernels.registry import (KERNELS, REFERENCE_NAME, KernelRegistry, _reason,
-                                         entry_key, parse_entry_key)
+from kohakumoss.kernels.registry import (KERNELS, REFERENCE_NAME, KernelRegistry, entry_key,
+                                         failure_reason, parse_entry_key)
 from kohakumoss.kernels.table import (DEVICE_FIELDS, TABLE, KernelTable, device_signature,
                                       read_table, signature_key, write_table)
 from kohakumoss.model.ops import REFERENCE
@@ -138,11 +139,11 @@ def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names
         try:
             ms[name] = round(time_forward_backward(fn, args, device, generator), 4)
         except torch.OutOfMemoryError as e:
-            failed[name] = _reason(e)
+            failed[name] = failure_reason(e)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         except Exception as e:  # a backend that cannot build or run here: never ranked
-            failed[name] = _reason(e)
+            failed[name] = failure_reason(e)
             registry.note(("tune-failed", op, name, str(dtype)),
                           f"{op}: backend {name} failed while tuning ({failed[name]}); not used",
                           logging.WARNING)
@@ -171,8 +172,8 @@ def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         for key, (op, dims) in todo.items():
             names = [REFERENCE_NAME] + [b.name for b in registry.eligible(op, device, dtype, allow)]
-            entry = None if expired() else measure(op, dims, device, dtype, names, registry, expired,
-                                                          weights_grad)
+            entry = None if expired() else measure(op, dims, device, dtype, names, registry,
+                                                   expired, weights_grad)
             if entry is None:
                 untuned.append(key)
             else:
