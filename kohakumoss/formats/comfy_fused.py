@@ -1,4 +1,4 @@
-"""The fused q/k/v layout of ComfyUI adapter files (``docs/formats.md#fused-qkv-repack``):
+"""The fused q/k/v layout of ComfyUI adapter files (``docs/adapters.md#fused-qkv-repack``):
 each joint block's q/k/v tensor sets become one ``layers.N.proj.qkv`` set on writing, and
 are split back on reading. The q/k/v rule itself is ``formats.keys``'.
 

@@ -36,7 +36,7 @@ TENSOR_NAMES = sorted([
     "on_input", "weight", "diff", "diff_b", "w_norm", "b_norm", "q_layer.weight",
     "p_layer.weight", "lambda_layer", "base_q", "base_p", "base_lambda"], key=len, reverse=True)
 # kept in float32 in a bf16/fp16 file: scales and corrections whose rounding moves the whole
-# weight rather than the delta (docs/formats.md#adapter-files): DoRA's magnitude, OFT/BOFT's
+# weight rather than the delta (docs/adapters.md#adapter-files): DoRA's magnitude, OFT/BOFT's
 # rescale, and T-LoRA's trained factors, whose delta is P λ Q - P0 λ0 Q0 with P0 λ0 Q0 (the
 # base's top singular part, re-derived by the loader) as large as the weight
 KEEP_FP32 = frozenset({"dora_scale", "rescale", "q_layer.weight", "p_layer.weight",
