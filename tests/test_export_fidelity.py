@@ -227,6 +227,24 @@ def test_check_export_passes_on_every_algorithms_bf16_file(algo, tmp_path):
                                                                       and s == "0.5")
 
 
+@pytest.mark.parametrize("case", ["oft-rescaled", "boft-rescaled", "dora"])
+def test_merged_export_at_strength_zero_is_the_base_file(case, tmp_path):
+    from kohakumoss.formats.merged import read_merged
+
+    algo, kw = CASES[case]
+    ck = _checkpoint(tmp_path, algo, kw)
+    src = load_source(None, ck, model="tiny")
+    got, _ = read_merged(write_export(src, "merged", tmp_path / "m.safetensors", strength=0.0))
+    base = _state(tiny_transformer())
+    want = {k: v.to(BF16) for k, v in base.items()}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    half, _ = read_merged(write_export(src, "merged", tmp_path / "h.safetensors", strength=0.5,
+                                       dtype="fp32"))
+    for p, lyco in src.adapters.modules.items():  # the merged export follows W + s dW
+        dW = layer_delta(lyco)[0]
+        assert rel_error(half[f"{p}.weight"] - base[f"{p}.weight"], 0.5 * dW) <= 1e-5
+
+
 @pytest.mark.parametrize("algo", ["lora", "dora", "oft"])
 def test_check_export_fails_on_a_broken_or_unloaded_key(algo, tmp_path):
     ck = _checkpoint(tmp_path, algo, ALGOS[algo])
