@@ -1,19 +1,21 @@
 """Per-op benchmark of the kernel backends (not a test).
 
-    PYTHONPATH=. python bench/bench_kernels.py [--flavor base] [--samples 2] [--grid 64] [--text 104]
-        [--dtype bfloat16] [--ops situ,rms_norm,...] [--commit HASH]
+    PYTHONPATH=. python bench/bench_kernels.py [--flavor base] [--samples 2] [--grid 64]
+        [--text 104] [--dtype bfloat16] [--ops situ,rms_norm,...] [--sweep] [--full]
+        [--commit HASH]
 
 For each op of the op table, at the shapes one joint block of the ``--flavor`` model (base:
 D 3072, F 8192, 24 heads of 128) sees for a packed batch of ``samples`` images of
 ``grid x grid`` latent cells with ``text`` tokens each (2 x 64 x 64 + 104: 8400 tokens),
 times the reference in eager mode, ``torch.compile`` of the reference and every registered
 backend that can run here: the forward alone (no grad) and forward + backward (the input
-gradients of an adapter run, or with ``--full`` of a full finetune). Median of ``--iters`` samples (each 10 calls back to back) after ``--warmup``,
-CUDA events; and the device's kernel time per call (profiler; host launch gaps excluded).
+gradients of an adapter run, or with ``--full`` of a full finetune). Median of ``--iters``
+samples (each 10 calls back to back) after ``--warmup``, CUDA events; and the device's
+kernel time per call (profiler; host launch gaps excluded).
 Also the relative error of each backend against the reference, and the forward's effective
 bandwidth (bytes of the inputs and the output over the kernel time). ``--sweep`` adds
 Triton launch settings (programs per SM of the reducing backward kernels, elements per
-warp). Prints one JSON object (and writes
+warp, set alike for the elementwise and the row kernels). Prints one JSON object (and writes
 ``$OUT/bench_kernels.json``).
 """
 
@@ -33,7 +35,7 @@ from kohakumoss.model import FLAVORS
 from kohakumoss.model import ops
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
-DEFAULT_KNOBS = (4, 512)  # triton_common.PROGRAMS_PER_SM, ELEMENTS_PER_WARP
+DEFAULT_KNOBS = (4, 512, 1024)  # triton_common.PROGRAMS_PER_SM, (ROW_)ELEMENTS_PER_WARP
 
 
 def timed(fn, warmup: int, iters: int, reps: int = 10) -> float:
@@ -104,8 +106,8 @@ def bench_op(op: str, dims: dict, dtype: torch.dtype, device: torch.device, args
         if b.name != "compile":
             variants[b.name] = (b.fn, None)
             if b.name == "triton" and args.sweep:  # launch settings: programs/SM, elements/warp
-                for pps, epw in ((2, 512), (8, 512), (4, 256), (4, 1024)):
-                    variants[f"triton[pps={pps},epw={epw}]"] = (b.fn, (pps, epw))
+                for pps, epw in ((2, 512), (8, 512), (4, 256), (4, 1024), (4, 2048)):
+                    variants[f"triton[pps={pps},epw={epw}]"] = (b.fn, (pps, epw, epw))
 
     res: dict = {"dims": dims, "backends": {}}
     common = None
@@ -113,9 +115,11 @@ def bench_op(op: str, dims: dict, dtype: torch.dtype, device: torch.device, args
         entry: dict = {}
         if name.startswith("triton"):
             from kohakumoss.kernels import triton_common as common
-            common.PROGRAMS_PER_SM, common.ELEMENTS_PER_WARP = knobs or DEFAULT_KNOBS
+            (common.PROGRAMS_PER_SM, common.ELEMENTS_PER_WARP,
+             common.ROW_ELEMENTS_PER_WARP) = knobs or DEFAULT_KNOBS
             entry["knobs"] = {"programs_per_sm": common.PROGRAMS_PER_SM,
-                              "elements_per_warp": common.ELEMENTS_PER_WARP}
+                              "elements_per_warp": common.ELEMENTS_PER_WARP,
+                              "row_elements_per_warp": common.ROW_ELEMENTS_PER_WARP}
         try:
             with torch.no_grad():
                 out = fn(*inputs)
@@ -139,7 +143,8 @@ def bench_op(op: str, dims: dict, dtype: torch.dtype, device: torch.device, args
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         res["backends"][name] = entry
     if common is not None:
-        common.PROGRAMS_PER_SM, common.ELEMENTS_PER_WARP = DEFAULT_KNOBS
+        (common.PROGRAMS_PER_SM, common.ELEMENTS_PER_WARP,
+         common.ROW_ELEMENTS_PER_WARP) = DEFAULT_KNOBS
     base = res["backends"]["eager"]
     comp = res["backends"].get("compile", {})
     for name, entry in res["backends"].items():
@@ -169,7 +174,8 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
+    env = {"device": name,
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "commit": args.commit,
            "dtype": args.dtype, "gradients": "all" if args.full else "activations (adapter run)",
            "batch": f"{args.samples} x ({args.grid}x{args.grid} + {args.text})"}

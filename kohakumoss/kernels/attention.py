@@ -18,6 +18,7 @@ Legend: N packed tokens, H heads, Dh head dim, S segments.
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import logging
 import math
@@ -116,7 +117,7 @@ def flex_available(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype not in FLEX_DTYPES or not _cuda_sm80(device):
         return False
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
+        importlib.import_module("torch.nn.attention.flex_attention")
     except ImportError:
         return False
     return True

@@ -1,10 +1,11 @@
 """The kernel backends, registered in ``KERNELS`` when ``kohakumoss.kernels`` is imported.
 
-| op | backend | runs on |
-| --- | --- | --- |
-| rms_norm, modulated_rms_norm, qk_norm_rope, situ, residual, gated_residual | ``triton`` | CUDA sm80+, fp32/bf16/fp16 (or CPU tensors when Triton was first imported with ``TRITON_INTERPRET=1``) |
-| varlen_attention | ``flash_varlen`` | CUDA sm80+, bf16/fp16 (head dim a multiple of 8, <= 256) |
-| varlen_attention | ``flex`` | CUDA sm80+, fp32/bf16/fp16 (head dim a power of two >= 16) |
+- ``triton``: rms_norm, modulated_rms_norm, qk_norm_rope, situ, residual, gated_residual;
+  CUDA sm80+ in fp32/bf16/fp16, or CPU tensors where Triton was first imported with
+  ``TRITON_INTERPRET=1`` (its interpreter: tests, CI).
+- ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
+  to 256.
+- ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
 
 Triton is imported lazily, on the first availability question or call: a machine without
 it, or one where it fails to import, reports these backends unavailable (the reason is

@@ -57,13 +57,15 @@ def check_tensors(op: str, *tensors: torch.Tensor) -> None:
             raise TypeError(f"{op} (triton): a {t.dtype} input; the kernels take "
                             f"float32, bfloat16 and float16 (use the reference for others)")
         if t.device != device:
-            raise ValueError(f"{op} (triton): inputs on {device} and {t.device}; put them on one device")
+            raise ValueError(f"{op} (triton): inputs on {device} and {t.device}; "
+                             f"put them on one device")
     if torch.compiler.is_compiling():
         return
     if device not in _RUNS:
         _RUNS[device] = can_run(device)
     if not _RUNS[device]:
-        where = "CPU tensors (interpreted)" if INTERPRETED else "CUDA devices of compute capability 8.0+"
+        where = ("CPU tensors (interpreted)" if INTERPRETED
+                 else "CUDA devices of compute capability 8.0+")
         raise RuntimeError(f"{op} (triton): cannot run on {device}; Triton runs here on {where}")
 
 
@@ -120,11 +122,19 @@ def pow2(n: int) -> int:
 
 
 ELEMENTS_PER_WARP = 512
+"""Elements of a tile per warp in the elementwise kernels (SiTU, the residual adds)."""
+ROW_ELEMENTS_PER_WARP = 1024
+"""The same for the kernels that reduce over a row (the norms, qk-norm): on an H200 a
+3072-wide row ran fastest with 4 warps (``bench/bench_kernels.py --sweep``)."""
 
 
-def warps(tile: int) -> int:
-    """Warps for a tile of ``tile`` elements: ``ELEMENTS_PER_WARP`` each, 1 to 16."""
-    return max(1, min(16, tile // ELEMENTS_PER_WARP))
+def warps(tile: int, per_warp: int | None = None) -> int:
+    """Warps for a tile of ``tile`` elements, ``per_warp`` (``ELEMENTS_PER_WARP``) each: 1 to 16."""
+    return max(1, min(16, tile // (per_warp or ELEMENTS_PER_WARP)))
+
+
+def row_warps(tile: int) -> int:
+    return warps(tile, ROW_ELEMENTS_PER_WARP)
 
 
 _SMS: dict[int, int] = {}

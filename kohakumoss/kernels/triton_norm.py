@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kohakumoss.kernels.triton_common import (check_tensors, entry, jit, lastdim_contiguous, pow2,
-                                              programs, rounded, rows2d, segment_order, warps)
+                                              programs, rounded, row_warps, rows2d, segment_order)
 
 
 @jit
@@ -64,7 +64,8 @@ def _norm_bwd(G, X, W, SCALE, ORDER, STARTS, DX, PW, PSC, PSH, R, D, sg, sx, s_s
     acc_sc = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc_sh = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_MOD:
-        sc = tl.load(SCALE + b.to(tl.int64) * s_sc + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        sc = tl.load(SCALE + b.to(tl.int64) * s_sc + cols, mask=cmask, other=0.0)
+        sc = sc.to(tl.float32)[None, :]
     for i in range(lo, hi, BLOCK_R):
         idx = i + tl.arange(0, BLOCK_R)
         rmask = idx < hi
@@ -109,7 +110,7 @@ def _forward(x, w, shift, scale, seg, eps, has_mod):
     s_sh, s_sc = (shift.stride(0), scale.stride(0)) if has_mod else (0, 0)
     _norm_fwd[(triton.cdiv(R, block_r),)](
         x, w, shift, scale, seg, out, R, D, x.stride(0), s_sh, s_sc, eps,
-        HAS_MOD=has_mod, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d))
+        HAS_MOD=has_mod, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
     return out
 
 
@@ -137,7 +138,7 @@ def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad):
         _norm_bwd[(P,)](g, x, w, scale, order, starts, dx, pw, psc, psh, R, D, g.stride(0),
                         x.stride(0), scale.stride(0) if has_mod else 0, eps, K,
                         HAS_MOD=has_mod, WEIGHT_GRAD=weight_grad, MOD_GRAD=has_mod and mod_grad,
-                        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d))
+                        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
     elif weight_grad or mod_grad:
         pw.zero_(), psc.zero_(), psh.zero_()
     dw = pw.sum(0).to(w.dtype) if weight_grad else torch.empty((0,), dtype=w.dtype, device=x.device)
@@ -152,7 +153,8 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return _forward(x, weight, x, x, x, eps, False)
 
 
-_rms_norm_op = torch.library.custom_op("kohakumoss::triton_rms_norm", _rms_norm_impl, mutates_args=())
+_rms_norm_op = torch.library.custom_op("kohakumoss::triton_rms_norm", _rms_norm_impl,
+                                       mutates_args=())
 
 
 @_rms_norm_op.register_fake

@@ -3,7 +3,8 @@
 
 Math, all in fp32, rounded once to the output's dtype (the first input's):
 - SiTU: ``A(g) = 4 tanh(g/4) sigmoid(g)``, ``U(u) = 25 tanh(u/25)``, ``out = A U``;
-  ``du = go A (1 - tanh(u/25)^2)``, ``dg = go U ((1 - tanh(g/4)^2) sig + 4 tanh(g/4) sig (1 - sig))``.
+  ``du = go A (1 - tanh(u/25)^2)``,
+  ``dg = go U ((1 - tanh(g/4)^2) sig + 4 tanh(g/4) sig (1 - sig))`` with ``sig = sigmoid(g)``.
   Both tanh and the sigmoid of g come from one ``exp2`` and one division (``gate_parts``),
   tanh(u/25) from another: the special-function unit, not memory, bounds this kernel.
 - residual: ``out = x + y``; its gradients are the output's, cast to each input's dtype.
@@ -92,7 +93,8 @@ def _gated_bwd(GO, Y, GATE, ORDER, STARTS, DY, PGATE, C, sgo, sy, s_gate, K,
     hi = tl.minimum(lo + per, end)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    gate = tl.load(GATE + b.to(tl.int64) * s_gate + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    gate = tl.load(GATE + b.to(tl.int64) * s_gate + cols, mask=cmask, other=0.0)
+    gate = gate.to(tl.float32)[None, :]
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for i in range(lo, hi, BLOCK_R):
         idx = i + tl.arange(0, BLOCK_R)
@@ -159,7 +161,8 @@ _situ_bwd_op = torch.library.custom_op("kohakumoss::triton_situ_bwd", _situ_bwd_
 
 @_situ_bwd_op.register_fake
 def _(go, u, g):
-    return torch.empty(u.shape, dtype=u.dtype, device=u.device), torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    return (torch.empty(u.shape, dtype=u.dtype, device=u.device),
+            torch.empty(g.shape, dtype=g.dtype, device=g.device))
 
 
 def _situ_setup(ctx, inputs, output):
@@ -258,7 +261,8 @@ def _gated_bwd_impl(go: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: 
         block_r = max(1, _TILE // 2 // block_c)
         _gated_bwd[(B * K, triton.cdiv(C, block_c))](
             go, y, gate, order, starts, dy, pgate, C, go.stride(0), y.stride(0), gate.stride(0), K,
-            GATE_GRAD=gate_grad, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps(block_r * block_c))
+            GATE_GRAD=gate_grad, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=warps(block_r * block_c))
     if not gate_grad:  # an empty [0, C] answer (the kernel had a one-element dummy)
         return dy, torch.zeros((0, C), dtype=torch.float32, device=y.device)
     return dy, pgate.view(B, K, C).sum(1)
@@ -294,11 +298,12 @@ _gated = entry(_gated_op, _gated_impl, _gated_setup, _gated_backward, _gated_bwd
 
 def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor,
                    seg_N: torch.Tensor) -> torch.Tensor:
-    """``ops.gated_residual`` in Triton: ``x + gate[seg] y``. ``seg_N`` values must lie in [0, B)."""
+    """``ops.gated_residual`` in Triton: ``x + gate[seg] y``; ``seg_N`` values lie in [0, B)."""
     check_tensors("gated_residual", x_ND, y_ND, gate_BD)
     _check_pair("gated_residual", x_ND, y_ND, "x and y")
     N, D = x_ND.shape
     if gate_BD.dim() != 2 or gate_BD.shape[1] != D or seg_N.shape != (N,):
         raise ValueError(f"gated_residual (triton): x {tuple(x_ND.shape)}, gate "
-                         f"{tuple(gate_BD.shape)}, seg {tuple(seg_N.shape)}; want [N, D], [B, D], [N]")
+                         f"{tuple(gate_BD.shape)}, seg {tuple(seg_N.shape)}; "
+                         f"want [N, D], [B, D], [N]")
     return _gated(rows2d(x_ND, D), rows2d(y_ND, D), rows2d(gate_BD, D), seg_N)

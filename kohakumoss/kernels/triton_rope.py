@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kohakumoss.kernels.triton_common import (check_tensors, entry, jit, lastdim_contiguous, pow2,
-                                              programs, rounded, warps)
+                                              programs, rounded, row_warps)
 
 
 @jit
@@ -35,13 +35,14 @@ def _qk_fwd(X, W, COS, SIN, OUT, N, sxn, sxh, scn, ssn, H, eps, HALF: tl.constex
     x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
     w1 = tl.load(W + j, mask=j < HALF, other=0.0).to(tl.float32)[None, None, :]
     w2 = tl.load(W + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, None, :]
-    c = tl.load(COS + t64[:, None] * scn + j[None, :], mask=tj, other=0.0).to(tl.float32)[:, None, :]
-    s = tl.load(SIN + t64[:, None] * ssn + j[None, :], mask=tj, other=0.0).to(tl.float32)[:, None, :]
+    c = tl.load(COS + t64[:, None] * scn + j[None, :], mask=tj, other=0.0).to(tl.float32)
+    s = tl.load(SIN + t64[:, None] * ssn + j[None, :], mask=tj, other=0.0).to(tl.float32)
+    c, s = c[:, None, :], s[:, None, :]
     ms = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF)
     rstd = (1.0 / tl.sqrt(ms + eps))[:, :, None]
     y1 = x1 * rstd * w1
     y2 = x2 * rstd * w2
-    op = OUT + t64[:, None, None] * (H * 2 * HALF) + h[None, :, None] * (2 * HALF) + j[None, None, :]
+    op = OUT + (t64[:, None, None] * H + h[None, :, None]) * (2 * HALF) + j[None, None, :]
     tl.store(op, rounded(y1 * c - y2 * s, OUT.dtype.element_ty), mask=m)
     tl.store(op + HALF, rounded(y2 * c + y1 * s, OUT.dtype.element_ty), mask=m)
 
@@ -73,8 +74,9 @@ def _qk_bwd(G, X, W, COS, SIN, DX, DC, DS, PW, N, sxn, sxh, sgn, sgh, scn, ssn, 
         x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
         g1 = tl.load(gp, mask=m, other=0.0).to(tl.float32)
         g2 = tl.load(gp + HALF, mask=m, other=0.0).to(tl.float32)
-        c = tl.load(COS + t64[:, None] * scn + j[None, :], mask=tj, other=0.0).to(tl.float32)[:, None, :]
-        s = tl.load(SIN + t64[:, None] * ssn + j[None, :], mask=tj, other=0.0).to(tl.float32)[:, None, :]
+        c = tl.load(COS + t64[:, None] * scn + j[None, :], mask=tj, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t64[:, None] * ssn + j[None, :], mask=tj, other=0.0).to(tl.float32)
+        c, s = c[:, None, :], s[:, None, :]
         ms = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF)
         rstd = (1.0 / tl.sqrt(ms + eps))[:, :, None]
         xh1 = x1 * rstd
@@ -87,15 +89,17 @@ def _qk_bwd(G, X, W, COS, SIN, DX, DC, DS, PW, N, sxn, sxh, sgn, sgh, scn, ssn, 
         gw1 = dy1 * w1
         gw2 = dy2 * w2
         k = ((tl.sum(gw1 * xh1, axis=2) + tl.sum(gw2 * xh2, axis=2)) / (2 * HALF))[:, :, None]
-        dp = DX + t64[:, None, None] * (H * 2 * HALF) + h[None, :, None] * (2 * HALF) + j[None, None, :]
+        dp = DX + (t64[:, None, None] * H + h[None, :, None]) * (2 * HALF) + j[None, None, :]
         tl.store(dp, rounded(rstd * (gw1 - xh1 * k), DX.dtype.element_ty), mask=m)
         tl.store(dp + HALF, rounded(rstd * (gw2 - xh2 * k), DX.dtype.element_ty), mask=m)
         if ROPE_GRAD:
             y1 = xh1 * w1
             y2 = xh2 * w2
             cp = t64[:, None] * HALF + j[None, :]
-            tl.store(DC + cp, rounded(tl.sum(g1 * y1 + g2 * y2, axis=1), DC.dtype.element_ty), mask=tj)
-            tl.store(DS + cp, rounded(tl.sum(g2 * y1 - g1 * y2, axis=1), DS.dtype.element_ty), mask=tj)
+            dc = tl.sum(g1 * y1 + g2 * y2, axis=1)
+            ds = tl.sum(g2 * y1 - g1 * y2, axis=1)
+            tl.store(DC + cp, rounded(dc, DC.dtype.element_ty), mask=tj)
+            tl.store(DS + cp, rounded(ds, DS.dtype.element_ty), mask=tj)
     if WEIGHT_GRAD:
         tl.store(PW + pid * (2 * HALF) + j, acc1, mask=jmask)
         tl.store(PW + pid * (2 * HALF) + HALF + j, acc2, mask=jmask)
@@ -105,7 +109,7 @@ def _tile(H: int, half: int) -> tuple[int, int, int, int]:
     """(tokens, heads, half-width) of a tile of about 4096 elements, and its warps."""
     bh, bj = pow2(H), pow2(half)
     bt = max(1, 4096 // (2 * bh * bj))
-    return bt, bh, bj, warps(2 * bt * bh * bj)
+    return bt, bh, bj, row_warps(2 * bt * bh * bj)
 
 
 def _qk_impl(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
