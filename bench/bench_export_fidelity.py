@@ -197,8 +197,9 @@ def markdown(rows: list[dict], moss: list[dict]) -> str:
                 "before -> after |", "| --- | --- | --- |"]
         mib = 2.0**20
         for m in moss:
-            out.append(f"| {m['case']} | {m['comfy_before'] / mib:.2f} -> {m['comfy_after'] / mib:.2f} "
-                       f"| {m['lycoris_before'] / mib:.2f} -> {m['lycoris_after'] / mib:.2f} |")
+            out.append(f"| {m['case']} | {m['comfy_before'] / mib:.2f} -> "
+                       f"{m['comfy_after'] / mib:.2f} | {m['lycoris_before'] / mib:.2f} -> "
+                       f"{m['lycoris_after'] / mib:.2f} |")
     return "\n".join(out)
 
 

@@ -215,6 +215,14 @@ def _on_master_copy(lyco: LycorisBaseModule):
             lyco.mask_group_id = saved[3]
 
 
+def _additive_delta(lyco: LycorisBaseModule, like: torch.Tensor) -> torch.Tensor:
+    """LoCon/LoHa/LoKr's ``dW`` from its factors (inside ``_on_master_copy``); LoHa/LoKr's
+    ``get_diff_weight`` would apply ``alpha/r`` twice."""
+    d = lyco.get_diff_weight(1.0)[0] if kind_of(lyco) == "locon" else \
+        lyco.get_weight(lyco.shape) * lyco.scalar
+    return d.to(like).view(like.shape)
+
+
 @torch.no_grad()
 def native_merged_weight(lyco: LycorisBaseModule, m: float
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -225,9 +233,7 @@ def native_merged_weight(lyco: LycorisBaseModule, m: float
     with _on_master_copy(lyco) as base:
         W, b = base.weight, base.bias
         if kind in ("locon", "loha", "lokr"):
-            d = lyco.get_diff_weight(1.0)[0] if kind == "locon" else \
-                lyco.get_weight(lyco.shape) * lyco.scalar
-            d = d.to(W)
+            d = _additive_delta(lyco, W)
             if lyco.wd:
                 W1 = weight_decompose(W + d, lyco.dora_scale.to(W), 1, lyco.wd_on_out)
                 Wm = W + m * (W1 - W)
@@ -249,14 +255,13 @@ def native_merged_weight(lyco: LycorisBaseModule, m: float
 
 @torch.no_grad()
 def weight_delta(lyco: LycorisBaseModule) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layer's change at multiplier 1, ``(dW, db)`` in master dtype (``db`` None for a
-    layer without bias). An additive kind's ``dW`` comes straight from its factors."""
+    """The layer's change at multiplier 1, ``(dW, db)`` in master dtype (``db`` None where
+    the bias cannot move or there is none). An additive kind's ``dW`` comes straight from
+    its factors."""
     kind, base = kind_of(lyco), lyco.org_module[0]
     if kind in ("locon", "loha", "lokr") and not lyco.wd:
         with _on_master_copy(lyco) as proxy:
-            d = lyco.get_diff_weight(1.0)[0] if kind == "locon" else \
-                lyco.get_weight(lyco.shape) * lyco.scalar
-            return d.to(proxy.weight).view(proxy.weight.shape), None
+            return _additive_delta(lyco, proxy.weight), None
     W1, b1 = native_merged_weight(lyco, 1.0)
     dW = W1 - base.weight.detach().to(W1)
     return dW, None if base.bias is None else b1.to(W1) - base.bias.detach().to(W1)

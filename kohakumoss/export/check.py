@@ -110,7 +110,7 @@ def _notes(adapters, blocks: dict[str, str], strength: float) -> list[str]:
         off = rel_error(comfy_strength_delta(lyco, strength, blocks=True), ours)
         notes.append(f"{name}: {kind.upper()} blocks: ComfyUI's slider at {strength:g} gives a "
                      f"change {off:.1%} off kmoss's {strength:g} x dW (kmoss sample, merged "
-                     f"export); they agree at 0 and 1. Export with rotations 'diff' for a "
+                     f"export); they agree at 0 and 1. Export with --rotations diff for a "
                      f"linear slider")
     return notes
 

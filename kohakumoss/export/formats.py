@@ -110,8 +110,8 @@ def _warn_lycoris_in_comfy(src: Source, out: Path) -> None:
 
 
 def write_export(src: Source, fmt: str, out: Path, *, strength: float = 1.0, fused_qkv: bool = True,
-                 style: str = "lora_unet", dtype: str = "bf16", metadata: dict[str, str] | None = None,
-                 rotations: str = "blocks") -> Path:
+                 style: str = "lora_unet", dtype: str = "bf16",
+                 metadata: dict[str, str] | None = None, rotations: str = "blocks") -> Path:
     """Write ``src`` as ``fmt`` to ``out``. ``rotations`` (comfy only): OFT/BOFT as native
     ``blocks`` (compact; ComfyUI's slider is exact at 1 only) or dense ``diff`` (linear at every
     strength, also in ComfyUI's half-precision patching; far larger)."""

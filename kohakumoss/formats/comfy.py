@@ -47,8 +47,8 @@ from kohakumoss.adapters.runtime import (Attached, dylora_rank, kind_of, merged_
                                          native_merged_weight, weight_delta)
 from kohakumoss.adapters.sets import AdapterSetError, Sets, build_modules
 from kohakumoss.artifacts import atomic_path, write_safetensors
-from kohakumoss.formats.comfy_fused import (PLAIN_LORA, Delta, _alpha, fuse_qkv_sets,  # noqa: F401
-                                            repack_qkv_lora, split_fused_qkv)
+from kohakumoss.formats.comfy_fused import (PLAIN_LORA, Delta, alpha_tensor,  # noqa: F401
+                                            fuse_qkv_sets, repack_qkv_lora, split_fused_qkv)
 from kohakumoss.formats.keys import qkv_layer
 from kohakumoss.formats.lycoris import (AdapterFileError, file_tensor, lycoris_metadata,
                                         read_lycoris, stem)
@@ -110,11 +110,11 @@ def _factored(lyco, kind: str) -> dict[str, torch.Tensor]:
     if kind == "lokr":
         ranked = [k for k in ("lokr_w2_b", "lokr_w1_b") if k in s]  # ComfyUI: w2's rank wins
         if ranked:
-            s["alpha"] = _alpha(scale * s[ranked[0]].shape[0])
+            s["alpha"] = alpha_tensor(scale * s[ranked[0]].shape[0])
         elif scale != 1.0:  # nothing decomposed: ComfyUI's scale is 1
             s["lokr_w1"] = s["lokr_w1"] * scale
     else:
-        s["alpha"] = _alpha(scale * s[RANK_OF[kind]].shape[0])
+        s["alpha"] = alpha_tensor(scale * s[RANK_OF[kind]].shape[0])
     if dora is not None:
         s["dora_scale"] = _comfy_dora(lyco, dora.detach().clone())
     return s
@@ -130,7 +130,7 @@ def writes_blocks(lyco, rotations: str = "blocks") -> bool:
 def _oft(lyco, kind: str, rotations: str) -> dict[str, torch.Tensor]:
     if not writes_blocks(lyco, rotations):
         return _dense(layer_delta(lyco))
-    s = {"oft_blocks": lyco.oft_blocks.detach().clone(), "alpha": _alpha(lyco.constraint)}
+    s = {"oft_blocks": lyco.oft_blocks.detach().clone(), "alpha": alpha_tensor(lyco.constraint)}
     if lyco.rescaled:
         s["rescale"] = lyco.rescale.detach().clone()
     return s
@@ -150,13 +150,14 @@ def layer_set(lyco, rotations: str = "blocks") -> dict[str, torch.Tensor]:
     if kind == "dylora":
         down, up, scale = lyco.get_weight(dylora_rank(lyco))  # all blocks, alpha / blocks
         return {"lora_up.weight": up.detach() * float(scale),
-                "lora_down.weight": down.detach().clone(), "alpha": _alpha(down.shape[0])}
+                "lora_down.weight": down.detach().clone(), "alpha": alpha_tensor(down.shape[0])}
     if kind == "tlora":  # s (P λ Q - P0 λ0 Q0): its two terms are as large as W, dW is not
         s = float(lyco.scale)
         up, down = exact_low_rank(torch.cat([lyco.p_layer.weight * lyco.lambda_layer * s,
                                              -(lyco.base_p * lyco.base_lambda) * s], dim=1),
                                   torch.cat([lyco.q_layer.weight, lyco.base_q], dim=0))
-        return {"lora_up.weight": up, "lora_down.weight": down, "alpha": _alpha(down.shape[0])}
+        return {"lora_up.weight": up, "lora_down.weight": down,
+                "alpha": alpha_tensor(down.shape[0])}
     return _dense(layer_delta(lyco))  # ia3, diff
 
 

@@ -21,7 +21,8 @@ PLAIN_LORA = frozenset({"lora_up.weight", "lora_down.weight", "alpha"})
 Delta = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _alpha(value: float) -> torch.Tensor:
+def alpha_tensor(value: float) -> torch.Tensor:
+    """A file's 0-dim float32 ``alpha``."""
     return torch.tensor(float(value), dtype=torch.float32)
 
 
@@ -45,7 +46,8 @@ def repack_qkv_lora(parts: list[dict[str, torch.Tensor] | None]) -> dict[str, to
         up[i * D:(i + 1) * D, col:col + r] = u * (a / r)
         downs.append(d)
         col += r
-    return {"lora_up.weight": up, "lora_down.weight": torch.cat(downs), "alpha": _alpha(total)}
+    return {"lora_up.weight": up, "lora_down.weight": torch.cat(downs),
+            "alpha": alpha_tensor(total)}
 
 
 def _fused_dense(deltas: list[Delta | None]) -> dict[str, torch.Tensor]:
