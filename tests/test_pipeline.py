@@ -85,6 +85,9 @@ def _dvc(cwd, *args):
 def test_dvc_repro_then_override_with_exp_run(project):
     out = _dvc(project, "repro")
     assert "Running stage 'scan'" in out and "Running stage 'plan'" in out
+    assert "Running stage 'tune_kernels'" in out  # a CPU table: the reference against compile
+    kernels = json.loads((project / "artifacts/kernels/table.json").read_text())["devices"]
+    assert [s["signature"]["device"] for s in kernels.values()] == ["cpu"]
     m1 = json.loads((project / "artifacts/plan/manifest.json").read_text())
     assert m1["info"]["batches"] == yaml.safe_load((project / "params.yaml").read_text())["train"]["steps"]
     assert json.loads((project / "artifacts/catalog/manifest.json").read_text())["info"]["datasets"][0]["live"] > 0
@@ -98,7 +101,8 @@ def test_dvc_repro_then_override_with_exp_run(project):
     check = subprocess.run([str(kmoss), "check", "export", str(comfy), "--source",
                             str(project / "runs/default/checkpoints" / f"step-{metrics['step']:06d}")],
                            cwd=project, capture_output=True, text=True)
-    assert check.returncode == 0 and "every key loads" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "every key loads" in " ".join(check.stdout.split()), \
+        check.stdout + check.stderr
     old = project / "runs/default/checkpoints/step-000150"  # re-export an older step
     again = subprocess.run([str(kmoss), "export", "checkpoint", str(old), "--format", "comfy"],
                            cwd=project, capture_output=True, text=True)
@@ -106,6 +110,7 @@ def test_dvc_repro_then_override_with_exp_run(project):
     assert again.returncode == 0 and old_comfy.is_file(), again.stderr
     out = _dvc(project, "repro")  # nothing changed (the re-export is outside every stage's outputs)
     assert "Stage 'plan' didn't change" in out and "Stage 'train' didn't change" in out
+    assert "Stage 'tune_kernels' didn't change" in out
     assert "train.loss" in _dvc(project, "metrics", "show")
     # another plan (a short run: the full-length experiment flow is in tests/faults)
     _dvc(project, "exp", "run", "-S", "run.seed=7", "-S", "resolution.mode=square",

@@ -30,10 +30,11 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from kohakumoss.artifacts import MANIFEST
 from kohakumoss.config import Params, stage_params
 from kohakumoss.kernels import KERNELS, build_op_table
 from kohakumoss.kernels.problems import plan_problems
-from kohakumoss.kernels.table import TABLE, device_signature, read_table, winners
+from kohakumoss.kernels.table import TABLE, describe, device_signature, read_table, winners
 from kohakumoss.kernels.tuning import TuneResult, tune, tune_table
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.ops import REFERENCE
@@ -87,8 +88,8 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngin
 # -- kernel tuning: the tune_kernels stage and train's window ------------------------------------
 log = logging.getLogger(__name__)
 
-TUNE_PARAMS = ["model.transformer", "train.dtype", "train.device", "kernels.table",
-               "kernels.tune_seconds", "kernels.backends"]
+TUNE_PARAMS = ["model.transformer", "train.dtype", "train.device", "adapter.algo",
+               "adapter.train_norms", "kernels.table", "kernels.tune_seconds", "kernels.backends"]
 
 
 def plan_token_batches(plan: pa.Table) -> list[list[tuple[int, int]]]:
@@ -151,15 +152,18 @@ def tuned_kernels(params: Params, plan: EnginePlan, directory: str | Path | None
         return {}
     signature = device_signature(plan.device)
     section = None
-    if directory is None or not (Path(directory) / TABLE).is_file():
+    if directory is None or not any((Path(directory) / f).is_file() for f in (TABLE, MANIFEST)):
         log.warning("no kernel tuning table in %s (run `kmoss tune_kernels`, or `dvc repro`)",
                     directory)
     else:
-        table = read_table(directory)
+        table = read_table(directory)  # bytes that do not match the manifest: IntegrityError
         section = table.section(signature)
         if section is None:
             log.warning("the kernel tuning table %s is not used: %s", Path(directory) / TABLE,
                         table.why_not(signature))
+        else:
+            log.info("kernel tuning table %s: %d entries measured on this device (%s)",
+                     Path(directory) / TABLE, len(section["entries"]), describe(signature))
     problems = plan_problems(config, batches)
     dtype = plan.precision.compute
     have = section["entries"] if section else {}
