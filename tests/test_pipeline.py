@@ -44,6 +44,12 @@ def test_dvc_yaml_declares_what_the_code_reads():
     assert "kohakumoss/kernels" in stages["tune_kernels"]["deps"]
     assert "artifacts/kernels/table.json" in stages["train"]["deps"]
     assert "kernels" in stages["train"]["params"]
+    # DVC refuses to run a stage whose declared key is missing from params.yaml
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for name, body in stages.items():
+        for key in body.get("params", []):
+            section, _, field = key.partition(".")
+            assert section in raw and (not field or field in raw[section]), (name, key)
 
 
 def test_cli_reports_user_errors_cleanly(tmp_path):
