@@ -1,6 +1,7 @@
 """GPU benchmark of training steps at the published size, random weights (not a test).
 
     PYTHONPATH=. python bench/bench_train.py [--budgets 8192 16384] [--steps 6] [--full]
+                                             [--kernels triton compile]
 
 LoRA: rank 32 (alpha 32) on attention + MLP of every joint block (252 linears), bf16 base,
 fp32 adapter, AdamW. Batches come from a latent cache and a text cache (``TensorStore``
@@ -36,10 +37,25 @@ from kohakumoss.training.optim import build_optimizer
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
+KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in order}
+
+
+def kernel_choices(names: list[str]) -> dict[str, list[str]]:
+    """``--kernels triton compile``: per op, those of the named backends it has, in order
+    (the reference stays the fallback)."""
+    from kohakumoss.kernels import KERNELS
+    from kohakumoss.model.ops import REFERENCE
+
+    return {op: [n for n in names if n in KERNELS.names(op)] for op in REFERENCE
+            if any(n in KERNELS.names(op) for n in names)}
+
+
 def random_base(full: bool) -> MOSSImageTransformer:
     """The base flavor with random weights and a training run's engines (bf16 compute)."""
     model = random_transformer(FLAVORS["base"], "cuda")
-    apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=full)))
+    applied = apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=full),
+                                              kernels=KERNEL_CHOICES))
+    print(json.dumps({"op_table": applied.kernels}), flush=True)
     return model
 
 
@@ -135,9 +151,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--text", type=int, default=100)
     ap.add_argument("--full", action="store_true")
+    ap.add_argument("--kernels", nargs="*", default=[],
+                    help="backends to prefer for every op that has them, in order (e.g. triton "
+                         "compile); none: the references")
     a = ap.parse_args()
+    KERNEL_CHOICES.update(kernel_choices(a.kernels))
     rate = matmul_rate()
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:
         for b in a.budgets:
