@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from stages.common import PARAMS_OPTION, console, stage
-from stages.sample import (DTYPES, OptionError, check_adapters, check_choice, check_positive,
+from stages.sample import (OptionError, check_adapters, check_choice, check_positive,
                            parse_size)
 
 

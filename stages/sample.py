@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import typer
@@ -12,7 +13,6 @@ from kohakumoss.errors import KohakuError
 from stages.common import PARAMS_OPTION, console, stage
 
 SIZE = re.compile(r"(\d+)x(\d+)")
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 class OptionError(KohakuError, ValueError):
@@ -47,7 +47,7 @@ def check_adapters(specs: list[str], option: str = "--adapter") -> None:
                           f"adapter file (.safetensors)")
 
 
-def check_choice(value: str, allowed: tuple[str, ...], option: str) -> str:
+def check_choice(value: str, allowed: Collection[str], option: str) -> str:
     if value not in allowed:
         raise OptionError(f"{option} {value!r}: one of {', '.join(allowed)}")
     return value
