@@ -233,6 +233,9 @@ class ExportConfig:
     style: Literal["lora_unet", "diffusion_model"] = "lora_unet"
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     strength: float = knob(1.0, help="the adapter strength merged into 'merged' / 'diffusers'")
+    rotations: Literal["blocks", "diff"] = knob(
+        "blocks", help="OFT/BOFT in the comfy file: native blocks (compact; ComfyUI's strength "
+                       "slider is exact at 1 only) or a dense diff (exact at every strength)")
 
 
 @dataclasses.dataclass(frozen=True)

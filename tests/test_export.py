@@ -340,3 +340,26 @@ def test_export_checkpoint_with_model_needs_no_params_file(tmp_path, monkeypatch
     res = runner.invoke(app, ["export", "checkpoint", str(lyco), "--out", "x.safetensors"])
     assert res.exit_code == 2 and "--model" in res.output and "params" in res.output, res.output
     assert not (work / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("rotations, blocks", [("blocks", True), ("diff", False)])
+def test_export_stage_writes_oft_as_export_rotations_says(tmp_path, monkeypatch, rotations, blocks):
+    """`export.rotations` reaches the comfy file the stage writes: OFT's native blocks (a
+    biased layer is a dense diff either way), or dense diffs only (which ComfyUI's strength
+    slider scales linearly)."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    from kohakumoss.export.stage import EXPERIMENT_ENV, export_run
+
+    monkeypatch.delenv(EXPERIMENT_ENV, raising=False)
+    runs = tmp_path / "runs"
+    _adapter_checkpoint(tmp_path, algo="oft", directory=runs / "mine" / "checkpoints", step=7)
+    p = _run_params(tmp_path, "mine")
+    p = dataclasses.replace(p, export=dataclasses.replace(p.export, formats=("comfy",),
+                                                          rotations=rotations))
+    (comfy,) = export_run(p, runs)
+    with safe_open(str(comfy), "pt") as f:
+        suffixes = {k.split(".", 1)[1].removesuffix(".weight") for k in f.keys()}
+    assert ("oft_blocks" in suffixes) == blocks and "diff" in suffixes

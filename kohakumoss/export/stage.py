@@ -139,7 +139,7 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
         for fmt in formats:
             path = write_export(src, fmt, out / export_name(p.run.name, src, fmt, experiment),
                                 strength=e.strength, fused_qkv=e.fused_qkv, style=e.style,
-                                dtype=e.dtype, metadata=meta)
+                                dtype=e.dtype, metadata=meta, rotations=e.rotations)
             log.info("wrote %s", path)
             written.append(path)
             faults.point("export.write")
