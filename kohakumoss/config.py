@@ -273,7 +273,10 @@ class KernelsConfig:
         "auto", help="auto: tune and use the fastest backend per shape; off: reference kernels")
     tune_seconds: float = knob(60.0, check=lambda v: v >= 0,
                                allowed="a number >= 0 (seconds kmoss tune_kernels may spend)")
-    retune_seconds: float = knob(60.0, check=lambda v: v >= 0,
+    # 0 by default: choices measured at train time depend on timing, so two runs of the same
+    # params could pick different kernels and differ in the last bits; the table that
+    # `kmoss tune_kernels` writes is the same input to every run
+    retune_seconds: float = knob(0.0, check=lambda v: v >= 0,
                                  allowed="a number >= 0 (seconds train may spend on shapes the "
                                          "table lacks; 0 = reference kernels for them)")
     backends: tuple[str, ...] = knob((), help="backend names the tuner may pick (e.g. [compile, "

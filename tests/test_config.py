@@ -82,7 +82,7 @@ def test_dataset_level_keys_and_caption_override():
 
 def test_kernels_section_defaults_and_refusals():
     k = make_params([{"source": "kohya", "path": "x"}]).kernels
-    assert (k.table, k.tune_seconds, k.retune_seconds, k.backends) == ("auto", 60.0, 60.0, ())
+    assert (k.table, k.tune_seconds, k.retune_seconds, k.backends) == ("auto", 60.0, 0.0, ())
     k = make_params([{"source": "kohya", "path": "x"}],
                     kernels={"table": "off", "backends": ["compile"], "tune_seconds": 5}).kernels
     assert (k.table, k.backends, k.tune_seconds) == ("off", ("compile",), 5.0)

@@ -147,3 +147,19 @@ def test_layering(package):
            if (m == "kohakumoss" or m.startswith("kohakumoss."))
            and not any(m == a or m.startswith(a + ".") for a in allowed)]
     assert not bad, bad
+
+
+def test_a_runs_kernel_choices_are_kept_for_its_resume(tmp_path):
+    """Choices measured at train time depend on timing: a run makes them once, keeps them in
+    runs/<name>/kernels.json, and a resumed start reuses them; another plan makes them again."""
+    from kohakumoss.training.build import run_kernels
+
+    plan = EnginePlan(torch.device("cpu"), precision_policy("fp32", full=False))
+    path = tmp_path / "run" / "kernels.json"
+    draws = iter([{"situ": ["compile"]}, {"situ": ["reference"]}, {"situ": ["triton"]}])
+    first = run_kernels(path, plan, "plan-a", lambda: next(draws))
+    assert first == {"situ": ["compile"]} and path.is_file()
+    assert run_kernels(path, plan, "plan-a", lambda: next(draws)) == first  # the resume
+    assert run_kernels(path, plan, "plan-b", lambda: next(draws)) == {"situ": ["reference"]}
+    path.write_text("{not json")
+    assert run_kernels(path, plan, "plan-b", lambda: next(draws)) == {"situ": ["triton"]}

@@ -10,11 +10,14 @@ builds the rest with this and replaces that one field.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from kohakumoss.artifacts import Manifest
+from kohakumoss.artifacts import Manifest, atomic_write_json
 from kohakumoss.cache.build import text_identity, vae_identity
 from kohakumoss.cache.lookup import BatchCaches
 from kohakumoss.config import Params
@@ -24,6 +27,7 @@ from kohakumoss.data.planfile import read_plan
 from kohakumoss.device import resolve_device
 from kohakumoss.diffusion.timesteps import LogitNormalTimesteps, MossTimesteps, UniformTimesteps
 from kohakumoss.formats import load_dit
+from kohakumoss.kernels.table import device_signature
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
@@ -32,6 +36,9 @@ from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engin
 from kohakumoss.training.inputs import make_timesteps
 from kohakumoss.training.optim import build_optimizer, build_scheduler
 from kohakumoss.training.trainable import Trainable, make_trainable
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -65,6 +72,31 @@ class Components:
     batches: PlanBatches
 
 
+RUN_KERNELS = "kernels.json"  # runs/<name>/: the op-table choices the run trains with
+
+
+def run_kernels(path: Path, engines: EnginePlan, plan_hash: str,
+                choose: Callable[[], dict[str, list[str]]]) -> dict[str, list[str]]:
+    """The run's kernel choices, fixed for its whole life: a resumed run reuses the choices
+    its first start made (kept in ``runs/<name>/kernels.json``), because choices measured
+    at train time depend on timing, and a resumed run must compute what an uninterrupted
+    one does, bit for bit. They are made again only for another device, other kernel
+    sources, another compute dtype or another plan."""
+    key = {"signature": device_signature(engines.device), "plan": plan_hash,
+           "dtype": str(engines.precision.compute)}
+    if path.is_file():
+        try:
+            kept = json.loads(path.read_text(encoding="utf-8"))
+            if kept.get("key") == key and isinstance(kept.get("choices"), dict):
+                log.info("kernel choices of this run kept in %s", path)
+                return {k: list(v) for k, v in kept["choices"].items()}
+        except ValueError:
+            log.warning("%s is unreadable; the kernel choices are made again", path)
+    choices = choose()
+    atomic_write_json(path, {"key": key, "choices": choices})
+    return choices
+
+
 def build_components(params: Params, paths: RunPaths,
                      engines: EnginePlan | None = None) -> Components:
     """The run's components; ``engines`` defaults to ``engine_plan(params, device)``. With
@@ -77,9 +109,10 @@ def build_components(params: Params, paths: RunPaths,
     # loaded straight in the dtype the precision policy holds the weights in
     model = load_dit(p.model.transformer, engines.precision.weights, device)
     if paths.kernels is not None and not engines.tuned:
-        tuned = tuned_kernels(p, engines, paths.kernels, model.config,
-                              plan_token_batches(plan_rows))
-        engines = dataclasses.replace(engines, tuned=tuned)
+        engines = dataclasses.replace(engines, tuned=run_kernels(
+            paths.run / RUN_KERNELS, engines, plan.content_hash,
+            lambda: tuned_kernels(p, engines, paths.kernels, model.config,
+                                  plan_token_batches(plan_rows))))
     applied = apply_engines(model, engines)
     trainable = make_trainable(model, p)
     named = trainable.named_parameters()
