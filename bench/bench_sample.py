@@ -1,12 +1,15 @@
 """GPU benchmark of sampling at the published size, random weights (not a test).
 
-    PYTHONPATH=. python bench/bench_sample.py [--steps 50] [--batches 1 4]
+    PYTHONPATH=. python bench/bench_sample.py [--steps 50] [--batches 1 4] [--kernels triton]
+                                              [--compile-blocks]
 
 The 5.08B DiT in bf16 (random weights), 1024x1024 images (4096 image tokens), a 112-token
 prompt embedding and the ~10-token empty-caption negative, 50 Euler steps at shift 5 with
 CFG 3 (positive and negative packed into one forward; the negative skips block 22), then
 the FLUX.2 VAE decode (random weights, bf16). Seconds per image and peak memory per batch
-size. Prints one JSON object.
+size. ``--kernels``: the op table prefers those backends (as ``bench_train.py``);
+``--compile-blocks``: each repeated block's forward goes through ``torch.compile`` (one
+graph for all blocks of a list; the compile time is reported apart). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -23,22 +26,49 @@ from kohakumoss.model.build import random_transformer
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
-def random_dit() -> MOSSImageTransformer:
-    return cast_model(random_transformer(FLAVORS["base"], "cuda"), torch.bfloat16).eval()
+def random_dit(kernels: list[str], compile_blocks: bool) -> MOSSImageTransformer:
+    from bench_train import kernel_choices
+
+    from kohakumoss.memory.checkpointing import repeated_blocks
+    from kohakumoss.precision import precision_policy
+    from kohakumoss.training.engines import EnginePlan, apply_engines
+
+    model = random_transformer(FLAVORS["base"], "cuda")
+    applied = apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=False),
+                                              kernels=kernel_choices(kernels), recompute=False))
+    print(json.dumps({"op_table": applied.kernels}), flush=True)
+    if compile_blocks:
+        for _, block in repeated_blocks(model):
+            block.compile()
+    return model.eval()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--kernels", nargs="*", default=[])
+    ap.add_argument("--compile-blocks", action="store_true")
+    ap.add_argument("--no-vae", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile 2 steps of batch 1 (bench_train's)")
+    ap.add_argument("--name", default="", help="the report's file name under $OUT")
     a = ap.parse_args()
-    model = random_dit()
+    model = random_dit(a.kernels, a.compile_blocks)
     g = torch.Generator().manual_seed(0)
     pos = torch.randn(112, 4096, generator=g)
     neg = torch.randn(10, 4096, generator=g)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "size": "1024x1024", "runs": []}
+           "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "size": "1024x1024", "runs": [],
+           "kernels": a.kernels, "compile_blocks": a.compile_blocks}
+    t0 = time.perf_counter()
     sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    res["warmup_seconds"] = time.perf_counter() - t0
+    if a.profile:
+        from bench_train import profile_step
+
+        res["profile"] = profile_step(lambda: sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0,
+                                                     device="cuda", dtype=torch.bfloat16))
     for b in a.batches:
         reqs = [Request(pos, neg, (64, 64), i) for i in range(b)]
         torch.cuda.reset_peak_memory_stats()
@@ -50,6 +80,9 @@ def main() -> None:
         res["runs"].append({"batch": b, "seconds": dt, "seconds_per_image": dt / b,
                             "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
         print(json.dumps(res["runs"][-1]), flush=True)
+    if a.no_vae:
+        report(res, a.name or "bench_sample")
+        return
     from diffusers import AutoencoderKLFlux2
 
     from kohakumoss.encoders.vae import VAE
@@ -64,7 +97,7 @@ def main() -> None:
     vae.decode(grid)
     torch.cuda.synchronize()
     res["vae_decode_seconds"] = time.perf_counter() - t0
-    report(res, "bench_sample")
+    report(res, a.name or "bench_sample")
 
 
 if __name__ == "__main__":

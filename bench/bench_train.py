@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/bench_train.py [--budgets 8192 16384] [--steps 6] [--full]
                                              [--kernels triton compile]
+                                             [--checkpoint-every 1] [--profile]
 
 LoRA: rank 32 (alpha 32) on attention + MLP of every joint block (252 linears), bf16 base,
 fp32 adapter, AdamW. Batches come from a latent cache and a text cache (``TensorStore``
@@ -38,6 +39,7 @@ from _report import report  # bench/_report.py (the script's folder is on sys.pa
 
 
 KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in order}
+ENGINES = {"checkpoint_every": 0, "recompute": True}  # --checkpoint-every, --no-recompute
 
 
 def kernel_choices(names: list[str]) -> dict[str, list[str]]:
@@ -54,7 +56,7 @@ def random_base(full: bool) -> MOSSImageTransformer:
     """The base flavor with random weights and a training run's engines (bf16 compute)."""
     model = random_transformer(FLAVORS["base"], "cuda")
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=full),
-                                              kernels=KERNEL_CHOICES))
+                                              kernels=KERNEL_CHOICES, **ENGINES))
     print(json.dumps({"op_table": applied.kernels}), flush=True)
     return model
 
@@ -101,7 +103,54 @@ def step_fn(model, opt, lat, txt, keys, step, device="cuda"):
     return layout
 
 
-def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str) -> dict:
+def profile_step(run_step, rows: int = 25) -> dict:
+    """One step under ``torch.profiler``: the CUDA kernels by self time (top ``rows``), the
+    share of the kernel time each family takes (matmul, attention, triton, eager
+    elementwise, other), the torch ops by self CPU time, and how long the host took to
+    enqueue the step against the GPU's busy time (a host-bound step idles the GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run_step()
+        enqueue = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernels = [(e.key, e.self_device_time_total, e.count) for e in events
+               if e.self_device_time_total > 0]
+    kernels.sort(key=lambda k: -k[1])
+    total = sum(t for _, t, _ in kernels) or 1.0
+    cpu = sorted(((e.key, e.self_cpu_time_total, e.count) for e in events if e.self_cpu_time_total > 0),
+                 key=lambda k: -k[1])
+
+    def family(name: str) -> str:
+        n = name.lower()
+        if any(s in n for s in ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "splitk")):
+            return "matmul"
+        if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+            return "attention"
+        if any(s in n for s in ("elementwise", "vectorized", "reduce", "copy", "cat", "index",
+                                "fill", "where", "memset", "memcpy", "sort")):
+            return "eager elementwise"
+        if n.startswith("_") or "triton" in n:
+            return "triton"
+        return "other"
+
+    families: dict[str, float] = {}
+    for name, t, _ in kernels:
+        families[family(name)] = families.get(family(name), 0.0) + t
+    return {"wall_ms": round(wall * 1e3, 1), "enqueue_ms": round(enqueue * 1e3, 1),
+            "kernel_ms": round(total / 1e3, 2), "kernel_launches": sum(c for _, _, c in kernels),
+            "families": {k: round(v / total, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+            "top": [{"kernel": name[:100], "ms": round(t / 1e3, 2), "calls": c, "share": round(t / total, 3)}
+                    for name, t, c in kernels[:rows]],
+            "cpu_top": [{"op": name[:80], "ms": round(t / 1e3, 2), "calls": c} for name, t, c in cpu[:rows]]}
+
+
+def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
+               profiled: bool = False) -> dict:
     from kohakumoss.adapters import apply_adapters
 
     per = max(1, budget // (4096 + text_len + 3))
@@ -122,12 +171,14 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str) -
             times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     flops = train_flops(FLAVORS["base"], layout, full=False)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    prof = profile_step(lambda: step_fn(model, opt, lat, txt, keys[:per], 0)) if profiled else None
     del model, opt, adapters
     torch.cuda.empty_cache()
     return {"budget": budget, "samples_per_step": per, "joint_tokens": layout.n_joint,
-            "step_s": t, "samples_per_s": per / t, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "step_s": t, "samples_per_s": per / t, "peak_gib": peak,
             "model_tflops_per_step": flops / 1e12, "mfu": flops / t / rate, "trainable_params":
-            sum(p.numel() for _, p in named)}
+            sum(p.numel() for _, p in named), **({"profile": prof} if prof else {})}
 
 
 def bench_full(text_len: int, root: str) -> dict:
@@ -154,18 +205,27 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="*", default=[],
                     help="backends to prefer for every op that has them, in order (e.g. triton "
                          "compile); none: the references")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="checkpoint every n-th repeated block (1: all; 0: none)")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="keep the elementwise ops' intermediates instead of recomputing them")
+    ap.add_argument("--name", default="", help="the report's file name under $OUT")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one step per budget: kernels by CUDA time, shares by family")
     a = ap.parse_args()
     KERNEL_CHOICES.update(kernel_choices(a.kernels))
+    ENGINES.update(checkpoint_every=a.checkpoint_every, recompute=not a.no_recompute)
     rate = matmul_rate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
+           "checkpoint_every": a.checkpoint_every, "recompute": not a.no_recompute,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:
         for b in a.budgets:
-            res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{b}"))
+            res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{b}", a.profile))
             print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:
             res["full"] = bench_full(a.text, root)
-    report(res, "bench_train")
+    report(res, a.name or "bench_train")
 
 
 if __name__ == "__main__":

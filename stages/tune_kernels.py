@@ -36,7 +36,7 @@ def main(
                   f"{sig['arch']}, torch {sig['torch']}): {len(section['entries'])} entries; "
                   f"measured {len(result.entries)} now in {result.seconds:.1f} s "
                   f"(budget {p.kernels.tune_seconds:g} s)"
-                  + (f", {len(result.untuned)} left untuned (they run the reference until measured)"
+                  + (f", {len(result.untuned)} left untuned (each follows its nearest measured shape until measured)"
                      if result.untuned else ""), highlight=False)
     for row in summary(section):
         console.print(f"  {row['op']}:", highlight=False)

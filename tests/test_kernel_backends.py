@@ -329,17 +329,25 @@ def test_the_triton_kernels_refuse_what_they_cannot_take():
 
 
 @triton_test
-def test_recomputation_wraps_a_triton_op_with_the_same_gradients():
-    """``memory.apply_recompute`` wraps whatever the table holds: forward keeps the inputs,
-    backward reruns the custom op under autograd; the gradients are the plain ones."""
+def test_recomputation_leaves_the_triton_ops_alone_and_would_not_change_them():
+    """A Triton op's autograd saves only its inputs, so ``memory.apply_recompute`` does not
+    wrap it (a second forward would buy nothing); wrapped by hand, it gives the plain
+    gradients bit for bit, so either way a run trains the same."""
     needs_triton()
-    from kohakumoss.memory import recomputed
+    from kohakumoss.memory import apply_recompute, recomputed
+    from kohakumoss.model.build import tiny_transformer
 
     g = torch.Generator().manual_seed(9)
     x, w = leaf(g, 13, 64, dtype=torch.bfloat16), leaf(g, 64, dtype=torch.bfloat16)
     shift, scale = leaf(g, 2, 64), leaf(g, 2, 64)
     seg = seg_of([6, 7])
     fn = triton_fn("modulated_rms_norm")
+    assert fn.keeps_inputs_only
+    model = tiny_transformer()
+    model.ops = build_op_table(DEVICE, torch.float32, {"modulated_rms_norm": "triton"})
+    wrapped_ops = apply_recompute(model)
+    assert "modulated_rms_norm" not in wrapped_ops and "rms_norm" in wrapped_ops
+    assert model.ops.modulated_rms_norm is fn
     args = (x, w, shift, scale, seg, 1e-6)
     plain, wrapped = fn(*args), recomputed(fn, 5)(*args)
     assert torch.equal(plain, wrapped)

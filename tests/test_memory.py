@@ -126,6 +126,34 @@ def test_recompute_acts_on_that_models_table_only_and_once():
         assert torch.equal(a.ops.rms_norm(x, torch.ones(8), 1e-6), ops.rms_norm(x, torch.ones(8), 1e-6))
 
 
+def test_recompute_leaves_kernels_that_keep_only_their_inputs_alone():
+    """A kernel whose autograd keeps only its inputs is not wrapped (a second forward would
+    buy nothing); a per-call answer (a tuned op) runs those calls directly and recomputes
+    the others."""
+    model = _tiny(torch.float32)
+    lean = lambda x, w, eps: ops.rms_norm(x, w, eps)  # noqa: E731
+    lean.keeps_inputs_only = True
+    model.ops.override("rms_norm", lean)
+    done = apply_recompute(model)
+    assert "rms_norm" not in done and model.ops.rms_norm is lean
+    assert sorted(done) == sorted(set(ELEMENTWISE) - {"rms_norm"})
+
+    calls = []
+
+    def per_call(x, y):
+        calls.append(x.shape[0])
+        return ops.residual(x, y)
+
+    per_call.keeps_inputs_only_for = lambda x, y: x.shape[0] > 4
+    wrapped = recomputed(per_call, 2)
+    for n, recomputes in ((8, False), (3, True)):
+        calls.clear()
+        x, y = torch.randn(n, 4, requires_grad=True), torch.randn(n, 4, requires_grad=True)
+        wrapped(x, y).sum().backward()
+        assert len(calls) == (2 if recomputes else 1), (n, calls)  # forward, and again in backward
+        assert torch.equal(x.grad, torch.ones(n, 4))
+
+
 def test_block_checkpointing_finds_the_declared_blocks():
     model = _tiny(torch.float32)
     c = FLAVORS["tiny"]

@@ -205,16 +205,34 @@ def test_tuned_dispatch_per_bucket_and_fallback_said_once(caplog):
         call(28)  # small takes N=28
         call(31)  # b is not tried again: small does not take it, a runs
         call(60)  # the reference (its entry ranks it first)
-        call(200)  # no entry: the reference, said once
+        call(200)  # no entry: the nearest measured shape's choice (N=64: the reference), said once
         call(210)
-    assert (a.calls, b.calls, small.calls) == (3, 1, 1)
+        call(20)  # no entry for N=24: N=32's chain is nearer than N=16's: small runs
+    assert (a.calls, b.calls, small.calls) == (3, 1, 2)
+    with caplog.at_level(logging.INFO, "kohakumoss.kernels"):
+        u, g = torch.randn(10, 16), torch.randn(10, 16)
+        assert torch.equal(table.situ(u, g), ops.situ(u, g))  # no entry with F=16 at all
+    assert (a.calls, b.calls, small.calls) == (3, 1, 2)
     lines = [rec.getMessage() for rec in caplog.records]
     assert lines == ["situ: backend b failed (RuntimeError: this backend cannot run); using the "
                      "next choice from now on",
-                     "situ: the tuning table has no entry for situ/float32/N=256,F=8; it runs "
-                     "the reference"]
+                     "situ: the tuning table has no entry for situ/float32/N=256,F=8; it follows "
+                     "the one measured for N=64,F=8",
+                     "situ: the tuning table has no entry for situ/float32/N=24,F=8; it follows "
+                     "the one measured for N=32,F=8",
+                     "situ: the tuning table has no entry for situ/float32/N=16,F=16 nor a shape "
+                     "like it; it runs the reference"]
     assert table.situ.backend_for(torch.randn(30, 8), torch.randn(30, 8)) == "a"
     assert table.situ.backend_for(torch.randn(64, 8), torch.randn(64, 8)) == "reference"
+    # the memory engines ask whether a call's backend keeps only its inputs: none of these does
+    assert not table.situ.keeps_inputs_only_for(torch.randn(30, 8), torch.randn(30, 8))
+    lean = _registry(lean=Counting())
+    lean.register("situ", "lean2", Counting(), _cpu, keeps_inputs_only=True)
+    t = lean.build_op_table(CPU, F32, tuned={entry_key("situ", F32, "N=16,F=8"): ["lean2", "lean"],
+                                             entry_key("situ", F32, "N=32,F=8"): ["lean"]}).situ
+    assert t.keeps_inputs_only_for(torch.randn(10, 8), torch.randn(10, 8))
+    assert not t.keeps_inputs_only_for(torch.randn(30, 8), torch.randn(30, 8))
+    assert not t.keeps_inputs_only_for(torch.randn(60, 8), torch.randn(60, 8))  # nearest: N=32
     # an entry naming no backend that can run here leaves the plain reference
     assert r.build_op_table(CPU, torch.bfloat16, tuned={entry_key("situ", F32, "N=16,F=8"): ["reference"]}).situ is ops.situ
 

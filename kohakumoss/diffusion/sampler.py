@@ -36,28 +36,46 @@ def initial_noise(seed: int, hw: tuple[int, int], channels: int = 128) -> torch.
     return torch.randn(1, channels, h, w, generator=g).flatten(2)[0].T.contiguous()
 
 
+class Packed:
+    """What stays fixed over a sampling run, packed and on the device once: the layout of
+    the requests (positives, then their negatives with CFG), the text tokens, the
+    negatives' skip mask. Each step then only sends the latents through the model, with no
+    host-to-device copy that would make the host wait for the GPU between steps."""
+
+    def __init__(self, reqs: Sequence[Request], cfg: float, device, dtype):
+        self.B, self.cfg = len(reqs), cfg
+        hw = [r.hw for r in reqs]
+        texts = [r.text for r in reqs]
+        self.skip = None
+        if cfg != 1.0:
+            hw, texts = hw + hw, texts + [r.negative for r in reqs]
+            self.skip = torch.tensor([False] * self.B + [True] * self.B, device=device)
+        self.layout = build_layout(hw, [len(t) for t in texts]).to(device)
+        self.text = torch.cat(texts).to(device=device, dtype=dtype)
+        self.n_img = sum(self.layout.img_len[:self.B])  # the requests' own latent tokens
+        self.device, self.dtype = device, dtype
+
+    def velocity(self, model: MOSSImageTransformer, x: torch.Tensor, sigma: float,
+                 skip_layers: Sequence[int]) -> torch.Tensor:
+        """The guided velocity (fp32) of the requests' latent tokens ``x`` (packed, in
+        request order)."""
+        z = torch.cat([x, x]) if self.skip is not None else x
+        s = torch.full((len(self.layout.img_len),), sigma, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            v = model(z.to(self.dtype), self.text, s, self.layout,
+                      skip_layers=skip_layers if self.skip is not None else (),
+                      skip_samples=self.skip).float()
+        if self.skip is None:
+            return v
+        p, u = v[:self.n_img], v[self.n_img:]
+        return u + self.cfg * (p - u)
+
+
 def velocity(model: MOSSImageTransformer, x: list[torch.Tensor], reqs: Sequence[Request],
              sigma: float, cfg: float, skip_layers: Sequence[int], device, dtype) -> list[torch.Tensor]:
     """The guided velocity of each request's current latent tokens (fp32)."""
-    B = len(reqs)
-    hw = [r.hw for r in reqs]
-    texts = [r.text for r in reqs]
-    skip = None
-    if cfg != 1.0:
-        hw, texts = hw + hw, texts + [r.negative for r in reqs]
-        x = x + x
-        skip = torch.tensor([False] * B + [True] * B)
-    layout = build_layout(hw, [len(t) for t in texts]).to(device)
-    z = torch.cat(x).to(device)
-    text = torch.cat(texts).to(device=device, dtype=dtype)
-    s = torch.full((len(hw),), sigma, dtype=torch.float32, device=device)
-    with torch.no_grad():
-        v = model(z.to(dtype), text, s, layout, skip_layers=skip_layers if skip is not None else (),
-                  skip_samples=skip).float()
-    parts = list(v.split(layout.img_len))
-    if cfg == 1.0:
-        return parts
-    return [u + cfg * (p - u) for p, u in zip(parts[:B], parts[B:])]
+    v = Packed(reqs, cfg, device, dtype).velocity(model, torch.cat(x).to(device), sigma, skip_layers)
+    return list(v.split([len(xi) for xi in x]))
 
 
 def sample(model: MOSSImageTransformer, reqs: Sequence[Request], steps: int = 50, cfg: float = 3.0,
@@ -70,10 +88,11 @@ def sample(model: MOSSImageTransformer, reqs: Sequence[Request], steps: int = 50
     if bad:
         raise ValueError(f"skip layers {bad} are outside [0, {model.config.depth})")
     sigmas = inference_sigmas(steps, shift).tolist()
-    x = [initial_noise(r.seed, r.hw, model.config.latent_channels).to(device) for r in reqs]
+    noise = [initial_noise(r.seed, r.hw, model.config.latent_channels) for r in reqs]
+    packed = Packed(reqs, cfg, device, dtype)
+    x = torch.cat(noise).to(device)
     for i in range(len(sigmas) - 1):
-        v = velocity(model, x, reqs, sigmas[i], cfg, skip, device, dtype)
-        x = [xi + (sigmas[i + 1] - sigmas[i]) * vi for xi, vi in zip(x, v)]
+        x = x + (sigmas[i + 1] - sigmas[i]) * packed.velocity(model, x, sigmas[i], skip)
         if callback:
             callback(i + 1, len(sigmas) - 1)
-    return [xi.cpu() for xi in x]
+    return [xi.clone() for xi in x.cpu().split([len(n) for n in noise])]

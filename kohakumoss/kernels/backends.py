@@ -2,7 +2,8 @@
 
 - ``triton``: rms_norm, modulated_rms_norm, qk_norm_rope, situ, residual, gated_residual;
   CUDA sm80+ in fp32/bf16/fp16, or CPU tensors where Triton was first imported with
-  ``TRITON_INTERPRET=1`` (its interpreter: tests, CI).
+  ``TRITON_INTERPRET=1`` (its interpreter: tests, CI). Each saves only its inputs for
+  backward, so the memory engines do not wrap it in recomputation.
 - ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
@@ -89,8 +90,8 @@ def _triton_fn(op: str) -> Callable:
     return fn
 
 
-for _op in TRITON_OPS:
-    register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op))
+for _op in TRITON_OPS:  # each kernel's autograd saves its inputs; backward recomputes the rest
+    register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op), keeps_inputs_only=True)
 
 register_backend("varlen_attention", "flash_varlen", attention.flash_varlen_attention,
                  attention.flash_available, fits=attention.flash_fits)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -50,6 +51,9 @@ class Backend:
     fn: Callable
     available: Callable[[torch.device, torch.dtype], bool]  # can it run on (device, dtype)?
     fits: Fits | None = None  # does it take this problem shape? None: any shape
+    # its autograd keeps only the op's inputs (a fused backward recomputes the rest), so the
+    # memory engines' recomputation (kohakumoss.memory.recompute) leaves it alone
+    keeps_inputs_only: bool = False
 
     def takes(self, dims: Mapping[str, int]) -> bool:
         return self.fits is None or bool(self.fits(dims))
@@ -67,6 +71,11 @@ def parse_entry_key(text: str) -> tuple[str, torch.dtype, str] | None:
     return (op, dtype, key) if isinstance(dtype, torch.dtype) and key else None
 
 
+def _key_dims(key: str) -> dict[str, int]:
+    """``N=64,F=8`` -> ``{"N": 64, "F": 8}``."""
+    return {k: int(v) for k, _, v in (part.partition("=") for part in key.split(",")) if v}
+
+
 def failure_reason(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
@@ -77,33 +86,68 @@ class TunedOp:
 
     ``chains[(dtype, key)]`` holds the backends to try, fastest first (the reference is
     always the last resort). A backend that raises is not tried again by this op; the reason
-    is logged once. A call whose shape has no entry runs the reference (logged once per key).
+    is logged once. A call whose shape has no entry follows the entry of the nearest
+    measured shape (same dtype and model sizes, token counts nearest in ratio): a sampler or
+    a preview then runs the kernels training measured; with none such it runs the reference.
+    Either is logged once per key.
     """
 
     def __init__(self, op: str, problem: Problem, chains: dict[tuple[torch.dtype, str], list[Backend]],
                  note: Callable[..., None]):
         self.op, self.problem, self.chains, self._note = op, problem, chains, note
+        self._resolved: dict[tuple[torch.dtype, str], list[Backend] | None] = {}
         self.reference = REFERENCE[op]
         self.broken: dict[str, str] = {}
         names = sorted({b.name for chain in chains.values() for b in chain})
         self.__qualname__ = f"tuned({op}: {', '.join([*names, REFERENCE_NAME])})"
 
+    def chain(self, dtype: torch.dtype, key: str) -> list[Backend] | None:
+        """The backends for ``(dtype, key)``: its entry's, else the nearest measured
+        shape's (remembered, said once), else None (the reference)."""
+        if (dtype, key) in self.chains:
+            return self.chains[(dtype, key)]
+        if (dtype, key) in self._resolved:
+            return self._resolved[(dtype, key)]
+        want = _key_dims(key)
+        fixed = [k for k in self.problem.keyed if k not in self.problem.tokens]
+        near = [(sum(abs(math.log(max(have[k], 1) / max(want[k], 1))) for k in self.problem.tokens
+                     if k in want and k in have), other)
+                for (dt, other) in self.chains if dt == dtype
+                for have in [_key_dims(other)] if all(have.get(k) == want.get(k) for k in fixed)]
+        if not near:
+            self._note(("untuned", self.op, dtype, key),
+                       f"{self.op}: the tuning table has no entry for {entry_key(self.op, dtype, key)}"
+                       f" nor a shape like it; it runs the reference")
+            self._resolved[(dtype, key)] = None
+            return None
+        _, other = min(near)
+        self._note(("nearest", self.op, dtype, key),
+                   f"{self.op}: the tuning table has no entry for {entry_key(self.op, dtype, key)}; "
+                   f"it follows the one measured for {other}")
+        self._resolved[(dtype, key)] = self.chains[(dtype, other)]
+        return self._resolved[(dtype, key)]
+
     def backend_for(self, *args) -> str:
         """The backend a call with these arguments runs (barring a failure)."""
         dims = self.problem.dims(*args)
-        for b in self.chains.get((call_dtype(args), self.problem.key(dims)), []):
+        for b in self.chain(call_dtype(args), self.problem.key(dims)) or []:
             if b.name not in self.broken and b.takes(dims):
                 return b.name
         return REFERENCE_NAME
 
+    def keeps_inputs_only_for(self, *args) -> bool:
+        """Whether the backend a call with these arguments runs keeps only its inputs for
+        backward (``kohakumoss.memory.recompute`` then runs the call as it is)."""
+        name = self.backend_for(*args)
+        return name != REFERENCE_NAME and self._named(name).keeps_inputs_only
+
+    def _named(self, name: str) -> Backend:
+        return next(b for chain in self.chains.values() for b in chain if b.name == name)
+
     def __call__(self, *args):
         dims = self.problem.dims(*args)
-        dtype, key = call_dtype(args), self.problem.key(dims)
-        chain = self.chains.get((dtype, key))
+        chain = self.chain(call_dtype(args), self.problem.key(dims))
         if chain is None:
-            self._note(("untuned", self.op, dtype, key),
-                       f"{self.op}: the tuning table has no entry for {entry_key(self.op, dtype, key)}; "
-                       f"it runs the reference")
             return self.reference(*args)
         for b in chain:
             if b.name in self.broken or not b.takes(dims):
@@ -132,14 +176,18 @@ class KernelRegistry:
 
     def register(self, op: str, name: str, fn: Callable,
                  available: Callable[[torch.device, torch.dtype], bool],
-                 fits: Fits | None = None) -> Backend:
+                 fits: Fits | None = None, keeps_inputs_only: bool = False) -> Backend:
         """Add backend ``name`` of ``op``: ``fn`` has the reference's signature and results;
         ``available(device, dtype)`` says whether it can run there; ``fits(dims)`` whether it
-        takes a problem shape (``kohakumoss.kernels.problems``; None: any)."""
+        takes a problem shape (``kohakumoss.kernels.problems``; None: any);
+        ``keeps_inputs_only``: its autograd saves only the op's inputs (set on ``fn`` too,
+        for the memory engines)."""
         backends = self._op(op)
         if name == REFERENCE_NAME or name in backends:
             raise KernelError(f"op {op!r} already has a backend named {name!r}; pick another name")
-        backends[name] = Backend(op, name, fn, available, fits)
+        if keeps_inputs_only:
+            fn.keeps_inputs_only = True
+        backends[name] = Backend(op, name, fn, available, fits, keeps_inputs_only)
         return backends[name]
 
     def unregister(self, op: str, name: str) -> None:
@@ -260,8 +308,8 @@ KERNELS = KernelRegistry()
 
 def register_backend(op: str, name: str, fn: Callable,
                      available: Callable[[torch.device, torch.dtype], bool],
-                     fits: Fits | None = None) -> Backend:
-    return KERNELS.register(op, name, fn, available, fits)
+                     fits: Fits | None = None, keeps_inputs_only: bool = False) -> Backend:
+    return KERNELS.register(op, name, fn, available, fits, keeps_inputs_only)
 
 
 def build_op_table(device: torch.device | str, dtype: torch.dtype,

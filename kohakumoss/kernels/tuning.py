@@ -11,7 +11,8 @@ recorded as failed, with the reason, and never ranked. A backend must beat the r
 
 ``tune(problems, device, dtype, budget_s=...)`` spends at most ``budget_s`` seconds (checked
 between measurements, so one compile may overrun it); an entry the budget cut short is not
-recorded (it is "untuned": its calls run the reference until a later run measures it). The
+recorded (it is "untuned": its calls follow the nearest measured shape, else the reference, until
+a later run measures it). The
 tuner draws its inputs from its own generator and restores the RNG states it found, so a
 training run that tunes before step 0 draws the same numbers as one that does not.
 

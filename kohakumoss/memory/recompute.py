@@ -6,6 +6,12 @@ keep several fp32 copies of every activation for autograd: without this a 2 x 1 
 the 5B model needs more than 133 GiB. ``apply_recompute(model)`` wraps those entries of that
 model's own op table, whatever backend the kernel step put there; the model's modules and
 every other model are left alone. Outputs and gradients are exactly those of plain autograd.
+
+A kernel whose own autograd keeps only the op's inputs (a fused backward recomputes what it
+needs: the Triton kernels) has nothing to gain from this and would only pay a second
+forward. It says so with ``fn.keeps_inputs_only = True`` and is not wrapped; an op that
+picks its kernel per call (a tuned op) answers per call with
+``fn.keeps_inputs_only_for(*args)``, and the wrapper runs such calls directly.
 """
 
 from __future__ import annotations
@@ -48,13 +54,21 @@ class _Recompute(torch.autograd.Function):
         return (None, None, *[next(grads) if t.requires_grad else None for t in inputs])
 
 
+def keeps_inputs_only(fn: Callable) -> bool:
+    """Whether ``fn``'s own autograd keeps only its inputs, for every call."""
+    return getattr(fn, "keeps_inputs_only", False) is True
+
+
 def recomputed(fn: Callable, n_tensors: int) -> Callable:
     """``fn(*tensors, *static)`` with its first ``n_tensors`` arguments as autograd inputs;
-    ``.wrapped`` is ``fn``. Without grad (inference) it is ``fn`` itself."""
+    ``.wrapped`` is ``fn``. Without grad (inference), and for the calls ``fn`` says keep
+    only their inputs anyway (``fn.keeps_inputs_only_for``), it is ``fn`` itself."""
+    per_call = getattr(fn, "keeps_inputs_only_for", None)
 
     def op(*args):
         tensors, static = args[:n_tensors], args[n_tensors:]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) \
+                and not (per_call is not None and per_call(*args)):
             return _Recompute.apply(fn, static, *tensors)
         return fn(*args)
 
@@ -64,12 +78,13 @@ def recomputed(fn: Callable, n_tensors: int) -> Callable:
 
 
 def apply_recompute(model: MOSSImageTransformer) -> list[str]:
-    """Wrap the elementwise ops of ``model.ops`` (its own table) in ``recomputed``; returns
-    the ops wrapped now (none when applied before: it is idempotent)."""
+    """Wrap the elementwise ops of ``model.ops`` (its own table) in ``recomputed``, except
+    those whose kernel keeps only its inputs anyway; returns the ops wrapped now (none when
+    applied before: it is idempotent)."""
     done = []
     for name, n_tensors in ELEMENTWISE.items():
         fn = getattr(model.ops, name)
-        if getattr(fn, "wrapped", None) is None:
+        if getattr(fn, "wrapped", None) is None and not keeps_inputs_only(fn):
             model.ops.override(name, recomputed(fn, n_tensors))
             done.append(name)
     return done

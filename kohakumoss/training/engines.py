@@ -173,5 +173,6 @@ def tuned_kernels(params: Params, plan: EnginePlan, directory: str | Path | None
         log.warning("measured %d kernel shape(s) the table lacks in %.1f s (kernels.retune_seconds"
                     " = %g; not saved: `kmoss tune_kernels` keeps them)%s", len(result.entries),
                     result.seconds, k.retune_seconds,
-                    f"; {len(result.untuned)} left on the reference kernels" if result.untuned else "")
+                    f"; {len(result.untuned)} unmeasured, each following its nearest measured shape"
+                    if result.untuned else "")
     return {**winners(section), **winners({"entries": result.entries})}
