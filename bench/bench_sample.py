@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="*", default=[])
     ap.add_argument("--compile-blocks", action="store_true")
     ap.add_argument("--no-vae", action="store_true")
+    ap.add_argument("--cuda-graph", action="store_true", help="replay the forward as a CUDA graph")
     ap.add_argument("--profile", action="store_true", help="profile 2 steps of batch 1 (bench_train's)")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     a = ap.parse_args()
@@ -59,7 +60,7 @@ def main() -> None:
     neg = torch.randn(10, 4096, generator=g)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "size": "1024x1024", "runs": [],
-           "kernels": a.kernels, "compile_blocks": a.compile_blocks}
+           "kernels": a.kernels, "compile_blocks": a.compile_blocks, "cuda_graph": a.cuda_graph}
     t0 = time.perf_counter()
     sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
@@ -74,7 +75,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        lat = sample(model, reqs, a.steps, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
+        lat = sample(model, reqs, a.steps, 3.0, 5.0, device="cuda", dtype=torch.bfloat16,
+                     cuda_graph=a.cuda_graph)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         res["runs"].append({"batch": b, "seconds": dt, "seconds_per_image": dt / b,

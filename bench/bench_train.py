@@ -40,6 +40,19 @@ from _report import report  # bench/_report.py (the script's folder is on sys.pa
 
 KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in order}
 ENGINES = {"checkpoint_every": 0, "recompute": True}  # --checkpoint-every, --no-recompute
+COMPILE_BLOCKS: list[bool] = [False]  # --compile-blocks
+
+
+def compile_blocks(model: MOSSImageTransformer) -> None:
+    """Each repeated block's forward (adapters included) through ``torch.compile`` with
+    dynamic token counts: one graph serves every block of a list."""
+    from kohakumoss.memory.checkpointing import repeated_blocks
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, 1024)
+    for _, block in repeated_blocks(model):
+        block.compile(dynamic=True)
 
 
 def kernel_choices(names: list[str]) -> dict[str, list[str]]:
@@ -157,6 +170,8 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     lat, txt = fill_caches(root, per * (steps + 2), text_len)
     model = random_base(full=False)
     adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
+    if COMPILE_BLOCKS[0]:
+        compile_blocks(model)
     named = list(adapters.named_trainable())
     opt = build_optimizer(named, OptimConfig(lr=1e-4))
     keys = [f"{i:032x}" for i in range(per * (steps + 2))]
@@ -209,15 +224,19 @@ def main() -> None:
                     help="checkpoint every n-th repeated block (1: all; 0: none)")
     ap.add_argument("--no-recompute", action="store_true",
                     help="keep the elementwise ops' intermediates instead of recomputing them")
+    ap.add_argument("--compile-blocks", action="store_true",
+                    help="torch.compile each block with its adapters (dynamic token counts)")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
     a = ap.parse_args()
     KERNEL_CHOICES.update(kernel_choices(a.kernels))
     ENGINES.update(checkpoint_every=a.checkpoint_every, recompute=not a.no_recompute)
+    COMPILE_BLOCKS[0] = a.compile_blocks
     rate = matmul_rate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
            "checkpoint_every": a.checkpoint_every, "recompute": not a.no_recompute,
+           "compile_blocks": a.compile_blocks,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:
         for b in a.budgets:

@@ -19,6 +19,7 @@ from kohakumoss.formats.comfy import load_adapter_file
 from kohakumoss.images import contact_sheet
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.training.checkpoint import is_checkpoint
+from kohakumoss.training.engines import sampling_ops
 from kohakumoss.training.trained import load_trained
 
 
@@ -62,24 +63,33 @@ def attach(model: MOSSImageTransformer, spec: str, seed: int = 0):
 
 
 class Generator:
+    """The DiT (its op table from the kernel tuning table in ``kernels``, see
+    ``sampling_ops``), the adapters in use, the text encoder and the VAE."""
+
     def __init__(self, p: Params, device: torch.device, dtype: torch.dtype,
-                 adapters: Sequence[str] = ()):
+                 adapters: Sequence[str] = (), kernels: Path | None = None):
         from kohakumoss.encoders.text import TextEncoder
         from kohakumoss.encoders.vae import VAE
 
         self.p, self.device, self.dtype = p, device, dtype
-        self.model = load_dit(p.model.transformer, dtype, device).eval()
+        self.ops = sampling_ops(p, device, dtype, kernels)
+        self.model = self._base()
         self.handles: list = []
         self.use(adapters)
         self.text = TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
                                      dtype=p.encoders.text_dtype, device=str(device))
         self.vae = VAE.load(p.model.vae, dtype=p.encoders.vae_dtype, device=str(device))
 
+    def _base(self) -> MOSSImageTransformer:
+        model = load_dit(self.p.model.transformer, self.dtype, self.device).eval()
+        model.ops = self.ops
+        return model
+
     def use(self, adapters: Sequence[str]) -> None:
         """Detach the current adapters (exactly) and attach ``adapters`` instead."""
         for h in reversed(self.handles):
             if h is None:  # full weights were loaded: only a reload restores the base
-                self.model = load_dit(self.p.model.transformer, self.dtype, self.device).eval()
+                self.model = self._base()
                 break
             h.remove()
         self.handles = [attach(self.model, a, self.p.run.seed) for a in adapters]

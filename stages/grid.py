@@ -20,6 +20,9 @@ def main(
     strengths: str = typer.Option("", help="With one --adapter: columns at these strengths, "
                                            "e.g. 0,0.5,1 (0 = the base model)."),
     params: Path = PARAMS_OPTION,
+    kernels: Path = typer.Option(Path("artifacts/kernels"), help="Kernel tuning table directory "
+                                 "(kmoss tune_kernels): the DiT runs the kernels it chose for this "
+                                 "device; none there: the reference kernels."),
     size: str = typer.Option("1024x1024", help="WIDTHxHEIGHT, multiples of 16."),
     steps: int = typer.Option(50), cfg: float = typer.Option(3.0), shift: float = typer.Option(5.0),
     seed: int = typer.Option(0, help="One seed for every cell, so columns compare fairly."),
@@ -54,7 +57,7 @@ def main(
         names = [Path(split_strength(a)[0]).name for a in adapter] or ["base"]
     p = load_params(params)
     dt = DTYPES[dtype]
-    gen = Generator(p, resolve_device(p.encoders.device), dt)
+    gen = Generator(p, resolve_device(p.encoders.device), dt, kernels=kernels)
     image = grid(gen, prompt, variants, names, seed, Settings(w, h, steps, cfg, shift))
     out.parent.mkdir(parents=True, exist_ok=True)
     save_png(image, out, {"prompts": list(prompt), "columns": names, "seed": seed, "steps": steps,

@@ -64,6 +64,9 @@ def main(
     prompt: list[str] = typer.Option([], "--prompt", "-P", help="A prompt (repeatable)."),
     prompts_file: Path = typer.Option(None, help="A text file with one prompt per line."),
     params: Path = PARAMS_OPTION,
+    kernels: Path = typer.Option(Path("artifacts/kernels"), help="Kernel tuning table directory "
+                                 "(kmoss tune_kernels): the DiT runs the kernels it chose for this "
+                                 "device; none there: the reference kernels."),
     adapter: list[str] = typer.Option([], "--adapter", "-a",
                                       help="PATH[:STRENGTH]: a checkpoint dir or an adapter file "
                                            "(ours, LyCORIS, ComfyUI); repeatable."),
@@ -102,7 +105,7 @@ def main(
     p = load_params(params)
     device = resolve_device(p.encoders.device)
     dt = DTYPES[dtype]
-    gen = Generator(p, device, dt, adapter)
+    gen = Generator(p, device, dt, adapter, kernels=kernels)
     s = Settings(w, h, steps, cfg, shift, negative)
     jobs = [(pr, seed + i) for i, pr in enumerate(pr for pr in prompts for _ in range(count))]
     images, labels = [], []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
 from kohakumoss.diffusion.sampler import Request, initial_noise, sample, velocity
@@ -128,3 +131,22 @@ def test_grid_strength_zero_is_the_base_and_adapters_come_off(tmp_path):
     assert np.array_equal(left, np.asarray(base))  # strength 0 / no adapter = the base
     assert not np.array_equal(np.asarray(img)[14:, 32:], left)  # the adapter changes the image
     assert np.array_equal(np.asarray(gen.images(["a red circle"], [0], s)[0]), np.asarray(base))
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_replays_the_eager_forward_exactly(caplog):
+    """Sampling with the forward captured once and replayed gives the eager sampler's
+    latents bit for bit (the same kernels on the same inputs)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = cast_model(tiny_transformer(), torch.bfloat16).cuda().eval()
+    g = torch.Generator().manual_seed(3)
+    reqs = [Request(torch.randn(5 + i, 48, generator=g), torch.randn(3, 48, generator=g), hw, 10 + i)
+            for i, hw in enumerate([(3, 4), (2, 2)])]
+    eager = sample(model, reqs, steps=6, cfg=2.5, skip_layers=(1,), device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, "kohakumoss.diffusion"):
+        graphed = sample(model, reqs, steps=6, cfg=2.5, skip_layers=(1,), device="cuda",
+                         dtype=torch.bfloat16, cuda_graph=True)
+    assert "without a CUDA graph" not in caplog.text  # it was captured, not fallen back from
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)

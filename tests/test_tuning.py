@@ -391,3 +391,28 @@ def test_an_adapter_run_times_the_activations_gradients_only():
     seen.clear()
     full = tuning.tune(problems, CPU, F32, budget_s=60, weights_grad=True, registry=r)
     assert set(seen) == {(True, True)} and full.entries["rms_norm/float32/N=16,D=8"]["grads"] == "all"
+
+
+def test_the_sampler_runs_the_kernels_the_table_chose_for_training_shapes(tmp_path, caplog):
+    """``kmoss sample``/``grid`` build their DiT's table from the tuning table: a sampling
+    shape the table lacks follows the nearest training shape measured; no table, another
+    device's, or ``kernels.table: off`` leave the references (said why)."""
+    from kohakumoss.training.engines import sampling_ops
+
+    c = FLAVORS["tiny"]
+    key = entry_key("situ", F32, PROBLEMS["situ"].key({"N": 48, "F": c.ffn_dim}))
+    section = {"signature": device_signature(CPU), "tuning": {},
+               "entries": {key: {"order": ["compile", "reference"], "ms": {}, "failed": {}, "shape": {}}}}
+    write_table(tmp_path / "kernels", KernelTable({signature_key(section["signature"]): section}),
+                params={}, inputs={}, info={})
+    ds = [{"source": "kohya", "path": str(tmp_path / "ds")}]
+    p = make_params(ds)
+    table = sampling_ops(p, CPU, F32, tmp_path / "kernels")
+    u, g = torch.randn(1000, c.ffn_dim), torch.randn(1000, c.ffn_dim)
+    assert isinstance(table.situ, TunedOp) and table.situ.backend_for(u, g) == "compile"
+    assert table.rms_norm is ops.rms_norm
+    with caplog.at_level(logging.WARNING, "kohakumoss"):
+        assert sampling_ops(p, CPU, F32, tmp_path / "none").situ is ops.situ
+    assert "no kernel tuning table in" in caplog.text
+    off = make_params(ds, kernels={"table": "off"})
+    assert sampling_ops(off, CPU, F32, tmp_path / "kernels").situ is ops.situ

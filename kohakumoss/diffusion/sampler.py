@@ -13,6 +13,7 @@ and negative branches are packed into one forward (negatives skip the config's
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,6 +21,8 @@ import torch
 from kohakumoss.diffusion.schedule import inference_sigmas
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.model.layout import build_layout
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -55,12 +58,15 @@ class Packed:
         self.n_img = sum(self.layout.img_len[:self.B])  # the requests' own latent tokens
         self.device, self.dtype = device, dtype
 
-    def velocity(self, model: MOSSImageTransformer, x: torch.Tensor, sigma: float,
+    def sigmas(self, sigma: float) -> torch.Tensor:
+        """``sigma`` for every packed sample, on the device."""
+        return torch.full((len(self.layout.img_len),), sigma, dtype=torch.float32, device=self.device)
+
+    def velocity(self, model: MOSSImageTransformer, x: torch.Tensor, s: torch.Tensor,
                  skip_layers: Sequence[int]) -> torch.Tensor:
         """The guided velocity (fp32) of the requests' latent tokens ``x`` (packed, in
-        request order)."""
+        request order) at the packed samples' noise levels ``s`` (``sigmas``)."""
         z = torch.cat([x, x]) if self.skip is not None else x
-        s = torch.full((len(self.layout.img_len),), sigma, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             v = model(z.to(self.dtype), self.text, s, self.layout,
                       skip_layers=skip_layers if self.skip is not None else (),
@@ -74,15 +80,45 @@ class Packed:
 def velocity(model: MOSSImageTransformer, x: list[torch.Tensor], reqs: Sequence[Request],
              sigma: float, cfg: float, skip_layers: Sequence[int], device, dtype) -> list[torch.Tensor]:
     """The guided velocity of each request's current latent tokens (fp32)."""
-    v = Packed(reqs, cfg, device, dtype).velocity(model, torch.cat(x).to(device), sigma, skip_layers)
+    packed = Packed(reqs, cfg, device, dtype)
+    v = packed.velocity(model, torch.cat(x).to(device), packed.sigmas(sigma), skip_layers)
     return list(v.split([len(xi) for xi in x]))
+
+
+class GraphedVelocity:
+    """``Packed.velocity`` captured once in a CUDA graph and replayed every step: the ~2000
+    kernels of a forward launch as one, with no host work between them. The latents and
+    the noise levels live in the graph's own input tensors; ``__call__`` copies them in
+    (device to device), replays and returns the graph's output tensor (overwritten by the
+    next call). Same kernels on the same inputs as the eager forward: the same numbers."""
+
+    def __init__(self, model: MOSSImageTransformer, packed: Packed, x: torch.Tensor,
+                 s: torch.Tensor, skip_layers: Sequence[int]):
+        self.x, self.s = x.clone(), s.clone()
+        side = torch.cuda.Stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):  # warm-up outside the capture: lazy inits, autotuning
+            for _ in range(2):
+                packed.velocity(model, self.x, self.s, skip_layers)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.v = packed.velocity(model, self.x, self.s, skip_layers)
+
+    def __call__(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        self.x.copy_(x)
+        self.s.copy_(s)
+        self.graph.replay()
+        return self.v
 
 
 def sample(model: MOSSImageTransformer, reqs: Sequence[Request], steps: int = 50, cfg: float = 3.0,
            shift: float = 5.0, skip_layers: Sequence[int] | None = None, device="cpu",
-           dtype: torch.dtype = torch.float32, callback: Callable[[int, int], None] | None = None
-           ) -> list[torch.Tensor]:
-    """Latent tokens ``[h*w, 128]`` (fp32) of each request, sampled from its own noise."""
+           dtype: torch.dtype = torch.float32, callback: Callable[[int, int], None] | None = None,
+           cuda_graph: bool = False) -> list[torch.Tensor]:
+    """Latent tokens ``[h*w, 128]`` (fp32) of each request, sampled from its own noise.
+    ``cuda_graph`` (CUDA only): capture the forward once and replay it every step
+    (``GraphedVelocity``); a capture that fails falls back to the eager forward, said once."""
     skip = model.config.negative_skip_layers if skip_layers is None else tuple(skip_layers)
     bad = [n for n in skip if not 0 <= n < model.config.depth]
     if bad:
@@ -91,8 +127,19 @@ def sample(model: MOSSImageTransformer, reqs: Sequence[Request], steps: int = 50
     noise = [initial_noise(r.seed, r.hw, model.config.latent_channels) for r in reqs]
     packed = Packed(reqs, cfg, device, dtype)
     x = torch.cat(noise).to(device)
+    levels = [packed.sigmas(sig) for sig in sigmas[:-1]]  # made now: no host work per step
+
+    def velocity(x, s):
+        return packed.velocity(model, x, s, skip)
+
+    if cuda_graph and x.device.type == "cuda" and len(levels) > 1:
+        try:
+            velocity = GraphedVelocity(model, packed, x, levels[0], skip)
+        except Exception as e:  # an op that cannot be captured: the eager forward
+            log.warning("sampling without a CUDA graph: capturing the forward failed (%s: %s)",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
     for i in range(len(sigmas) - 1):
-        x = x + (sigmas[i + 1] - sigmas[i]) * packed.velocity(model, x, sigmas[i], skip)
+        x = x + (sigmas[i + 1] - sigmas[i]) * velocity(x, levels[i])
         if callback:
             callback(i + 1, len(sigmas) - 1)
     return [xi.clone() for xi in x.cpu().split([len(n) for n in noise])]

@@ -37,7 +37,7 @@ from kohakumoss.kernels.problems import plan_problems
 from kohakumoss.kernels.table import TABLE, describe, device_signature, read_table, winners
 from kohakumoss.kernels.tuning import TuneResult, tune, tune_table
 from kohakumoss.model.config import DiTConfig
-from kohakumoss.model.ops import REFERENCE
+from kohakumoss.model.ops import REFERENCE, OpTable
 from kohakumoss.memory import apply_block_checkpointing, apply_recompute
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
@@ -140,6 +140,37 @@ def tune_kernels(params: Params, plan_dir: str | Path, out: str | Path
                       params=stage_params(params, TUNE_PARAMS), inputs={"plan": manifest})
 
 
+def table_section(directory: str | Path | None, device: torch.device) -> dict[str, Any] | None:
+    """The section of the tuning table in ``directory`` measured on this device with this
+    software and these kernel sources, or None, saying plainly why not (no table, another
+    device...). A changed table is an ``IntegrityError``."""
+    signature = device_signature(device)
+    if directory is None or not any((Path(directory) / f).is_file() for f in (TABLE, MANIFEST)):
+        log.warning("no kernel tuning table in %s (run `kmoss tune_kernels`, or `dvc repro`)",
+                    directory)
+        return None
+    table = read_table(directory)  # bytes that do not match the manifest: IntegrityError
+    section = table.section(signature)
+    if section is None:
+        log.warning("the kernel tuning table %s is not used: %s", Path(directory) / TABLE,
+                    table.why_not(signature))
+    else:
+        log.info("kernel tuning table %s: %d entries measured on this device (%s)",
+                 Path(directory) / TABLE, len(section["entries"]), describe(signature))
+    return section
+
+
+def sampling_ops(params: Params, device: torch.device, dtype: torch.dtype,
+                 directory: str | Path | None) -> OpTable:
+    """The op table a sampler's model computes with (``kmoss sample``, ``kmoss grid``): the
+    tuning table's choices for this device (its sizes follow the nearest training shape,
+    ``TunedOp``), nothing measured now; the references when ``kernels.table`` is off or no
+    table matches (said why)."""
+    if params.kernels.table == "off":
+        return build_op_table(device, dtype)
+    return build_op_table(device, dtype, tuned=winners(table_section(directory, device)))
+
+
 def tuned_kernels(params: Params, plan: EnginePlan, directory: str | Path | None,
                   config: DiTConfig, batches: list[list[tuple[int, int]]]) -> dict[str, list[str]]:
     """The tuning table's choices for this device (``EnginePlan.tuned``): the table in
@@ -150,20 +181,7 @@ def tuned_kernels(params: Params, plan: EnginePlan, directory: str | Path | None
     if k.table == "off":
         log.info("kernels.table is off: every op runs its reference kernel")
         return {}
-    signature = device_signature(plan.device)
-    section = None
-    if directory is None or not any((Path(directory) / f).is_file() for f in (TABLE, MANIFEST)):
-        log.warning("no kernel tuning table in %s (run `kmoss tune_kernels`, or `dvc repro`)",
-                    directory)
-    else:
-        table = read_table(directory)  # bytes that do not match the manifest: IntegrityError
-        section = table.section(signature)
-        if section is None:
-            log.warning("the kernel tuning table %s is not used: %s", Path(directory) / TABLE,
-                        table.why_not(signature))
-        else:
-            log.info("kernel tuning table %s: %d entries measured on this device (%s)",
-                     Path(directory) / TABLE, len(section["entries"]), describe(signature))
+    section = table_section(directory, plan.device)
     problems = plan_problems(config, batches)
     dtype = plan.precision.compute
     have = section["entries"] if section else {}
