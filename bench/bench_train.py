@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/bench_train.py [--budgets 8192 16384] [--steps 6] [--full]
                                              [--kernels triton compile]
-                                             [--checkpoint-every 1] [--profile]
+                                             [--checkpointing block] [--profile]
 
 LoRA: rank 32 (alpha 32) on attention + MLP of every joint block (252 linears), bf16 base,
 fp32 adapter, AdamW. Batches come from a latent cache and a text cache (``TensorStore``
@@ -33,13 +33,14 @@ from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
 from kohakumoss.precision import precision_policy
+from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.training.engines import EnginePlan, apply_engines
 from kohakumoss.training.optim import build_optimizer
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
 KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in order}
-ENGINES = {"checkpoint_every": 0, "recompute": True}  # --checkpoint-every, --no-recompute
+ENGINES = {}  # --checkpointing, --checkpoint-blocks, --no-recompute: the EnginePlan's memory
 COMPILE_BLOCKS: list[bool] = [False]  # --compile-blocks
 
 
@@ -116,6 +117,18 @@ def step_fn(model, opt, lat, txt, keys, step, device="cuda"):
     return layout
 
 
+def predicted_peak(batch: list[tuple[int, int]], full: bool) -> float:
+    """The memory estimator's peak (GiB) for this bench's run: the base flavor, rank-32 LoRA
+    (or a full finetune), bf16, AdamW, the --checkpointing engines."""
+    from kohakumoss.params import parse_params
+    from kohakumoss.training.estimate import GiB, estimate
+
+    p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "unused"}]},
+                      "adapter": {"algo": "full"} if full else {"algo": "lora", "dim": 32, "alpha": 32.0},
+                      "train": {"dtype": "bf16"}}, "bench")
+    return estimate(p, batch, ENGINES.get("memory", MemoryEngines()), config=FLAVORS["base"]).peak / GiB
+
+
 def profile_step(run_step, rows: int = 25) -> dict:
     """One step under ``torch.profiler``: the CUDA kernels by self time (top ``rows``), the
     share of the kernel time each family takes (matmul, attention, triton, eager
@@ -186,12 +199,13 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
             times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     flops = train_flops(FLAVORS["base"], layout, full=False)
+    est = predicted_peak([(n, 104) for n in layout.img_len], full=False)
     peak = torch.cuda.max_memory_allocated() / 2**30
     prof = profile_step(lambda: step_fn(model, opt, lat, txt, keys[:per], 0)) if profiled else None
     del model, opt, adapters
     torch.cuda.empty_cache()
     return {"budget": budget, "samples_per_step": per, "joint_tokens": layout.n_joint,
-            "step_s": t, "samples_per_s": per / t, "peak_gib": peak,
+            "step_s": t, "samples_per_s": per / t, "peak_gib": peak, "estimate_gib": est,
             "model_tflops_per_step": flops / 1e12, "mfu": flops / t / rate, "trainable_params":
             sum(p.numel() for _, p in named), **({"profile": prof} if prof else {})}
 
@@ -220,8 +234,9 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="*", default=[],
                     help="backends to prefer for every op that has them, in order (e.g. triton "
                          "compile); none: the references")
-    ap.add_argument("--checkpoint-every", type=int, default=0,
-                    help="checkpoint every n-th repeated block (1: all; 0: none)")
+    ap.add_argument("--checkpointing", default="none",
+                    help="activation checkpointing mode: none, block, sub-block, selective, partial")
+    ap.add_argument("--checkpoint-blocks", type=int, default=0, help="partial: blocks per list")
     ap.add_argument("--no-recompute", action="store_true",
                     help="keep the elementwise ops' intermediates instead of recomputing them")
     ap.add_argument("--compile-blocks", action="store_true",
@@ -231,11 +246,12 @@ def main() -> None:
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
     a = ap.parse_args()
     KERNEL_CHOICES.update(kernel_choices(a.kernels))
-    ENGINES.update(checkpoint_every=a.checkpoint_every, recompute=not a.no_recompute)
+    ENGINES["memory"] = MemoryEngines(a.checkpointing, a.checkpoint_blocks, not a.no_recompute)
     COMPILE_BLOCKS[0] = a.compile_blocks
     rate = matmul_rate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
-           "checkpoint_every": a.checkpoint_every, "recompute": not a.no_recompute,
+           "checkpointing": a.checkpointing, "checkpoint_blocks": a.checkpoint_blocks,
+           "recompute": not a.no_recompute,
            "compile_blocks": a.compile_blocks,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:

@@ -283,6 +283,26 @@ class KernelsConfig:
                                               "triton]); [] = every registered backend")
 
 
+PROFILES = ("speed", "balanced", "low", "minimal", "auto", "manual")
+"""The top-level ``profile``: the memory engines a training run uses (``docs/memory.md``);
+``manual`` takes them from the ``memory:`` section instead."""
+CHECKPOINTING = ("none", "block", "sub-block", "selective", "partial")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """The memory engines, set by hand (``profile: manual``; any other profile sets them
+    itself and a ``memory:`` section beside it is refused)."""
+
+    checkpointing: Literal["none", "block", "sub-block", "selective", "partial"] = knob(
+        "none", help="activation checkpointing of the repeated blocks (docs/memory.md)")
+    checkpoint_blocks: int = knob(0, check=lambda v: v >= 0,
+                                  allowed="an integer >= 0 (partial: blocks of each list "
+                                          "checkpointed, from the first)")
+    recompute: bool = knob(True, help="recompute the elementwise references' fp32 "
+                                      "intermediates in backward instead of keeping them")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     world_size: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (data-parallel ranks)")
@@ -305,7 +325,9 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "kernels": KernelsConfig,
     "parallel": ParallelConfig,
+    "memory": MemoryConfig,
 }
+TOP_LEVEL = {"profile": PROFILES}  # scalar keys of params.yaml beside the sections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +348,8 @@ class Params:
     train: TrainConfig
     kernels: KernelsConfig
     parallel: ParallelConfig
+    memory: MemoryConfig = MemoryConfig()
+    profile: str = "auto"
     path: str = "params.yaml"
 
 
@@ -335,7 +359,21 @@ def validate(p: Params) -> None:
     if p.batching.token_budget == "exact" and not p.caption.tokenizer:
         fail(where, "exact", "'exact' needs caption.tokenizer set to a tokenizer folder; "
              "use 'auto' or 'estimate' without one")
+    check_memory(p)
     refuse_unhonoured(p)
+
+
+def check_memory(p: Params) -> None:
+    """The ``memory:`` knobs against each other (the profile's own settings are valid)."""
+    m, where = p.memory, f"{p.path}: memory"
+    if m.checkpointing == "partial" and m.checkpoint_blocks < 1:
+        fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
+             "an integer >= 1 with checkpointing: partial (how many blocks of each list, from "
+             "the first, keep only their input)")
+    if m.checkpointing != "partial" and m.checkpoint_blocks:
+        fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
+             f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "
+             f"partial only)")
 
 
 # Knobs that parse but that no engine honours yet: accepting them would train something

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kohakumoss.checks.params import check_adapter, check_targets, check_weights
-from kohakumoss.config import DATASET_KEYS, SECTIONS, DatasetEntry, Params, validate
+from kohakumoss.config import DATASET_KEYS, SECTIONS, TOP_LEVEL, DatasetEntry, Params, validate
 from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
 from kohakumoss.data.sources import SOURCES
@@ -47,14 +47,20 @@ def parse_params(raw: Any, path: str = "params.yaml") -> Params:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
-    unknown = [k for k in raw if k not in SECTIONS]
+    unknown = [k for k in raw if k not in SECTIONS and k not in TOP_LEVEL]
     if unknown:
         import difflib
 
-        near = difflib.get_close_matches(str(unknown[0]), list(SECTIONS), n=1)
+        near = difflib.get_close_matches(str(unknown[0]), [*SECTIONS, *TOP_LEVEL], n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise ConfigError(f"{path}: unknown section {unknown[0]!r}{hint} "
-                          f"(sections: {', '.join(SECTIONS)})")
+                          f"(sections: {', '.join(SECTIONS)}; keys: {', '.join(TOP_LEVEL)})")
+    top = {}
+    for key, allowed in TOP_LEVEL.items():
+        value = raw.get(key, Params.__dataclass_fields__[key].default)
+        if value not in allowed:
+            fail(f"{path}: {key}", value, "one of " + ", ".join(allowed))
+        top[key] = value
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         body = dict(raw.get(name) or {})
@@ -77,7 +83,15 @@ def parse_params(raw: Any, path: str = "params.yaml") -> Params:
             sections[name] = dataclasses.replace(build(cls, body, where), template=spec)
         else:
             sections[name] = build(cls, body, where)
-    params = Params(**sections, path=path)
+    params = Params(**sections, **top, path=path)
+    changed = [f"memory.{f.name} = {getattr(params.memory, f.name)!r}"
+               for f in dataclasses.fields(params.memory)
+               if getattr(params.memory, f.name) != f.default]
+    if changed and params.profile != "manual":
+        raise ConfigError(f"{path}: {', '.join(changed)} with profile: {params.profile}; the "
+                          f"profile sets the memory engines itself (docs/memory.md). Set "
+                          f"profile: manual to choose them in the memory section, or leave the "
+                          f"section at its defaults")
     validate(params)
     check_adapter(params)
     return params

@@ -17,6 +17,7 @@ from kohakumoss.model import ops
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.model.dit import FP32_MODULES
 from kohakumoss.precision import precision_policy
+from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.training.engines import EnginePlan, apply_engines, engine_plan
 
 from conftest import ROOT, make_params
@@ -57,7 +58,7 @@ def test_engine_plan_reads_train_dtype_and_adapter_full():
     lora = engine_plan(make_params(ds, adapter={"algo": "lora"}, train={"dtype": "bf16"}), CPU)
     full = engine_plan(make_params(ds, adapter={"algo": "full"}, train={"dtype": "bf16"}), CPU)
     assert lora.precision.weights == torch.bfloat16 and full.precision.weights == torch.float32
-    assert lora.recompute and not lora.checkpoint_every and not lora.kernels
+    assert lora.memory.recompute and lora.memory.checkpointing == "none" and not lora.kernels
 
 
 # -- the order ---------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def test_apply_engines_in_order(test_backend):
     backend, calls = test_backend
     model = tiny_transformer()
     plan = EnginePlan(CPU, precision_policy("bf16", full=False), kernels={"rms_norm": "test"},
-                      checkpoint_every=1)
+                      memory=MemoryEngines("block"))
     applied = apply_engines(model, plan)
     # 1. precision: the base in bf16, the declared fp32 modules kept in fp32
     assert model.dtype == torch.bfloat16
@@ -99,7 +100,7 @@ def test_every_engine_together_keeps_the_math(test_backend):
     plain = run(cast_model(tiny_transformer(), torch.bfloat16))
     model = tiny_transformer()
     apply_engines(model, EnginePlan(CPU, precision_policy("bf16", full=False),
-                                    kernels={"rms_norm": "test"}, checkpoint_every=1))
+                                    kernels={"rms_norm": "test"}, memory=MemoryEngines("block")))
     engined = run(model)
     assert calls and set(calls) == {torch.bfloat16}
     assert torch.equal(engined[0], plain[0])
@@ -113,7 +114,7 @@ def test_a_tiny_run_with_every_engine_gives_the_stored_curve(tmp_path, test_back
 
     _, calls = test_backend
     plan = EnginePlan(CPU, precision_policy("fp32", full=False), kernels={"rms_norm": "test"},
-                      checkpoint_every=1)
+                      memory=MemoryEngines("block"))
     losses = _tiny_run_losses(tmp_path, "lora", engines=plan)
     assert calls  # the backend ran
     assert losses == json.loads(LOSSES.read_text())["lora"]

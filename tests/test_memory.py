@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kohakumoss.memory import (ELEMENTWISE, apply_block_checkpointing, apply_recompute,
-                               recomputed, repeated_blocks)
+from kohakumoss.memory import (ELEMENTWISE, MODES, apply_block_checkpointing,
+                               apply_checkpointing, apply_recompute, recomputed, repeated_blocks)
 from kohakumoss.model import FLAVORS, build_layout, cast_model
 from kohakumoss.model import ops
 from kohakumoss.model.build import tiny_transformer
@@ -90,6 +90,11 @@ ENGINES = {
     "checkpoint blocks": [apply_block_checkpointing],
     "checkpoint every 2nd block": [lambda m: apply_block_checkpointing(m, every=2)],
     "both": [apply_recompute, apply_block_checkpointing],
+    "sub-block": [lambda m: apply_checkpointing(m, "sub-block")],
+    "selective": [lambda m: apply_checkpointing(m, "selective")],
+    "partial 1": [lambda m: apply_checkpointing(m, "partial", 1)],
+    "recompute + sub-block": [apply_recompute, lambda m: apply_checkpointing(m, "sub-block")],
+    "recompute + selective": [apply_recompute, lambda m: apply_checkpointing(m, "selective")],
 }
 
 
@@ -106,12 +111,81 @@ def test_engines_keep_outputs_and_gradients_bit_identical(engines, dtype):
     assert list(model.state_dict()) == list(_tiny(dtype).state_dict())  # keys are a contract
 
 
-@pytest.mark.parametrize("engines", ["recompute", "checkpoint blocks"])
+@pytest.mark.parametrize("engines", ["recompute", "checkpoint blocks", "sub-block", "selective"])
 def test_engines_save_fewer_activations(engines):
     plain, lean = [], []
     _forward_backward(_tiny(torch.bfloat16), plain)
     _forward_backward(_tiny(torch.bfloat16, ENGINES[engines]), lean)
     assert sum(lean) < 0.8 * sum(plain), (sum(lean), sum(plain))
+
+
+def _saved_bytes(*engines) -> int:
+    """Bytes autograd holds from the forward to the backward (a checkpointed part counts
+    only what it keeps: its inputs, and for ``selective`` its matmul outputs)."""
+    saved = []
+    _forward_backward(_tiny(torch.float32, [apply_recompute, *engines]), saved)
+    return sum(saved)
+
+
+def test_the_checkpointing_modes_order_by_memory():
+    """block < sub-block < none; partial in steps of one block between none and block."""
+    c = FLAVORS["tiny"]
+    mode = lambda name, k=0: (lambda m: apply_checkpointing(m, name, k))  # noqa: E731
+    none, block, sub = _saved_bytes(), _saved_bytes(mode("block")), _saved_bytes(mode("sub-block"))
+    assert block < sub < 0.5 * none, (block, sub, none)
+    partial = [_saved_bytes(mode("partial", k)) for k in range(1, c.depth + 1)]
+    assert none > partial[0] and all(a > b for a, b in zip(partial, partial[1:])), partial
+    assert partial[-1] == block
+
+
+def _backward_ops(*engines) -> dict[str, int]:
+    """How many matmuls and other aten ops the backward runs (recomputation included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = {"mm": 0, "other": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts["mm" if func.__name__.split(".")[0] in ("mm", "addmm") else "other"] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = _tiny(torch.float32, [apply_recompute, *engines])
+    hw, lens = [(3, 4), (2, 5)], [4, 6]
+    c = FLAVORS["tiny"]
+    layout = build_layout(hw, lens)
+    g = torch.Generator().manual_seed(0)
+    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    with Count():
+        out.square().mean().backward()
+    return counts
+
+
+def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
+    """Backward under ``selective`` runs no matmul again (their outputs were kept) but
+    recomputes the elementwise work; ``block`` reruns every matmul of the block."""
+    plain = _backward_ops()
+    block = _backward_ops(lambda m: apply_checkpointing(m, "block"))
+    selective = _backward_ops(lambda m: apply_checkpointing(m, "selective"))
+    assert selective["mm"] == plain["mm"] < block["mm"], (plain, selective, block)
+    assert selective["other"] > plain["other"], (plain, selective)
+
+
+def test_apply_checkpointing_names_what_it_wrapped_and_refuses_bad_modes():
+    c = FLAVORS["tiny"]
+    model = _tiny(torch.float32)
+    paths = [p for p, _ in repeated_blocks(model)]
+    assert apply_checkpointing(model, "sub-block") == [f"{p}.{h}" for p in paths for h in ("attention", "mlp")]
+    assert apply_checkpointing(model, "sub-block") == []
+    model = _tiny(torch.float32)
+    assert apply_checkpointing(model, "partial", 1) == ["text_embedder.blocks.0", "layers.0"]
+    assert apply_checkpointing(model, "none") == []
+    assert len(apply_checkpointing(_tiny(torch.float32), "selective")) == c.text_blocks + c.depth
+    assert set(MODES) == {"none", "block", "sub-block", "selective", "partial"}
+    with pytest.raises(ValueError, match="one of none, block, sub-block, selective, partial"):
+        apply_checkpointing(model, "blocks")
+    with pytest.raises(ValueError, match="partial checkpointing needs blocks >= 1"):
+        apply_checkpointing(model, "partial", 0)
 
 
 def test_recompute_acts_on_that_models_table_only_and_once():

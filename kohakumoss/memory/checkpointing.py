@@ -1,23 +1,43 @@
-"""Per-block activation checkpointing: a repeated block keeps only its inputs in forward
-and runs again in backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved
-so adapter dropout draws the same masks).
+"""Activation checkpointing: parts of the repeated blocks keep only their inputs in forward
+and run again in backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved so
+adapter dropout draws the same masks). Outputs and gradients are exactly those of plain
+autograd, in every mode.
 
-Applied from outside: ``apply_block_checkpointing(model)`` replaces the ``forward`` of the
-blocks the model declares in ``REPEATED`` (``kohakumoss.model.dit``) on those block
-instances. The modules, their parameters and the state-dict keys stay as they are, nothing
-in the model's own forward changes, and adapters that wrap a linear inside a block are
-recomputed with it. Outputs and gradients are exactly those of plain autograd.
+``apply_checkpointing(model, mode, blocks)``, on the blocks the model declares in
+``REPEATED`` (and their halves, ``HALVES``; ``kohakumoss.model.dit``), by replacing methods
+on those block instances: the modules, their parameters and the state-dict keys stay as they
+are, nothing in the model's own forward changes, and adapters that wrap a linear inside a
+block are recomputed with it. The modes (``MODES``), least memory first:
+
+- ``block``: every block keeps only its input; backward runs the block again;
+- ``sub-block``: the attention half and the MLP half each keep only their input (one more
+  saved activation per block than ``block``; backward holds half a block's intermediates
+  at a time, not a whole block's);
+- ``selective``: every block runs under a policy that keeps the outputs of the matmuls and
+  the attention (costly to recompute, ``SAVED_OPS``) and recomputes everything else (the
+  norms, RoPE, SiTU, the residual adds: cheap to compute, yet most of the bytes);
+- ``partial``: ``block`` for the first ``blocks`` blocks of each repeated list (a list
+  shorter than that entirely), the rest keep everything: memory traded for speed in steps
+  of one block;
+- ``none``: nothing is checkpointed.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from kohakumoss.model.dit import REPEATED, MOSSImageTransformer
+from kohakumoss.model.dit import HALVES, REPEATED, MOSSImageTransformer
+
+MODES = ("none", "block", "sub-block", "selective", "partial")
+# aten ops whose outputs ``selective`` keeps: the matmuls and the attention kernels
+SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
 
 
 def repeated_blocks(model: MOSSImageTransformer) -> list[tuple[str, nn.Module]]:
@@ -26,17 +46,54 @@ def repeated_blocks(model: MOSSImageTransformer) -> list[tuple[str, nn.Module]]:
             for i, block in enumerate(model.get_submodule(path))]
 
 
-def checkpointed(forward: Callable) -> Callable:
+def _keeps_output(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    name = getattr(func, "__name__", str(func)).split(".")[0]
+    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed(forward: Callable, selective: bool = False) -> Callable:
     """``forward`` run under non-reentrant checkpointing while grad is enabled (without
-    grad there is nothing to save and it runs as is); ``.checkpointed`` is ``forward``."""
+    grad there is nothing to save and it runs as is); ``selective``: keeping the matmuls'
+    and the attention's outputs. ``.checkpointed`` is ``forward``."""
+    context = functools.partial(create_selective_checkpoint_contexts, _keeps_output) if selective \
+        else None
 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        if context is not None:
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     run.checkpointed = forward
     return run
+
+
+def _wrap(block: nn.Module, method: str, selective: bool = False) -> bool:
+    fn = getattr(block, method)
+    if hasattr(fn, "checkpointed"):
+        return False
+    setattr(block, method, checkpointed(fn, selective))
+    return True
+
+
+def apply_checkpointing(model: MOSSImageTransformer, mode: str, blocks: int = 0) -> list[str]:
+    """Checkpoint ``model``'s repeated blocks in ``mode`` (see the module; ``blocks``: how
+    many per list, for ``partial``). Returns what was wrapped now (``layers.3`` or
+    ``layers.3.attention``); a part wrapped before is left as it is."""
+    if mode not in MODES:
+        raise ValueError(f"checkpointing mode {mode!r}: one of {', '.join(MODES)}")
+    if mode == "partial" and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
+        raise ValueError(f"partial checkpointing needs blocks >= 1 (how many blocks of each list "
+                         f"to checkpoint), got {blocks!r}")
+    done = []
+    for path, block in repeated_blocks(model):
+        if mode == "sub-block":
+            done += [f"{path}.{half}" for half in HALVES if _wrap(block, half)]
+        elif mode in ("block", "selective") or (mode == "partial" and int(path.rsplit(".", 1)[1]) < blocks):
+            if _wrap(block, "forward", selective=mode == "selective"):
+                done.append(path)
+    return done
 
 
 def apply_block_checkpointing(model: MOSSImageTransformer, every: int = 1) -> list[str]:
@@ -46,8 +103,6 @@ def apply_block_checkpointing(model: MOSSImageTransformer, every: int = 1) -> li
         raise ValueError(f"every must be an integer >= 1 (1 checkpoints every block), got {every!r}")
     done = []
     for path, block in repeated_blocks(model):
-        if int(path.rsplit(".", 1)[1]) % every or hasattr(block.forward, "checkpointed"):
-            continue
-        block.forward = checkpointed(block.forward)
-        done.append(path)
+        if int(path.rsplit(".", 1)[1]) % every == 0 and _wrap(block, "forward"):
+            done.append(path)
     return done

@@ -3,8 +3,9 @@
 Legend: N_img / N_txt / N_joint packed token counts, B samples, D width, H heads, Dh head
 dim, C latent channels, T text width. Every op with numerics of its own goes through the
 op table (``self.ops``, one per model); the model holds no engine logic. Its repeated blocks
-are declared in ``REPEATED`` so checkpointing, streaming and sharding engines can find them
-from outside (``kohakumoss.memory``, ``docs/engines.md``).
+are declared in ``REPEATED``, and each block's halves (attention, MLP) in ``HALVES``, so
+checkpointing, streaming and sharding engines can find them from outside
+(``kohakumoss.memory``, ``docs/engines.md``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from kohakumoss.model.ops import OpTable, compute_dtype
 FP32_MODULES = ("time_embedding", "shared_block_modulation", "video_head_modulation")
 # module lists whose entries are the repeated blocks engines act on
 REPEATED = ("text_embedder.blocks", "layers")
+# each repeated block's halves, methods its forward calls in this order (sub-block engines)
+HALVES = ("attention", "mlp")
 
 
 class RMSNormWeight(nn.Module):
@@ -69,13 +72,18 @@ class TextBlock(nn.Module):
         self.ffn_down = nn.Linear(F, D)
 
     def forward(self, x_ND, rope, lengths, ops: OpTable):
+        return self.mlp(self.attention(x_ND, rope, lengths, ops), ops)
+
+    def attention(self, x_ND, rope, lengths, ops: OpTable):
         N, D = x_ND.shape
         y = ops.rms_norm(x_ND, self.norm1.weight, self.eps)
         q, k, v = self.qkv(y).view(N, 3, self.heads, D // self.heads).unbind(1)
         q = ops.qk_norm_rope(q, self.q_norm.weight, *rope, self.eps)
         k = ops.qk_norm_rope(k, self.k_norm.weight, *rope, self.eps)
         o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
-        x_ND = ops.residual(x_ND, self.proj(o))
+        return ops.residual(x_ND, self.proj(o))
+
+    def mlp(self, x_ND, ops: OpTable):
         y = ops.rms_norm(x_ND, self.norm2.weight, self.eps)
         return ops.residual(x_ND, self.ffn_down(ops.situ(self.ffn_up(y), self.ffn_gate(y))))
 
@@ -102,16 +110,25 @@ class JointBlock(nn.Module):
         })
 
     def forward(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
+        return self.mlp(self.attention(x_ND, mod_B6D, seg_N, rope, lengths, ops), mod_B6D, seg_N, ops)
+
+    def attention(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
+        """The attention half: ``x + gate_a * o(attn(norm1(x)))``."""
         N, D = x_ND.shape
         Dh = D // self.heads
         p = self.proj
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod_B6D.unbind(1)
+        shift_a, scale_a, gate_a = mod_B6D[:, 0], mod_B6D[:, 1], mod_B6D[:, 2]
         y = ops.modulated_rms_norm(x_ND, self.norm1.weight, shift_a, scale_a, seg_N, self.eps)
         q = ops.qk_norm_rope(p["q"](y).view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
         k = ops.qk_norm_rope(p["k"](y).view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
         v = p["v"](y).view(N, self.heads, Dh)
         o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
-        x_ND = ops.gated_residual(x_ND, p["o"](o), gate_a, seg_N)
+        return ops.gated_residual(x_ND, p["o"](o), gate_a, seg_N)
+
+    def mlp(self, x_ND, mod_B6D, seg_N, ops: OpTable):
+        """The MLP half: ``x + gate_f * down(situ(up_gate(norm2(x))))``."""
+        p = self.proj
+        shift_f, scale_f, gate_f = mod_B6D[:, 3], mod_B6D[:, 4], mod_B6D[:, 5]
         y = ops.modulated_rms_norm(x_ND, self.norm2.weight, shift_f, scale_f, seg_N, self.eps)
         u, g = p["ffn_up_gate"](y).split(self.ffn_dim, dim=-1)
         return ops.gated_residual(x_ND, p["ffn_down"](ops.situ(u, g)), gate_f, seg_N)

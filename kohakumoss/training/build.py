@@ -28,9 +28,11 @@ from kohakumoss.device import resolve_device
 from kohakumoss.diffusion.timesteps import LogitNormalTimesteps, MossTimesteps, UniformTimesteps
 from kohakumoss.formats import load_dit
 from kohakumoss.kernels.table import device_signature
+from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
+from kohakumoss.training.estimate import resolve_profile
 from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engines, engine_plan,
                                          plan_token_batches, tuned_kernels)
 from kohakumoss.training.inputs import make_timesteps
@@ -97,6 +99,22 @@ def run_kernels(path: Path, engines: EnginePlan, plan_hash: str,
     return choices
 
 
+def run_memory(params: Params, batches: list[list[tuple[int, int]]],
+               device: torch.device) -> MemoryEngines:
+    """The memory engines of the run's profile (``auto``: resolved against the device's free
+    memory), with the estimate for the plan's largest micro-batch logged."""
+    batch = max(batches, key=lambda b: sum(i + t for i, t in b), default=[])
+    try:
+        _, memory, est, why = resolve_profile(params, batch, device)
+    except Exception as e:  # the estimate is advice: a run never fails for want of it
+        fallback = engine_plan(params, device).memory
+        log.warning("no memory estimate (%s: %s); running %s", type(e).__name__, e, fallback.describe())
+        return fallback
+    log.info("%s", why)
+    log.info("memory: %s", est.describe())
+    return memory
+
+
 def build_components(params: Params, paths: RunPaths,
                      engines: EnginePlan | None = None) -> Components:
     """The run's components; ``engines`` defaults to ``engine_plan(params, device)``. With
@@ -105,7 +123,8 @@ def build_components(params: Params, paths: RunPaths,
     p = params
     device = resolve_device(p.train.device)
     plan_rows, plan = read_plan(paths.plan)
-    engines = engines if engines is not None else engine_plan(p, device)
+    engines = engines if engines is not None else engine_plan(p, device, memory=run_memory(
+        p, plan_token_batches(plan_rows), device))
     # loaded straight in the dtype the precision policy holds the weights in
     model = load_dit(p.model.transformer, engines.precision.weights, device)
     if paths.kernels is not None and not engines.tuned:

@@ -7,7 +7,9 @@ fixed order (``docs/engines.md``):
    device and the dtype the forward computes in: static choices, else per shape bucket from
    the tuning table (``tuned``, made by ``tuned_kernels`` from ``kmoss tune_kernels``' table);
 3. memory: recomputation wraps the elementwise ops of that table (so it wraps whichever
-   backend step 2 chose), then per-block activation checkpointing wraps the repeated blocks.
+   backend step 2 chose), then activation checkpointing in the profile's mode wraps the
+   repeated blocks or their halves (``kohakumoss.memory``; the profile is resolved by
+   ``kohakumoss.training.estimate.resolve_profile``).
 
 Each step only reads what the steps before it left. The engines run on the base model
 before the trainable set is made: adapters take their dtype from the base weights step 1
@@ -38,7 +40,9 @@ from kohakumoss.kernels.table import TABLE, describe, device_signature, read_tab
 from kohakumoss.kernels.tuning import TuneResult, tune, tune_table
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.ops import REFERENCE, OpTable
-from kohakumoss.memory import apply_block_checkpointing, apply_recompute
+from kohakumoss.memory import apply_checkpointing, apply_recompute
+from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
+from kohakumoss.training.estimate import profile_engines
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
 
@@ -48,8 +52,7 @@ class EnginePlan:
     device: torch.device
     precision: PrecisionPolicy
     kernels: Mapping[str, str | Sequence[str]] = dataclasses.field(default_factory=dict)
-    recompute: bool = True  # recompute the elementwise ops' fp32 intermediates in backward
-    checkpoint_every: int = 0  # checkpoint every n-th repeated block; 0: none
+    memory: MemoryEngines = MemoryEngines()  # recomputation and the checkpointing mode
     # "op/dtype/shape key" -> backends fastest first, for the ops without a static choice
     tuned: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
 
@@ -65,23 +68,25 @@ class AppliedEngines:
 
 
 def engine_plan(params: Params, device: torch.device,
-                tuned: Mapping[str, Sequence[str]] | None = None) -> EnginePlan:
+                tuned: Mapping[str, Sequence[str]] | None = None,
+                memory: MemoryEngines | None = None) -> EnginePlan:
     """The plan of a training run: precision from ``train.dtype`` and ``adapter.full``;
     the kernels of the tuning table's entries ``tuned`` (``tuned_kernels``; none: the
-    references); recomputation on, as every run so far trained with it; no block
-    checkpointing (no knob for it yet)."""
+    references); the memory engines ``memory`` (``resolve_profile``'s; none: the profile's
+    own, ``speed``'s for ``auto``)."""
+    if memory is None:
+        memory = PROFILE_ENGINES["speed"] if params.profile == "auto" else profile_engines(params)
     return EnginePlan(device=device, precision=precision_policy(params.train.dtype,
                                                                 full=params.adapter.full),
-                      tuned=dict(tuned or {}))
+                      tuned=dict(tuned or {}), memory=memory)
 
 
 def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngines:
     """Apply precision, kernels and memory to ``model`` in that order (see the module)."""
     cast_model(model, plan.precision.weights)
     model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
-    recomputed = apply_recompute(model) if plan.recompute else []
-    checkpointed = (apply_block_checkpointing(model, plan.checkpoint_every)
-                    if plan.checkpoint_every else [])
+    recomputed = apply_recompute(model) if plan.memory.recompute else []
+    checkpointed = apply_checkpointing(model, plan.memory.checkpointing, plan.memory.checkpoint_blocks)
     return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed)
 
 

@@ -1,0 +1,274 @@
+"""The memory estimator: a training step's predicted peak (torch allocator) for the params'
+model, adapter, precision and memory engines, at a micro-batch's token counts, before any
+weight is loaded (``docs/memory.md#estimator``).
+
+Nothing is guessed from tables: the transformer and its adapter are built on the meta
+device (no storage), so parameter counts are the real ones, and one joint block and one
+text block run forward there under ``saved_tensors_hooks`` at the micro-batch's true token
+counts, so what autograd keeps per block is what the code keeps (each storage counted
+once; the op table and its recomputation as a run applies them; attention as the fused
+kernels keep it: q, k, v, the output and its log-sum-exp). The step's peak is then, at the
+start of backward:
+
+- weights as held (the frozen base in the compute dtype, or a full finetune's fp32
+  masters), the trained tensors, their gradients and the optimizer's states;
+- what the blocks keep under the checkpointing mode: everything (``none``), only each
+  block's input (``block``), its two halves' inputs (``sub-block``), the input plus the
+  matmul and attention outputs (``selective``), or ``block`` for the first k blocks;
+- the backward's working set on top: the gradients of one block's widest intermediates
+  (``WORKING_SET``, calibrated on measured H200 steps), plus, when blocks are
+  checkpointed, one block (or half) recomputed.
+
+``resolve_profile`` picks ``profile: auto``'s engines: the fastest whose estimate fits the
+memory the device has free (``speed``, then ``partial`` checkpointing of as few blocks as
+fit, then ``balanced``), and says which and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+
+from kohakumoss.config import Params
+from kohakumoss.memory import apply_checkpointing, apply_recompute
+from kohakumoss.memory.profiles import FASTEST_FIRST, PROFILE_ENGINES, MemoryEngines
+from kohakumoss.model.config import DiTConfig
+from kohakumoss.model.dit import MOSSImageTransformer, cast_model
+from kohakumoss.precision import precision_policy
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+HEADROOM = 0.92  # auto keeps this share of the free memory for the step (allocator slack)
+OPTIMIZER_STATES = {"adamw": 2, "muon": 1}  # fp32 states per trained parameter
+# the backward's working set, in units of one block's widest activation row (the MLP's
+# up-gate output and two model-width rows) per token: gradients of the MLP half's
+# intermediates, cuBLAS workspaces and allocator slack, calibrated on the H200 LoRA steps of
+# docs/performance.md (8400 and 16800 tokens, with and without block checkpointing)
+WORKING_SET = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    engines: MemoryEngines
+    tokens: int  # joint tokens of the micro-batch
+    weights: int  # bytes: the model's weights as held (frozen base, or fp32 masters)
+    trained: int  # the adapter's tensors (fp32); 0 for a full finetune (they are the weights)
+    gradients: int
+    optimizer: int
+    activations: int  # kept from forward to backward
+    transient: int  # the backward's working set on top
+
+    @property
+    def peak(self) -> int:
+        return (self.weights + self.trained + self.gradients + self.optimizer + self.activations
+                + self.transient)
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
+        return (f"{g(self.peak)} GiB predicted peak ({self.engines.describe()}; {self.tokens} "
+                f"tokens per micro-batch): weights {g(self.weights)}, trained + gradients + "
+                f"optimizer {g(self.trained + self.gradients + self.optimizer)}, activations "
+                f"{g(self.activations)}, backward working set {g(self.transient)} GiB")
+
+
+def profile_engines(params: Params) -> MemoryEngines:
+    """The engines of ``params.profile`` (``manual``: the ``memory:`` section). ``auto`` is
+    resolved against free memory by ``resolve_profile``."""
+    if params.profile == "manual":
+        m = params.memory
+        return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute)
+    if params.profile == "auto":
+        raise ValueError("profile auto is resolved against the device's free memory "
+                         "(resolve_profile)")
+    return PROFILE_ENGINES[params.profile]
+
+
+class _FlashLike(torch.autograd.Function):
+    """Attention as the fused kernels keep it for backward: q, k, v, the output and the
+    per-head log-sum-exp (no score matrix)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, go):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _meta_model(params: Params, engines: MemoryEngines, config=None
+                ) -> tuple[MOSSImageTransformer, int, int]:
+    """The configured transformer on the meta device with the run's precision, recompute and
+    trainable set: (model, frozen bytes, trained parameter count)."""
+    from kohakumoss.adapters import apply_adapters
+    from kohakumoss.checks.params import transformer_config
+
+    policy = precision_policy(params.train.dtype, full=params.adapter.full)
+    with torch.device("meta"):
+        model = MOSSImageTransformer(config or transformer_config(params))
+    cast_model(model, policy.compute)  # a full finetune's autocast copies, in compute dtype
+    if engines.recompute:
+        apply_recompute(model)
+    model.ops.override("varlen_attention", lambda q, k, v, lengths: _FlashLike.apply(q, k, v))
+    if params.adapter.full:
+        return model, 0, sum(p.numel() for p in model.parameters())
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters())  # held as computed
+    try:
+        adapters = apply_adapters(model, params.adapter, seed=params.run.seed)
+        trained = sum(p.numel() for _, p in adapters.named_trainable())
+    except Exception as e:  # an algorithm LyCORIS cannot build on meta (DoRA): LoRA's count
+        log.debug("the estimator counts a LoRA of the same rank (%s on meta: %s)", params.adapter.algo, e)
+        cfg = dataclasses.replace(params.adapter, algo="lora", dora=False)
+        adapters = apply_adapters(model, cfg, seed=params.run.seed)
+        trained = sum(p.numel() for _, p in adapters.named_trainable())
+    return model, frozen, trained
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockBytes:
+    kept: int  # everything autograd keeps for the block's backward
+    inputs: int  # the block's input
+    half_inputs: int  # the inputs of its halves (sub-block checkpointing)
+    selective: int  # the input plus the matmul and attention outputs
+    widest: int  # the gradients of its widest intermediates (the backward's working set)
+
+
+def _block_bytes(block, args, mlp_width: int) -> _BlockBytes:
+    """What autograd keeps for ``block(*args)`` on the meta device, each storage once."""
+    storages: dict[int, int] = {}
+    weights = {t.untyped_storage()._cdata for t in [*block.parameters(), *block.buffers()]}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in weights:  # the weights are counted once, as the model's
+            storages[s._cdata] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(*args)
+    n, d = args[0].shape
+    size = args[0].element_size()
+    inputs = n * d * size
+    attention = n * d * size + n * block.heads * 4  # its output and log-sum-exp
+    # selective keeps each linear's output (an adapter's delta is added into it) and attention's
+    linears = sum(m.out_features for m in block.modules() if isinstance(m, torch.nn.Linear))
+    return _BlockBytes(kept=sum(storages.values()), inputs=inputs, half_inputs=2 * inputs,
+                       selective=inputs + n * linears * size + attention,
+                       widest=WORKING_SET * n * (2 * mlp_width + 2 * d) * size)
+
+
+def _sizes(batch: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
+    img = sum(int(i) for i, _ in batch)
+    txt = sum(int(t) for _, t in batch)
+    return img + txt, txt, max(1, len(batch))
+
+
+def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEngines,
+             config: DiTConfig | None = None, _model: tuple | None = None) -> Estimate:
+    """The predicted peak of one training step on ``batch`` (each sample's ``(image tokens,
+    text tokens)``) under ``engines``, for the params' transformer (or ``config``'s shape)."""
+    model, frozen, trained_count = _model or _meta_model(params, engines, config)
+    c = model.config
+    policy = precision_policy(params.train.dtype, full=params.adapter.full)
+    cd = policy.compute
+    n_joint, n_txt, B = _sizes(batch)
+    size = torch.empty((), dtype=cd).element_size()
+
+    def run(block, n: int, joint: bool) -> _BlockBytes:
+        x = torch.empty(n, c.dim, device="meta", dtype=cd, requires_grad=True)
+        rope = (torch.empty(n, c.head_dim // 2, device="meta", dtype=torch.promote_types(cd, torch.float32)),) * 2
+        if joint:
+            mod = torch.empty(B, 6, c.dim, device="meta", requires_grad=params.adapter.full)
+            seg = torch.zeros(n, dtype=torch.long, device="meta")
+            return _block_bytes(block, (x, mod, seg, rope, [n], model.ops), c.ffn_dim)
+        return _block_bytes(block, (x, rope, [n], model.ops), c.ffn_dim)
+
+    with torch.autocast("cpu", enabled=False):
+        joint = run(model.layers[0], n_joint, True)
+        text = run(model.text_embedder.blocks[0], n_txt, False) if c.text_blocks and n_txt else None
+    lists = [(joint, c.depth)] + ([(text, c.text_blocks)] if text else [])
+    mode, k = engines.checkpointing, engines.checkpoint_blocks
+    kept = 0
+    for b, count in lists:
+        if mode == "none":
+            kept += count * b.kept
+        elif mode in ("block", "partial"):
+            ckpt = count if mode == "block" else min(k, count)
+            kept += ckpt * b.inputs + (count - ckpt) * b.kept
+        elif mode == "sub-block":
+            kept += count * b.half_inputs
+        elif mode == "selective":
+            kept += count * min(b.selective, b.kept)
+    if mode == "none":
+        transient = joint.widest
+    elif mode == "sub-block":
+        transient = joint.widest + joint.kept // 2
+    else:
+        transient = joint.widest + joint.kept
+    # the step's own tensors: latents, noise, target and prediction (fp32), the text states
+    n_img = n_joint - n_txt
+    kept += n_img * c.latent_channels * 4 * 4 + n_txt * c.text_dim * size
+    master = 4  # fp32 masters, gradients and optimizer states
+    states = OPTIMIZER_STATES.get(params.optim.name, 2) + (1 if params.optim.ema else 0)
+    if params.adapter.full:
+        # fp32 masters, and autocast's copy of each in the compute dtype, kept for backward
+        weights = trained_count * (master + size)
+        return Estimate(engines, n_joint, weights, 0, trained_count * master,
+                        trained_count * master * states, kept, transient)
+    return Estimate(engines, n_joint, frozen, trained_count * master, trained_count * master,
+                    trained_count * master * states, kept, transient)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the device has free now: CUDA's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: torch.device,
+                    free: int | None = None, config: DiTConfig | None = None
+                    ) -> tuple[str, MemoryEngines, Estimate, str]:
+    """``(profile, engines, estimate, why)`` for a run: the params' profile as it is, or for
+    ``auto`` the fastest engines whose estimate fits ``HEADROOM`` of the free memory
+    (``free``, default: the device's now)."""
+    if params.profile != "auto":
+        engines = profile_engines(params)
+        est = estimate(params, batch, engines, config)
+        return params.profile, engines, est, f"profile {params.profile}"
+    free = free_memory(device) if free is None else free
+    budget = int(free * HEADROOM)
+    built = _meta_model(params, PROFILE_ENGINES["speed"], config)
+    depth = built[0].config.depth
+    candidates = [("speed", PROFILE_ENGINES["speed"])]
+    candidates += [("auto", MemoryEngines("partial", k)) for k in range(1, depth)]
+    candidates += [(name, PROFILE_ENGINES[name]) for name in FASTEST_FIRST[1:]]
+    estimates = {}
+    for name, engines in candidates:
+        est = estimates[engines] = estimate(params, batch, engines, _model=built)
+        if est.peak <= budget:
+            why = (f"profile auto: {name if name != 'auto' else engines.describe()} is the fastest "
+                   f"whose {est.peak / GiB:.1f} GiB estimate fits {budget / GiB:.1f} GiB "
+                   f"({HEADROOM:.0%} of {free / GiB:.1f} GiB free on {device})")
+            return name, engines, est, why
+    name, engines = candidates[-1]
+    est = estimates[engines]
+    why = (f"profile auto: nothing fits {budget / GiB:.1f} GiB ({HEADROOM:.0%} of "
+           f"{free / GiB:.1f} GiB free on {device}); running {name}, the leanest, at "
+           f"{est.peak / GiB:.1f} GiB estimated: it may run out of memory (lower "
+           f"batching.max_tokens)")
+    return name, engines, est, why
