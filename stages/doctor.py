@@ -14,11 +14,36 @@ PACKAGES = ("torch", "transformers", "diffusers", "lycoris-lora", "safetensors",
             "pillow", "dvc", "dvclive", "typer")
 
 
+def memory_line(p, plan: Path) -> str:
+    """The profile and the predicted peak of a training step: on the plan's largest
+    micro-batch when ``plan`` holds one, else a full ``batching.max_tokens`` micro-batch."""
+    from kohakumoss.device import resolve_device
+    from kohakumoss.training.estimate import resolve_profile
+
+    batch, source = [(p.batching.max_tokens, 0)], f"a full {p.batching.max_tokens}-token micro-batch"
+    if (plan / "manifest.json").is_file():
+        from kohakumoss.data.planfile import read_plan
+        from kohakumoss.training.engines import plan_token_batches
+
+        batches = plan_token_batches(read_plan(plan)[0])
+        if batches:
+            batch = max(batches, key=lambda b: sum(i + t for i, t in b))
+            source = f"the plan's largest micro-batch ({sum(i + t for i, t in batch)} tokens)"
+    try:
+        _, _, est, why = resolve_profile(p, batch, resolve_device(p.train.device))
+    except Exception as e:  # advice only
+        return f"no estimate ({type(e).__name__}: {e})"
+    return f"{why}; {est.describe()}, for {source}"
+
+
 def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
-                                     help="The params file whose model paths are checked.")) -> None:
-    """Print versions, devices (and their bf16 support and free memory), and whether the
-    weights and datasets named in params.yaml can be found. Exit code 1 if something the
-    params need is missing."""
+                                     help="The params file whose model paths are checked."),
+         plan: Path = typer.Option(Path("artifacts/plan"), help="The plan whose largest "
+                                   "micro-batch the memory estimate uses (if it is there).")
+         ) -> None:
+    """Print versions, devices (and their bf16 support and free memory), whether the
+    weights and datasets named in params.yaml can be found, and the memory profile with its
+    predicted peak. Exit code 1 if something the params need is missing."""
     import torch
 
     out = Console()
@@ -56,6 +81,8 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
             ok = "*" in where or Path(where).exists()
             problems += not ok
             t.add_row(f"dataset {i} ({d.source})", where if ok else f"[red]{where}: not found[/]")
+        if not any(v is not None for v in weight_problems(p).values()):
+            t.add_row("memory", escape(memory_line(p, plan)))
     else:
         t.add_row("params", f"[yellow]{params} not found[/]")
     out.print(t)

@@ -107,14 +107,19 @@ def test_every_engine_together_keeps_the_math(test_backend):
     assert all(torch.equal(a, b) for a, b in zip(engined[1], plain[1]))
 
 
-def test_a_tiny_run_with_every_engine_gives_the_stored_curve(tmp_path, test_backend):
+@pytest.mark.parametrize("memory", [MemoryEngines("block"), MemoryEngines("sub-block"),
+                                    MemoryEngines("selective"), MemoryEngines("partial", 1)],
+                         ids=lambda m: m.checkpointing)
+def test_a_tiny_run_with_every_engine_gives_the_stored_curve(tmp_path, test_backend, memory):
+    """Every checkpointing mode (what the profiles choose between) trains the stored curve
+    bit for bit, with a kernel backend and recomputation applied too."""
     import json
 
     from test_train import LOSSES, _tiny_run_losses
 
     _, calls = test_backend
     plan = EnginePlan(CPU, precision_policy("fp32", full=False), kernels={"rms_norm": "test"},
-                      memory=MemoryEngines("block"))
+                      memory=memory)
     losses = _tiny_run_losses(tmp_path, "lora", engines=plan)
     assert calls  # the backend ran
     assert losses == json.loads(LOSSES.read_text())["lora"]

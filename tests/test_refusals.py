@@ -25,7 +25,10 @@ def _params(tmp: Path, **sections) -> Path:
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
     for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
+        if isinstance(values, dict):
+            raw.setdefault(name, {}).update(values)
+        else:  # a top-level key (profile)
+            raw[name] = values
     path = tmp / "params.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -53,6 +56,15 @@ REFUSED = {
     "two ranks": ({"parallel": {"world_size": 2}}, ["parallel.world_size", "set parallel.world_size: 1"]),
     "fp16 training": ({"train": {"dtype": "fp16"}}, ["train.dtype", "loss scaling", "bf16"]),
     "renamed sampler": ({"objective": {"sampler": "uniform"}}, ["objective.timesteps"]),
+    "unknown profile": ({"profile": "fast"}, ["profile", "'fast'", "speed, balanced, low, minimal, auto, manual"]),
+    "memory knob beside a profile": ({"profile": "speed", "memory": {"checkpointing": "block"}},
+                                     ["memory.checkpointing = 'block'", "profile: speed", "profile: manual"]),
+    "partial without blocks": ({"profile": "manual", "memory": {"checkpointing": "partial"}},
+                               ["memory.checkpoint_blocks", "checkpointing: partial"]),
+    "blocks without partial": ({"profile": "manual", "memory": {"checkpointing": "block", "checkpoint_blocks": 3}},
+                               ["memory.checkpoint_blocks = 3", "partial only"]),
+    "unknown checkpointing": ({"profile": "manual", "memory": {"checkpointing": "blocks"}},
+                              ["memory.checkpointing", "'blocks'"]),
 }
 
 
@@ -68,7 +80,7 @@ def test_refused_when_params_load(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["oft input dropout", "dead target", "missing transformer",
-                                  "two ranks", "fp16 training"])
+                                  "two ranks", "fp16 training", "memory knob beside a profile"])
 def test_the_first_stage_refuses_before_any_work(tmp_path, case):
     """`kmoss scan` (the first stage of `dvc repro`) stops with one error line and exit 2,
     having written nothing: no catalog, no artifacts folder."""
@@ -99,5 +111,10 @@ def test_the_accepted_neighbours_still_load(tmp_path):
                      {"adapter": {"algo": "full", "dropout": 0.5}},
                      {"parallel": {"world_size": 1}},
                      {"train": {"dtype": "fp32"}},
-                     {"objective": {"timesteps": "uniform"}}):
+                     {"objective": {"timesteps": "uniform"}},
+                     {"profile": "minimal"},
+                     {"profile": "manual", "memory": {"checkpointing": "partial", "checkpoint_blocks": 2}},
+                     {"profile": "auto", "memory": {"checkpointing": "none", "recompute": True}}):
         load_params(_params(tmp_path, **sections))
+    p = load_params(_params(tmp_path, profile="manual", memory={"checkpointing": "sub-block"}))
+    assert p.profile == "manual" and p.memory.checkpointing == "sub-block"

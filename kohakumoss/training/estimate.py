@@ -69,11 +69,18 @@ class Estimate:
                 + self.transient)
 
     def describe(self) -> str:
-        g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
-        return (f"{g(self.peak)} GiB predicted peak ({self.engines.describe()}; {self.tokens} "
-                f"tokens per micro-batch): weights {g(self.weights)}, trained + gradients + "
-                f"optimizer {g(self.trained + self.gradients + self.optimizer)}, activations "
-                f"{g(self.activations)}, backward working set {g(self.transient)} GiB")
+        return (f"{size(self.peak)} predicted peak ({self.engines.describe()}; {self.tokens} "
+                f"tokens per micro-batch): weights {size(self.weights)}, trained + gradients + "
+                f"optimizer {size(self.trained + self.gradients + self.optimizer)}, activations "
+                f"{size(self.activations)}, backward working set {size(self.transient)}")
+
+
+def size(b: float) -> str:
+    """``12.3 GiB``, ``45.6 MiB``, ``789 KiB``."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20)):
+        if b >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{b / 1024:.0f} KiB"
 
 
 def profile_engines(params: Params) -> MemoryEngines:
@@ -105,32 +112,32 @@ class _FlashLike(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _meta_model(params: Params, engines: MemoryEngines, config=None
-                ) -> tuple[MOSSImageTransformer, int, int]:
-    """The configured transformer on the meta device with the run's precision, recompute and
-    trainable set: (model, frozen bytes, trained parameter count)."""
+def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str = "meta"
+                ) -> tuple[MOSSImageTransformer, int, int, list[torch.Tensor]]:
+    """The configured transformer on the meta device (or ``device``: tests) with the run's
+    precision, recompute and trainable set: (model, frozen bytes, trained parameter count,
+    the adapter's tensors)."""
     from kohakumoss.adapters import apply_adapters
     from kohakumoss.checks.params import transformer_config
 
     policy = precision_policy(params.train.dtype, full=params.adapter.full)
-    with torch.device("meta"):
+    with torch.device(device):
         model = MOSSImageTransformer(config or transformer_config(params))
     cast_model(model, policy.compute)  # a full finetune's autocast copies, in compute dtype
     if engines.recompute:
         apply_recompute(model)
     model.ops.override("varlen_attention", lambda q, k, v, lengths: _FlashLike.apply(q, k, v))
     if params.adapter.full:
-        return model, 0, sum(p.numel() for p in model.parameters())
+        return model, 0, sum(p.numel() for p in model.parameters()), []
     frozen = sum(p.numel() * p.element_size() for p in model.parameters())  # held as computed
     try:
         adapters = apply_adapters(model, params.adapter, seed=params.run.seed)
-        trained = sum(p.numel() for _, p in adapters.named_trainable())
     except Exception as e:  # an algorithm LyCORIS cannot build on meta (DoRA): LoRA's count
         log.debug("the estimator counts a LoRA of the same rank (%s on meta: %s)", params.adapter.algo, e)
         cfg = dataclasses.replace(params.adapter, algo="lora", dora=False)
         adapters = apply_adapters(model, cfg, seed=params.run.seed)
-        trained = sum(p.numel() for _, p in adapters.named_trainable())
-    return model, frozen, trained
+    tensors = [p for _, p in adapters.named_trainable()]
+    return model, frozen, sum(p.numel() for p in tensors), tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +149,12 @@ class _BlockBytes:
     widest: int  # the gradients of its widest intermediates (the backward's working set)
 
 
-def _block_bytes(block, args, mlp_width: int) -> _BlockBytes:
-    """What autograd keeps for ``block(*args)`` on the meta device, each storage once."""
+def _block_bytes(block, args, mlp_width: int, shared: Sequence[torch.Tensor]) -> _BlockBytes:
+    """What autograd keeps for ``block(*args)`` on the meta device, each storage once; the
+    weights and the ``shared`` inputs every block gets (RoPE angles, sample ids, modulation)
+    are not the block's own and are left out."""
     storages: dict[int, int] = {}
-    weights = {t.untyped_storage()._cdata for t in [*block.parameters(), *block.buffers()]}
+    weights = {t.untyped_storage()._cdata for t in [*block.parameters(), *block.buffers(), *shared]}
 
     def pack(t):
         s = t.untyped_storage()
@@ -176,28 +185,37 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
              config: DiTConfig | None = None, _model: tuple | None = None) -> Estimate:
     """The predicted peak of one training step on ``batch`` (each sample's ``(image tokens,
     text tokens)``) under ``engines``, for the params' transformer (or ``config``'s shape)."""
-    model, frozen, trained_count = _model or _meta_model(params, engines, config)
+    model, frozen, trained_count, adapter = _model or _meta_model(params, engines, config)
     c = model.config
     policy = precision_policy(params.train.dtype, full=params.adapter.full)
     cd = policy.compute
     n_joint, n_txt, B = _sizes(batch)
     size = torch.empty((), dtype=cd).element_size()
 
+    angle = torch.promote_types(cd, torch.float32)
+    shared_bytes = 0
+
     def run(block, n: int, joint: bool) -> _BlockBytes:
-        x = torch.empty(n, c.dim, device="meta", dtype=cd, requires_grad=True)
-        rope = (torch.empty(n, c.head_dim // 2, device="meta", dtype=torch.promote_types(cd, torch.float32)),) * 2
+        # a joint block's input carries gradient from the blocks after the first; the text
+        # refiner's only in a full finetune (else what it keeps is its own adapter's, if any)
+        nonlocal shared_bytes
+        x = torch.empty(n, c.dim, device="meta", dtype=cd, requires_grad=joint or params.adapter.full)
+        rope = tuple(torch.empty(n, c.head_dim // 2, device="meta", dtype=angle) for _ in range(2))
+        shared_bytes += 2 * n * (c.head_dim // 2) * angle.itemsize
         if joint:
             mod = torch.empty(B, 6, c.dim, device="meta", requires_grad=params.adapter.full)
             seg = torch.zeros(n, dtype=torch.long, device="meta")
-            return _block_bytes(block, (x, mod, seg, rope, [n], model.ops), c.ffn_dim)
-        return _block_bytes(block, (x, rope, [n], model.ops), c.ffn_dim)
+            shared_bytes += n * 8 + (mod.numel() * 4 if params.adapter.full else 0)
+            return _block_bytes(block, (x, mod, seg, rope, [n], model.ops), c.ffn_dim,
+                                (*rope, mod, seg, *adapter))
+        return _block_bytes(block, (x, rope, [n], model.ops), c.ffn_dim, (*rope, *adapter))
 
     with torch.autocast("cpu", enabled=False):
         joint = run(model.layers[0], n_joint, True)
         text = run(model.text_embedder.blocks[0], n_txt, False) if c.text_blocks and n_txt else None
     lists = [(joint, c.depth)] + ([(text, c.text_blocks)] if text else [])
     mode, k = engines.checkpointing, engines.checkpoint_blocks
-    kept = 0
+    kept = shared_bytes  # once for every block
     for b, count in lists:
         if mode == "none":
             kept += count * b.kept
@@ -208,12 +226,20 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
             kept += count * b.half_inputs
         elif mode == "selective":
             kept += count * min(b.selective, b.kept)
-    if mode == "none":
-        transient = joint.widest
+    # backward: the working set, plus what recomputing one checkpointed part adds on top of
+    # what is kept then (blocks after it have been freed; partial recomputes only after
+    # every non-checkpointed block is done)
+    if mode in ("block", "partial"):
+        # partial: a non-checkpointed block's activations are freed before the first
+        # recomputation starts, and one block's recomputation needs no more than that
+        extra = joint.kept if mode == "block" or k >= c.depth else 0
     elif mode == "sub-block":
-        transient = joint.widest + joint.kept // 2
+        extra = joint.kept // 2
+    elif mode == "selective":
+        extra = max(0, joint.kept - joint.selective)
     else:
-        transient = joint.widest + joint.kept
+        extra = 0
+    transient = joint.widest + extra
     # the step's own tensors: latents, noise, target and prediction (fp32), the text states
     n_img = n_joint - n_txt
     kept += n_img * c.latent_channels * 4 * 4 + n_txt * c.text_dim * size
@@ -262,13 +288,12 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
         est = estimates[engines] = estimate(params, batch, engines, _model=built)
         if est.peak <= budget:
             why = (f"profile auto: {name if name != 'auto' else engines.describe()} is the fastest "
-                   f"whose {est.peak / GiB:.1f} GiB estimate fits {budget / GiB:.1f} GiB "
-                   f"({HEADROOM:.0%} of {free / GiB:.1f} GiB free on {device})")
+                   f"whose {size(est.peak)} estimate fits {size(budget)} "
+                   f"({HEADROOM:.0%} of {size(free)} free on {device})")
             return name, engines, est, why
     name, engines = candidates[-1]
     est = estimates[engines]
-    why = (f"profile auto: nothing fits {budget / GiB:.1f} GiB ({HEADROOM:.0%} of "
-           f"{free / GiB:.1f} GiB free on {device}); running {name}, the leanest, at "
-           f"{est.peak / GiB:.1f} GiB estimated: it may run out of memory (lower "
-           f"batching.max_tokens)")
+    why = (f"profile auto: nothing fits {size(budget)} ({HEADROOM:.0%} of {size(free)} free on "
+           f"{device}); running {name}, the leanest, at {size(est.peak)} estimated: it may run "
+           f"out of memory (lower batching.max_tokens)")
     return name, engines, est, why

@@ -1,0 +1,146 @@
+"""The memory estimator and profile resolution (``kohakumoss/training/estimate.py``): what it
+counts is what a real forward keeps, the checkpointing modes order as they should, the
+parameter accounting of adapter and full runs, and ``profile: auto``'s choice."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
+from kohakumoss.model import FLAVORS, build_layout
+from kohakumoss.training import estimate as E
+
+from conftest import make_params
+
+DS = [{"source": "kohya", "path": "unused"}]
+BATCH = [(12, 4), (10, 6)]  # two samples: (image tokens, text tokens)
+
+
+def _lora(**extra):
+    return make_params(DS, adapter={"algo": "lora", "dim": 4, "alpha": 4.0}, train={"dtype": "fp32"},
+                       **extra)
+
+
+def test_the_estimate_counts_what_a_real_forward_keeps():
+    """The meta-device count of the kept activations matches what a CPU forward of the same
+    model (same engines, same adapter, attention kept as the fused kernels keep it) saves
+    for backward in its blocks: within 3% (the first block's input carries no gradient in a
+    real adapter run, which the estimate, counting every block alike, does not model)."""
+    p = _lora()
+    engines = MemoryEngines("none")
+    est = E.estimate(p, BATCH, engines)
+    cpu, _, _, adapter = E._meta_model(p, engines, device="cpu")  # the same model, with storage
+    c = cpu.config
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    saved: dict[int, int] = {}
+    params = {t.untyped_storage()._cdata for t in [*cpu.parameters(), *cpu.buffers(), *adapter]}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            saved[s._cdata] = s.nbytes()
+        return t
+
+    blocks = set()
+    for block in [*cpu.text_embedder.blocks, *cpu.layers]:
+        forward = block.forward
+
+        def counted(*args, _forward=forward, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return _forward(*args, **kwargs)
+
+        block.forward = counted
+        blocks.add(block)
+    g = torch.Generator().manual_seed(0)
+    cpu(torch.randn(layout.n_img, c.latent_channels, generator=g),
+        torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    # the estimate adds the step's own tensors (latents, noise, target, prediction, text)
+    own = layout.n_img * c.latent_channels * 16 + layout.n_txt * c.text_dim * 4
+    real = sum(saved.values())
+    assert abs(est.activations - own - real) <= 0.03 * real, (est.activations - own, real)
+
+
+def test_the_modes_order_and_partial_steps_between_none_and_block():
+    """At the published size and four 1 MP samples: block < sub-block < selective < none,
+    and partial steps down from none one block at a time; checkpointing the last block too
+    (k = depth, which is ``block``) buys nothing: its recomputation needs what it saved."""
+    p = make_params(DS, adapter={"algo": "lora", "dim": 32, "alpha": 32.0}, train={"dtype": "bf16"})
+    batch = [(4096, 104)] * 4
+    built = E._meta_model(p, MemoryEngines(), FLAVORS["base"])
+    peak = {m: E.estimate(p, batch, MemoryEngines(m), _model=built).peak
+            for m in ("none", "block", "sub-block", "selective")}
+    assert peak["block"] < peak["sub-block"] < peak["selective"] < peak["none"], peak
+    depth = FLAVORS["base"].depth
+    partial = [E.estimate(p, batch, MemoryEngines("partial", k), _model=built).peak for k in range(1, depth + 1)]
+    assert peak["none"] > partial[0] and all(a > b for a, b in zip(partial[:-1], partial[1:-1]))
+    assert partial[-1] == peak["block"]
+    assert partial[-2] < peak["block"] < partial[-3]
+    est = E.estimate(p, batch, MemoryEngines("none"), _model=built)
+    assert "predicted peak" in est.describe() and est.tokens == 4 * 4200
+
+
+def test_parameter_accounting_of_adapter_and_full_runs():
+    base = FLAVORS["base"]
+    lora = make_params(DS, adapter={"algo": "lora", "dim": 32, "alpha": 32.0}, train={"dtype": "bf16"})
+    e = E.estimate(lora, [(4096, 104)], MemoryEngines("block"), config=base)
+    n_base = 5_082_308_608
+    assert e.weights == pytest.approx(2 * n_base, rel=0.02)  # bf16 base (the modulation fp32)
+    trained = 74_317_824  # rank 32 on attention + MLP of the 42 joint blocks
+    assert (e.trained, e.gradients, e.optimizer) == (4 * trained, 4 * trained, 8 * trained)
+    full = make_params(DS, adapter={"algo": "full"}, train={"dtype": "bf16"})
+    f = E.estimate(full, [(4096, 104)], MemoryEngines("block"), config=base)
+    # fp32 masters + autocast's bf16 copies, fp32 gradients, AdamW's two fp32 states
+    assert (f.weights, f.trained, f.gradients, f.optimizer) == (6 * n_base, 0, 4 * n_base, 8 * n_base)
+
+
+def test_auto_picks_the_fastest_engines_that_fit():
+    p = _lora()
+    cpu = torch.device("cpu")
+    speed = E.estimate(p, BATCH, PROFILE_ENGINES["speed"]).peak
+    block = E.estimate(p, BATCH, PROFILE_ENGINES["balanced"]).peak
+    name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=10 * speed)
+    assert (name, engines) == ("speed", PROFILE_ENGINES["speed"]) and "fits" in why
+    tight = int((block + speed) / 2 / E.HEADROOM)  # between block and speed: partial
+    name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=tight)
+    assert engines.checkpointing == "partial" and est.peak <= tight * E.HEADROOM
+    fewer = E.estimate(p, BATCH, MemoryEngines("partial", engines.checkpoint_blocks - 1)).peak \
+        if engines.checkpoint_blocks > 1 else speed
+    assert fewer > tight * E.HEADROOM  # one block fewer would not fit
+    name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=block // 4)
+    assert name == "balanced" and "nothing fits" in why and "lower batching.max_tokens" in why
+    # a named profile is taken as it is
+    named = dataclasses.replace(make_params(DS, adapter={"algo": "lora"}), profile="minimal")
+    assert E.resolve_profile(named, BATCH, cpu)[1] == PROFILE_ENGINES["minimal"]
+
+
+def test_train_resolves_the_profile_from_the_plan_and_says_why(tmp_path, caplog):
+    """``build_components`` (what ``kmoss train`` runs) estimates the plan's largest
+    micro-batch, logs the choice and the estimate, and applies the chosen engines; a
+    manual profile's engines are applied as set."""
+    import logging
+
+    from kohakumoss.params import load_params
+    from kohakumoss.training.build import build_components
+    from test_train import _prepare, _write_params
+
+    from conftest import make_kohya
+
+    ds = make_kohya(tmp_path / "ds", {"1_a": [(48, 32), (32, 48)]})
+    params = _write_params(tmp_path, ds)
+    paths = _prepare(tmp_path, params)
+    with caplog.at_level(logging.INFO, "kohakumoss.training"):
+        c = build_components(load_params(params), paths)
+    assert "profile auto: speed is the fastest whose" in caplog.text
+    assert "memory: " in caplog.text and "predicted peak" in caplog.text
+    assert c.engines.memory == PROFILE_ENGINES["speed"] and not c.applied.checkpointed
+    import yaml
+
+    raw = yaml.safe_load(params.read_text())
+    raw.update(profile="manual", memory={"checkpointing": "sub-block"})
+    params.write_text(yaml.safe_dump(raw))
+    c = build_components(load_params(params), paths)
+    assert c.engines.memory.checkpointing == "sub-block"
+    assert c.applied.checkpointed[:2] == ["text_embedder.blocks.0.attention", "text_embedder.blocks.0.mlp"]
