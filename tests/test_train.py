@@ -253,7 +253,8 @@ def _tiny_run_losses(tmp: Path, name: str, engines=None) -> list[float]:
 
 @pytest.mark.parametrize("name", sorted(TINY_RUNS))
 def test_tiny_run_losses_are_bit_identical_to_the_stored_curve(tmp_path, name):
-    """Exact float equality with ``tests/data/tiny_run_losses.json`` (recorded on x86 CPU).
+    """Exact float equality with ``tests/data/tiny_run_losses.json`` (recorded on x86 CPU) for
+    the fp32 runs; the bf16 ones within bf16's tolerance (see below).
     Only a change meant to alter the math may re-record it:
     ``KMOSS_RECORD_LOSSES=1 pytest tests/test_train.py -k tiny_run``."""
     losses = _tiny_run_losses(tmp_path, name)
@@ -262,5 +263,11 @@ def test_tiny_run_losses_are_bit_identical_to_the_stored_curve(tmp_path, name):
         stored[name] = losses
         LOSSES.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     assert name in stored, f"no stored curve {name!r} in {LOSSES}; record it (see the docstring)"
-    assert losses == stored[name], [(i + 1, a, b) for i, (a, b) in enumerate(zip(losses, stored[name]))
-                                    if a != b][:5]
+    if TINY_RUNS[name]["train"].get("dtype", "fp32") == "fp32":
+        assert losses == stored[name], [(i + 1, a, b) for i, (a, b) in
+                                        enumerate(zip(losses, stored[name])) if a != b][:5]
+    else:  # CPU bf16 matmuls round differently per instruction set (AVX512-BF16/AMX or not):
+        # across machines the curve holds within bf16's tolerance; on one machine runs are
+        # bit-identical (the resume tests)
+        assert losses == pytest.approx(stored[name], rel=5e-3), \
+            [(i + 1, a, b) for i, (a, b) in enumerate(zip(losses, stored[name])) if a != b][:5]
