@@ -286,7 +286,6 @@ class KernelsConfig:
 PROFILES = ("speed", "balanced", "low", "minimal", "auto", "manual")
 """The top-level ``profile``: the memory engines a training run uses (``docs/memory.md``);
 ``manual`` takes them from the ``memory:`` section instead."""
-CHECKPOINTING = ("none", "block", "sub-block", "selective", "partial")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,26 +358,9 @@ def validate(p: Params) -> None:
     if p.batching.token_budget == "exact" and not p.caption.tokenizer:
         fail(where, "exact", "'exact' needs caption.tokenizer set to a tokenizer folder; "
              "use 'auto' or 'estimate' without one")
-    check_memory(p)
     refuse_unhonoured(p)
 
 
-def check_memory(p: Params) -> None:
-    """The ``memory:`` knobs against each other (the profile's own settings are valid)."""
-    m, where = p.memory, f"{p.path}: memory"
-    if m.checkpointing == "partial" and m.checkpoint_blocks < 1:
-        fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
-             "an integer >= 1 with checkpointing: partial (how many blocks of each list, from "
-             "the first, keep only their input)")
-    if m.checkpointing != "partial" and m.checkpoint_blocks:
-        fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
-             f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "
-             f"partial only)")
-
-
-# Knobs that parse but that no engine honours yet: accepting them would train something
-# other than what params.yaml says, so they are refused until their issue lands
-# (docs/architecture.md#refused-knobs).
 def refuse_unhonoured(p: Params) -> None:
     if p.parallel.world_size > 1:
         raise ConfigError(

@@ -92,9 +92,29 @@ def parse_params(raw: Any, path: str = "params.yaml") -> Params:
                           f"profile sets the memory engines itself (docs/memory.md). Set "
                           f"profile: manual to choose them in the memory section, or leave the "
                           f"section at its defaults")
+    check_memory(params)
     validate(params)
     check_adapter(params)
     return params
+
+
+def check_memory(p: Params) -> None:
+    """The ``memory:`` knobs against each other (the profile's own settings are valid)."""
+    m, where = p.memory, f"{p.path}: memory"
+    if m.checkpointing == "partial" and m.checkpoint_blocks < 1:
+        fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
+             "an integer >= 1 with checkpointing: partial (how many blocks of each list, from "
+             "the first, keep only their input)")
+    if m.checkpointing != "partial" and m.checkpoint_blocks:
+        fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
+             f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "
+             f"partial only)")
+
+
+# Knobs that parse but that no engine honours yet: accepting them would train something
+# other than what params.yaml says, so they are refused until their issue lands
+# (docs/architecture.md#refused-knobs).
+
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
