@@ -300,6 +300,10 @@ class MemoryConfig:
                                           "checkpointed, from the first)")
     recompute: bool = knob(True, help="recompute the elementwise references' fp32 "
                                       "intermediates in backward instead of keeping them")
+    stream_slots: int = knob(0, check=lambda v: v >= 0,
+                             allowed="an integer >= 0 (0: the base's weights stay on the device; "
+                                     "N: its block weights live in host memory and stream "
+                                     "through N block-sized device slots)")
 
 
 @dataclasses.dataclass(frozen=True)

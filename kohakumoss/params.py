@@ -105,6 +105,10 @@ def check_memory(p: Params) -> None:
         fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
              "an integer >= 1 with checkpointing: partial (how many blocks of each list, from "
              "the first, keep only their input)")
+    if m.stream_slots and p.adapter.full:
+        fail(f"{where}.stream_slots", m.stream_slots,
+             "0 for a full finetune (streaming moves a frozen base's weights; a full finetune "
+             "trains every weight, and block swapping with host-side masters is not built)")
     if m.checkpointing != "partial" and m.checkpoint_blocks:
         fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
              f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "

@@ -108,21 +108,29 @@ def test_every_engine_together_keeps_the_math(test_backend):
 
 
 @pytest.mark.parametrize("memory", [MemoryEngines("block"), MemoryEngines("sub-block"),
-                                    MemoryEngines("selective"), MemoryEngines("partial", 1)],
-                         ids=lambda m: m.checkpointing)
+                                    MemoryEngines("selective"), MemoryEngines("partial", 1),
+                                    MemoryEngines("block", stream_slots=2),
+                                    MemoryEngines("none", stream_slots=1)],
+                         ids=lambda m: m.checkpointing + (f"-stream{m.stream_slots}" if m.stream_slots else ""))
 def test_a_tiny_run_with_every_engine_gives_the_stored_curve(tmp_path, test_backend, memory):
-    """Every checkpointing mode (what the profiles choose between) trains the stored curve
-    bit for bit, with a kernel backend and recomputation applied too."""
+    """Every checkpointing mode and weight streaming (what the profiles choose between)
+    trains the plain run's curve bit for bit (and the stored one, within round-off across
+    CPUs), with a kernel backend and recomputation applied
+    too (streaming on the CPU here: the same ring, copies without a side stream)."""
     import json
 
-    from test_train import LOSSES, _tiny_run_losses
+    from test_train import LOSSES, STORED_REL, _tiny_run_losses, plain_lora_curve
 
     _, calls = test_backend
     plan = EnginePlan(CPU, precision_policy("fp32", full=False), kernels={"rms_norm": "test"},
                       memory=memory)
-    losses = _tiny_run_losses(tmp_path, "lora", engines=plan)
+    losses = _tiny_run_losses(tmp_path / "engined", "lora", engines=plan)
     assert calls  # the backend ran
-    assert losses == json.loads(LOSSES.read_text())["lora"]
+    plain = plain_lora_curve(tmp_path / "plain")
+    assert losses == plain  # bit for bit, on this machine
+    assert losses == pytest.approx(json.loads(LOSSES.read_text())["lora"], rel=STORED_REL["fp32"])
+
+
 
 
 # -- layering ----------------------------------------------------------------------------------

@@ -113,7 +113,36 @@ def test_auto_picks_the_fastest_engines_that_fit():
     assert name == "balanced" and "nothing fits" in why and "lower batching.max_tokens" in why
     # a named profile is taken as it is
     named = dataclasses.replace(make_params(DS, adapter={"algo": "lora"}), profile="minimal")
-    assert E.resolve_profile(named, BATCH, cpu)[1] == PROFILE_ENGINES["minimal"]
+    cuda = torch.device("cuda")  # a device name: nothing here touches a GPU
+    assert E.resolve_profile(named, BATCH, cuda)[1] == PROFILE_ENGINES["minimal"]
+    # on the CPU there is nothing to stream to: minimal runs its checkpointing, and says so
+    _, engines, _, why = E.resolve_profile(named, BATCH, cpu)
+    assert engines == dataclasses.replace(PROFILE_ENGINES["minimal"], stream_slots=0)
+    assert "weight streaming is off" in why and "CUDA device" in why
+
+
+def test_streaming_profiles_hold_fewer_weights_and_auto_reaches_them_on_cuda():
+    """low and minimal keep 4 and 2 blocks of the frozen base on the device; auto takes them
+    when balanced does not fit (on a CUDA device only)."""
+    base = FLAVORS["base"]
+    p = dataclasses.replace(make_params(DS, adapter={"algo": "lora", "dim": 32}, train={"dtype": "bf16"}),
+                            profile="auto")
+    batch = [(4096, 104)]
+    est = {name: E.estimate(p, batch, PROFILE_ENGINES[name], config=base)
+           for name in ("balanced", "low", "minimal")}
+    # a joint block (q k v o, up-gate, down) and a text block (qkv, proj, gate, up, down) both
+    # hold 4 D^2 + 3 D F matrix elements, in bf16
+    block_bytes = 2 * (4 * base.dim * base.dim + 3 * base.dim * base.ffn_dim)
+    assert est["balanced"].weights - est["minimal"].weights == pytest.approx(
+        (base.depth + base.text_blocks - 2) * block_bytes, rel=0.01)
+    assert est["low"].weights - est["minimal"].weights == pytest.approx(2 * block_bytes, rel=0.01)
+    assert est["minimal"].activations == est["balanced"].activations
+    cuda = torch.device("cuda")
+    free = int((est["low"].peak + est["balanced"].peak) / 2 / E.HEADROOM)
+    name, engines, _, _ = E.resolve_profile(p, batch, cuda, free=free, config=base)
+    assert (name, engines) == ("low", PROFILE_ENGINES["low"])
+    name, engines, _, _ = E.resolve_profile(p, batch, torch.device("cpu"), free=free, config=base)
+    assert name == "balanced" and not engines.stream_slots
 
 
 def test_train_resolves_the_profile_from_the_plan_and_says_why(tmp_path, caplog):

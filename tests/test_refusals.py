@@ -65,6 +65,11 @@ REFUSED = {
                                ["memory.checkpoint_blocks = 3", "partial only"]),
     "unknown checkpointing": ({"profile": "manual", "memory": {"checkpointing": "blocks"}},
                               ["memory.checkpointing", "'blocks'"]),
+    "streaming a full finetune": ({"profile": "manual", "adapter": {"algo": "full"},
+                                   "memory": {"checkpointing": "block", "stream_slots": 2}},
+                                  ["memory.stream_slots", "full finetune", "0"]),
+    "negative slots": ({"profile": "manual", "memory": {"stream_slots": -1}},
+                       ["memory.stream_slots", "an integer >= 0"]),
 }
 
 
@@ -114,6 +119,7 @@ def test_the_accepted_neighbours_still_load(tmp_path):
                      {"objective": {"timesteps": "uniform"}},
                      {"profile": "minimal"},
                      {"profile": "manual", "memory": {"checkpointing": "partial", "checkpoint_blocks": 2}},
+                     {"profile": "manual", "memory": {"checkpointing": "block", "stream_slots": 3}},
                      {"profile": "auto", "memory": {"checkpointing": "none", "recompute": True}}):
         load_params(_params(tmp_path, **sections))
     p = load_params(_params(tmp_path, profile="manual", memory={"checkpointing": "sub-block"}))

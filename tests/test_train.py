@@ -251,10 +251,27 @@ def _tiny_run_losses(tmp: Path, name: str, engines=None) -> list[float]:
     return Trainer(p, paths, components).run(progress=False).losses
 
 
+_PLAIN: list[float] = []
+
+
+def plain_lora_curve(tmp: Path) -> list[float]:
+    """The stored LoRA run with no engine (reference kernels, nothing recomputed,
+    checkpointed or streamed) on this machine; made once per session."""
+    if not _PLAIN:
+        from kohakumoss.memory.profiles import MemoryEngines
+        from kohakumoss.precision import precision_policy
+        from kohakumoss.training.engines import EnginePlan
+
+        plan = EnginePlan(torch.device("cpu"), precision_policy("fp32", full=False),
+                          memory=MemoryEngines("none", recompute=False))
+        _PLAIN.extend(_tiny_run_losses(tmp, "lora", engines=plan))
+    return list(_PLAIN)
+
+
 @pytest.mark.parametrize("name", sorted(TINY_RUNS))
-def test_tiny_run_losses_are_bit_identical_to_the_stored_curve(tmp_path, name):
-    """Exact float equality with ``tests/data/tiny_run_losses.json`` (recorded on x86 CPU) for
-    the fp32 runs; the bf16 ones within bf16's tolerance (see below).
+def test_tiny_run_losses_match_the_stored_curve(tmp_path, name):
+    """``tests/data/tiny_run_losses.json`` (recorded on an x86 CPU) within the dtype's
+    round-off across CPUs (``STORED_REL``).
     Only a change meant to alter the math may re-record it:
     ``KMOSS_RECORD_LOSSES=1 pytest tests/test_train.py -k tiny_run``."""
     losses = _tiny_run_losses(tmp_path, name)
@@ -263,11 +280,17 @@ def test_tiny_run_losses_are_bit_identical_to_the_stored_curve(tmp_path, name):
         stored[name] = losses
         LOSSES.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     assert name in stored, f"no stored curve {name!r} in {LOSSES}; record it (see the docstring)"
-    if TINY_RUNS[name]["train"].get("dtype", "fp32") == "fp32":
-        assert losses == stored[name], [(i + 1, a, b) for i, (a, b) in
-                                        enumerate(zip(losses, stored[name])) if a != b][:5]
-    else:  # CPU bf16 matmuls round differently per instruction set (AVX512-BF16/AMX or not):
-        # across machines the curve holds within bf16's tolerance; on one machine runs are
-        # bit-identical (the resume tests)
-        assert losses == pytest.approx(stored[name], rel=5e-3), \
-            [(i + 1, a, b) for i, (a, b) in enumerate(zip(losses, stored[name])) if a != b][:5]
+    assert losses == pytest.approx(stored[name], rel=STORED_REL[_dtype(name)]), \
+        [(i + 1, a, b) for i, (a, b) in enumerate(zip(losses, stored[name])) if a != b][:5]
+
+
+# CPU matmuls sum in a different order per instruction set (the BLAS kernel AVX2, AVX-512 or
+# AMX picks; bf16 rounds differently with and without AVX512-BF16): across machines a
+# recorded curve holds within the dtype's round-off, grown over 16 steps (measured: 3.4e-6
+# between an Intel AVX-512 and an AMD EPYC runner in fp32). On one machine runs are bit for
+# bit the same: the engines and the resume tests compare runs made here.
+STORED_REL = {"fp32": 2e-5, "bf16": 5e-3}
+
+
+def _dtype(name: str) -> str:
+    return TINY_RUNS[name]["train"].get("dtype", "fp32")

@@ -359,18 +359,18 @@ def copies():
         KERNELS.unregister(op, "copy")
 
 
-def test_a_tiny_run_through_a_reference_table_gives_the_stored_curve_bit_for_bit(tmp_path, copies):
-    from test_train import LOSSES
+def test_a_tiny_run_through_a_reference_table_gives_the_plain_curve_bit_for_bit(tmp_path, copies):
+    from test_train import plain_lora_curve
 
-    assert _table_run(tmp_path, _every_bucket("copy")) == json.loads(LOSSES.read_text())["lora"]
+    assert _table_run(tmp_path, _every_bucket("copy")) == plain_lora_curve(tmp_path / "plain")
 
 
 @pytest.mark.slow  # ~1 min: every elementwise op compiled, with and without grad
-def test_a_tiny_run_through_the_compile_table_gives_the_stored_curve_within_fp32_tolerance(tmp_path):
-    from test_train import LOSSES
+def test_a_tiny_run_through_the_compile_table_gives_the_plain_curve_within_fp32_tolerance(tmp_path):
+    from test_train import plain_lora_curve
 
     losses = _table_run(tmp_path, _every_bucket("compile"))
-    stored = json.loads(LOSSES.read_text())["lora"]
+    stored = plain_lora_curve(tmp_path / "plain")
     assert torch.allclose(torch.tensor(losses, dtype=torch.float64),
                           torch.tensor(stored, dtype=torch.float64), rtol=1e-5, atol=0), \
         [(a, b) for a, b in zip(losses, stored)]

@@ -134,6 +134,13 @@ class AdapterSet:
                 lyco.mask_group_id = self.mask_groups[token_axis(path)]
         self.train()
 
+    def to(self, device: torch.device | str) -> "AdapterSet":
+        """Every module and norm delta to ``device`` (parameters stay the same objects)."""
+        for module in [*self.modules.values(), *self.norms.values()]:
+            module.to(device)
+        self.masks = {}
+        return self
+
     # -- parameters ------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for lyco in self.modules.values():

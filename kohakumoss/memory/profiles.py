@@ -4,16 +4,19 @@ resolved by the trainer from the estimator (``kohakumoss.training.estimate``): t
 engines whose predicted peak fits the memory the device has free. Reading the params is
 ``kohakumoss.training.estimate.profile_engines``'s.
 
-What each profile runs today (the engines of the memory issue that are built: activation
-checkpointing and recomputation; weight streaming, activation offload and host optimizer
-states are not, so ``low`` and ``minimal`` run ``balanced``'s engines for now):
+What each profile runs today (activation offload and host optimizer states are not built
+yet: ``low`` and ``minimal`` differ in how many blocks of weights the device holds):
 
 =========  ==============================================================================
 speed      nothing checkpointed (every activation kept: fastest, most memory)
 balanced   every block keeps only its input (``block`` checkpointing)
-low        as balanced
-minimal    as balanced
+low        as balanced, the frozen base's block weights streamed through 4 device slots
+minimal    as balanced, streamed through 2 slots
 =========  ==============================================================================
+
+Weight streaming needs a CUDA device and a frozen base: on the CPU, and for a full
+finetune, ``low`` and ``minimal`` keep the weights resident and say so
+(``kohakumoss.training.estimate.placed``).
 """
 
 from __future__ import annotations
@@ -28,16 +31,18 @@ class MemoryEngines:
     checkpointing: str = "none"  # kohakumoss.memory.checkpointing.MODES
     checkpoint_blocks: int = 0  # partial: blocks of each list checkpointed, from the first
     recompute: bool = True  # the elementwise references' fp32 intermediates, recomputed
+    stream_slots: int = 0  # the frozen base's block weights streamed through this many slots; 0: resident
 
     def describe(self) -> str:
         what = self.checkpointing + (f" {self.checkpoint_blocks}" if self.checkpointing == "partial" else "")
-        return f"checkpointing {what}, recompute {'on' if self.recompute else 'off'}"
+        streamed = f", weights streamed through {self.stream_slots} slots" if self.stream_slots else ""
+        return f"checkpointing {what}, recompute {'on' if self.recompute else 'off'}{streamed}"
 
 
 PROFILE_ENGINES: dict[str, MemoryEngines] = {
     "speed": MemoryEngines("none"),
     "balanced": MemoryEngines("block"),
-    "low": MemoryEngines("block"),
-    "minimal": MemoryEngines("block"),
+    "low": MemoryEngines("block", stream_slots=4),
+    "minimal": MemoryEngines("block", stream_slots=2),
 }
-FASTEST_FIRST = ("speed", "balanced")  # the distinct profiles, fastest first (auto's order)
+FASTEST_FIRST = ("speed", "balanced", "low", "minimal")  # the distinct profiles, fastest first (auto's order)

@@ -33,7 +33,8 @@ from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
 from kohakumoss.training.estimate import resolve_profile
-from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engines, engine_plan,
+from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engines, apply_placement,
+                                         engine_plan,
                                          plan_token_batches, tuned_kernels)
 from kohakumoss.training.inputs import make_timesteps
 from kohakumoss.training.optim import build_optimizer, build_scheduler
@@ -107,7 +108,9 @@ def run_memory(params: Params, batches: list[list[tuple[int, int]]],
     try:
         _, memory, est, why = resolve_profile(params, batch, device)
     except Exception as e:  # the estimate is advice: a run never fails for want of it
-        fallback = engine_plan(params, device).memory
+        from kohakumoss.training.estimate import placed
+
+        fallback = placed(engine_plan(params, device).memory, params, device)[0]
         log.warning("no memory estimate (%s: %s); running %s", type(e).__name__, e, fallback.describe())
         return fallback
     log.info("%s", why)
@@ -126,7 +129,9 @@ def build_components(params: Params, paths: RunPaths,
     engines = engines if engines is not None else engine_plan(p, device, memory=run_memory(
         p, plan_token_batches(plan_rows), device))
     # loaded straight in the dtype the precision policy holds the weights in
-    model = load_dit(p.model.transformer, engines.precision.weights, device)
+    # (on the host when its block weights will stream: the device never holds them all)
+    model = load_dit(p.model.transformer, engines.precision.weights,
+                     torch.device("cpu") if engines.memory.stream_slots else device)
     if paths.kernels is not None and not engines.tuned:
         engines = dataclasses.replace(engines, tuned=run_kernels(
             paths.run / RUN_KERNELS, engines, plan.content_hash,
@@ -134,6 +139,7 @@ def build_components(params: Params, paths: RunPaths,
                                   plan_token_batches(plan_rows))))
     applied = apply_engines(model, engines)
     trainable = make_trainable(model, p)
+    apply_placement(model, trainable, engines, applied)
     named = trainable.named_parameters()
     optimizer = build_optimizer(named, p.optim, trainable.lr_scale())
     scheduler = build_scheduler(optimizer, p.optim, p.train.steps)

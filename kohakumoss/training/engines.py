@@ -9,7 +9,11 @@ fixed order (``docs/engines.md``):
 3. memory: recomputation wraps the elementwise ops of that table (so it wraps whichever
    backend step 2 chose), then activation checkpointing in the profile's mode wraps the
    repeated blocks or their halves (``kohakumoss.memory``; the profile is resolved by
-   ``kohakumoss.training.estimate.resolve_profile``).
+   ``kohakumoss.training.estimate.resolve_profile``);
+4. placement, once the trainable set is made (``apply_placement``): weight streaming moves
+   the frozen block weights to host memory behind a ring of device slots, and the rest of
+   the model and the trained tensors to the device (a streamed run loads the model on the
+   host, so a base larger than the card never lands on it whole).
 
 Each step only reads what the steps before it left. The engines run on the base model
 before the trainable set is made: adapters take their dtype from the base weights step 1
@@ -42,7 +46,8 @@ from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.ops import REFERENCE, OpTable
 from kohakumoss.memory import apply_checkpointing, apply_recompute
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
-from kohakumoss.training.estimate import profile_engines
+from kohakumoss.memory.streaming import apply_weight_streaming
+from kohakumoss.training.estimate import placed, profile_engines, size
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
 
@@ -65,6 +70,7 @@ class AppliedEngines:
     kernels: dict[str, str]  # op -> the implementation in the model's table
     recomputed: list[str]
     checkpointed: list[str]
+    streaming: str = ""  # where the frozen weights live, when streamed (``apply_placement``)
 
 
 def engine_plan(params: Params, device: torch.device,
@@ -75,7 +81,8 @@ def engine_plan(params: Params, device: torch.device,
     references); the memory engines ``memory`` (``resolve_profile``'s; none: the profile's
     own, ``speed``'s for ``auto``)."""
     if memory is None:
-        memory = PROFILE_ENGINES["speed"] if params.profile == "auto" else profile_engines(params)
+        memory = PROFILE_ENGINES["speed"] if params.profile == "auto" else \
+            placed(profile_engines(params), params, device)[0]
     return EnginePlan(device=device, precision=precision_policy(params.train.dtype,
                                                                 full=params.adapter.full),
                       tuned=dict(tuned or {}), memory=memory)
@@ -88,6 +95,24 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngin
     recomputed = apply_recompute(model) if plan.memory.recompute else []
     checkpointed = apply_checkpointing(model, plan.memory.checkpointing, plan.memory.checkpoint_blocks)
     return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed)
+
+
+def apply_placement(model: MOSSImageTransformer, trainable, plan: EnginePlan,
+                    applied: AppliedEngines) -> None:
+    """The last engine, after the trainable set exists (an adapter is built beside the
+    weight it wraps, so on the host when the model was loaded there): with
+    ``memory.stream_slots`` the frozen block weights stream through that many device slots
+    and the rest of the model and the trained tensors move to the device
+    (``kohakumoss.memory.streaming``)."""
+    slots = plan.memory.stream_slots
+    if not slots:
+        return
+    ring = apply_weight_streaming(model, plan.device, slots)
+    trainable.to(plan.device)
+    applied.streaming = (f"{len(ring.units)} blocks' weights ({size(ring.host_bytes())}) in "
+                         f"{'pinned ' if ring.cuda else ''}host memory, streamed through "
+                         f"{ring.n_slots} slots ({size(ring.resident_bytes())} on {plan.device})")
+    log.info("weight streaming: %s", applied.streaming)
 
 
 # -- kernel tuning: the tune_kernels stage and train's window ------------------------------------

@@ -88,11 +88,27 @@ def profile_engines(params: Params) -> MemoryEngines:
     resolved against free memory by ``resolve_profile``."""
     if params.profile == "manual":
         m = params.memory
-        return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute)
+        return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute, m.stream_slots)
     if params.profile == "auto":
         raise ValueError("profile auto is resolved against the device's free memory "
                          "(resolve_profile)")
     return PROFILE_ENGINES[params.profile]
+
+
+def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tuple[MemoryEngines, str]:
+    """``engines`` as this run can place the weights, and a note when that differs: weight
+    streaming needs a CUDA device (elsewhere host and device memory are one) and a frozen
+    base (a full finetune trains every weight)."""
+    if not engines.stream_slots:
+        return engines, ""
+    why = ("a full finetune trains every weight (block swapping with host-side masters is not "
+           "built)" if params.adapter.full else
+           f"it needs a CUDA device: on {device.type} the weights are in host memory already"
+           if device.type != "cuda" else "")
+    if not why:
+        return engines, ""
+    return (dataclasses.replace(engines, stream_slots=0),
+            f"weight streaming is off ({why}); the base's weights stay where they are")
 
 
 class _FlashLike(torch.autograd.Function):
@@ -244,6 +260,15 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     n_img = n_joint - n_txt
     kept += n_img * c.latent_channels * 4 * 4 + n_txt * c.text_dim * size
     master = 4  # fp32 masters, gradients and optimizer states
+    if engines.stream_slots and not params.adapter.full:
+        # the streamed block weights are on the host; the device holds the slots
+        from kohakumoss.memory.streaming import streamed_weights, unit_numel
+
+        units = streamed_weights(model)
+        if any(units):
+            unit_bytes = [unit_numel(u) * u[0][2].element_size() for u in units if u]
+            frozen += min(engines.stream_slots, len(unit_bytes)) * max(unit_bytes) \
+                - sum(p.numel() * p.element_size() for u in units for _, _, p in u)
     states = OPTIMIZER_STATES.get(params.optim.name, 2) + (1 if params.optim.ema else 0)
     if params.adapter.full:
         # fp32 masters, and autocast's copy of each in the compute dtype, kept for backward
@@ -273,16 +298,21 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     ``auto`` the fastest engines whose estimate fits ``HEADROOM`` of the free memory
     (``free``, default: the device's now)."""
     if params.profile != "auto":
-        engines = profile_engines(params)
+        engines, note = placed(profile_engines(params), params, device)
         est = estimate(params, batch, engines, config)
-        return params.profile, engines, est, f"profile {params.profile}"
+        return params.profile, engines, est, f"profile {params.profile}" + (f": {note}" if note else "")
     free = free_memory(device) if free is None else free
     budget = int(free * HEADROOM)
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
     depth = built[0].config.depth
     candidates = [("speed", PROFILE_ENGINES["speed"])]
     candidates += [("auto", MemoryEngines("partial", k)) for k in range(1, depth)]
-    candidates += [(name, PROFILE_ENGINES[name]) for name in FASTEST_FIRST[1:]]
+    seen = set()
+    for name in FASTEST_FIRST[1:]:  # those this run cannot place (streaming on the CPU) drop out
+        engines = placed(PROFILE_ENGINES[name], params, device)[0]
+        if engines not in seen:
+            seen.add(engines)
+            candidates.append((name, engines))
     estimates = {}
     for name, engines in candidates:
         est = estimates[engines] = estimate(params, batch, engines, _model=built)

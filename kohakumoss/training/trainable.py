@@ -25,6 +25,8 @@ class Trainable(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def to(self, device: torch.device) -> None: ...
+
 
 class FullFinetune:
     """Every weight of the DiT, held in fp32 (the master copy); compute runs under autocast."""
@@ -50,6 +52,9 @@ class FullFinetune:
 
     def describe(self) -> dict[str, Any]:
         return {"algo": "full"}
+
+    def to(self, device: torch.device) -> None:
+        self.model.to(device)
 
 
 class AdapterTrainable:
@@ -77,6 +82,11 @@ class AdapterTrainable:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.adapters.load_state_dict(state)
+
+    def to(self, device: torch.device) -> None:
+        """The adapter's modules to ``device`` (built beside host weights, see
+        ``apply_placement``)."""
+        self.adapters.to(device)
 
     def describe(self) -> dict[str, Any]:
         c = self.cfg

@@ -1,0 +1,137 @@
+"""Weight streaming: a frozen base whose block weights pass through a ring of slots gives the
+resident model's outputs and adapter gradients bit for bit, under every checkpointing mode,
+keeps no weight in autograd, and holds only ``slots`` blocks on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kohakumoss.adapters import apply_adapters
+from kohakumoss.config import AdapterConfig
+from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
+from kohakumoss.memory.streaming import apply_weight_streaming, streamed_weights
+from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
+
+
+def _model(dtype=torch.float32, algo="lora", mode="none", stream=0, **adapter):
+    torch.manual_seed(0)
+    m = MOSSImageTransformer(FLAVORS["tiny"])
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(0, 0.05 if p.ndim == 1 else 0.2).add_(1.0 if "norm" in name else 0.0)
+    cast_model(m, dtype)
+    apply_recompute(m)
+    apply_checkpointing(m, mode, 1 if mode == "partial" else 0)
+    aset = apply_adapters(m, AdapterConfig(**{"algo": algo, "preset": "all", "dim": 4, "alpha": 2.0,
+                                              **adapter}), seed=0)
+    with torch.no_grad():  # a trained-looking adapter: every factor non-zero
+        for p in aset.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    ring = apply_weight_streaming(m, "cpu", stream) if stream else None
+    return m, aset, ring
+
+
+def _step(model, aset, samples=((3, 4), (2, 5))):
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout(list(samples), [4, 6][:len(samples)])
+    img = torch.randn(layout.n_img, c.latent_channels, generator=g)
+    txt = torch.randn(layout.n_txt, c.text_dim, generator=g)
+    sigma = torch.rand(len(samples), generator=g)
+    for p in aset.trainable_parameters():
+        p.grad = None
+    out = model(img, txt, sigma, layout)
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in aset.named_trainable()}
+
+
+def _same(a, b):
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    assert torch.equal(out_a, out_b)
+    assert grads_a.keys() == grads_b.keys()
+    bad = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("mode", ["none", "block", "sub-block", "selective", "partial"])
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_streaming_keeps_outputs_and_gradients_bit_identical(mode, slots):
+    resident = _step(*_model(mode=mode)[:2])
+    model, aset, ring = _model(mode=mode, stream=slots)
+    _same(_step(model, aset), resident)
+    _same(_step(model, aset), resident)  # a second step on the same ring
+    assert sum(u is not None for u in ring.unit_in) <= slots
+    assert ring.loads > 0
+
+
+@pytest.mark.parametrize("algo, kw", [("dora", {}), ("loha", {}), ("oft", {}), ("lokr", {"algo_kwargs": {"factor": 4}})])
+def test_streaming_works_under_adapters_that_read_the_base_weight(algo, kw):
+    resident = _step(*_model(algo=algo, **kw)[:2])
+    _same(_step(*_model(algo=algo, stream=2, **kw)[:2]), resident)
+
+
+def test_streaming_in_bf16_and_without_grad():
+    model, aset, _ = _model(torch.bfloat16, stream=2)
+    ref, ref_aset, _ = _model(torch.bfloat16)
+    _same(_step(model, aset), _step(ref, ref_aset))
+    g = torch.Generator().manual_seed(3)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(2, 2)], [3])
+    args = (torch.randn(layout.n_img, c.latent_channels, generator=g),
+            torch.randn(layout.n_txt, c.text_dim, generator=g), torch.tensor([0.5]), layout)
+    with torch.no_grad():
+        assert torch.equal(model(*args), ref(*args))
+        assert torch.equal(model(*args, skip_layers=[1]), ref(*args, skip_layers=[1]))
+
+
+def test_autograd_keeps_no_streamed_weight_and_evicted_blocks_point_at_the_host():
+    model, aset, ring = _model(stream=2)
+    slot_ptrs = set(ring.slot_by_ptr)
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4)], [4])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # outside the ring's hooks
+        out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                    torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(1, generator=g), layout)
+    # the ring's own hooks are innermost: what reaches the outer hook is never a slot
+    assert not any(t.untyped_storage().data_ptr() in slot_ptrs for t in kept if isinstance(t, torch.Tensor))
+    out.square().mean().backward()
+    units = streamed_weights(model)
+    in_slot = {u for u in ring.unit_in if u is not None}
+    for u, unit in enumerate(units):
+        for _, _, p in unit:
+            on_slot = p.untyped_storage().data_ptr() in slot_ptrs
+            assert on_slot == (u in in_slot)
+            if not on_slot:
+                assert p.untyped_storage().data_ptr() == ring.host[u].untyped_storage().data_ptr()
+
+
+def test_only_the_frozen_block_matrices_stream():
+    model, aset, ring = _model(stream=2)
+    names = {n for n, p in model.named_parameters()
+             if any(p is q for unit in streamed_weights(model) for _, _, q in unit)}
+    blocks = {path for path, _ in repeated_blocks(model)}
+    assert names and all(any(n.startswith(b + ".") for b in blocks) for n in names)
+    assert all(model.get_parameter(n).dim() == 2 for n in names)
+    assert "video_embedder.weight" not in names and not any("norm" in n for n in names)
+    assert ring.host_bytes() == sum(h.numel() * h.element_size() for h in ring.host)
+    assert ring.resident_bytes() < ring.host_bytes()
+    # the state dict still reads every weight, with the resident model's values
+    ref = _model()[0].state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
+def test_streaming_refuses_a_full_finetune_and_a_second_ring():
+    m = MOSSImageTransformer(FLAVORS["tiny"])
+    with pytest.raises(ValueError, match="full finetune"):
+        apply_weight_streaming(m, "cpu", 2)
+    model, _, _ = _model(stream=2)
+    with pytest.raises(ValueError, match="already"):
+        apply_weight_streaming(model, "cpu", 2)
