@@ -42,6 +42,7 @@ from _report import report  # bench/_report.py (the script's folder is on sys.pa
 KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in order}
 ENGINES = {}  # --checkpointing, --checkpoint-blocks, --no-recompute: the EnginePlan's memory
 COMPILE_BLOCKS: list[bool] = [False]  # --compile-blocks
+CAP: list[float] = [0.0]  # --cap: the allocator's limit in GiB (0: none)
 
 
 def compile_blocks(model: MOSSImageTransformer) -> None:
@@ -64,6 +65,20 @@ def kernel_choices(names: list[str]) -> dict[str, list[str]]:
 
     return {op: [n for n in names if n in KERNELS.names(op)] for op in REFERENCE
             if any(n in KERNELS.names(op) for n in names)}
+
+
+def host_peak_gib() -> float:
+    """The process's peak resident host memory (GiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def held_gib() -> float:
+    """What the device holds beyond this process's allocator: CUDA context, cuBLAS
+    workspaces, the allocator's reserve (GiB, from the driver's free memory)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
 
 
 def random_base(full: bool) -> MOSSImageTransformer:
@@ -183,6 +198,15 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     lat, txt = fill_caches(root, per * (steps + 2), text_len)
     model = random_base(full=False)
     adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
+    ring = None
+    memory = ENGINES.get("memory", MemoryEngines())
+    if memory.stream_slots:
+        from kohakumoss.memory.streaming import apply_weight_streaming
+
+        ring = apply_weight_streaming(model, torch.device("cuda"), memory.stream_slots)
+        torch.cuda.empty_cache()
+    if CAP[0]:  # the allocator capped from here on (the model was built on the card uncapped)
+        torch.cuda.set_per_process_memory_fraction(CAP[0] * 2**30 / torch.cuda.mem_get_info()[1])
     if COMPILE_BLOCKS[0]:
         compile_blocks(model)
     named = list(adapters.named_trainable())
@@ -190,22 +214,40 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     keys = [f"{i:032x}" for i in range(per * (steps + 2))]
     times = []
     torch.cuda.reset_peak_memory_stats()
-    for s in range(steps + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        layout = step_fn(model, opt, lat, txt, keys[s * per:(s + 1) * per], s)
-        torch.cuda.synchronize()
-        if s >= 2:
-            times.append(time.perf_counter() - t0)
+    held = 0.0
+    try:
+        for s in range(steps + 2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            layout = step_fn(model, opt, lat, txt, keys[s * per:(s + 1) * per], s)
+            torch.cuda.synchronize()
+            held = max(held, held_gib())
+            if s >= 2:
+                times.append(time.perf_counter() - t0)
+    except torch.OutOfMemoryError as e:
+        out = {"budget": budget, "samples_per_step": per, "cap_gib": CAP[0], "error": "out of memory",
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+               "estimate_gib": predicted_peak([(4096, 104)] * per, full=False),
+               "detail": str(e).splitlines()[0][:200]}
+        del model, opt, adapters, ring
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+        return out
     t = statistics.median(times)
     flops = train_flops(FLAVORS["base"], layout, full=False)
     est = predicted_peak([(n, 104) for n in layout.img_len], full=False)
     peak = torch.cuda.max_memory_allocated() / 2**30
+    reserved = torch.cuda.max_memory_reserved() / 2**30
     prof = profile_step(lambda: step_fn(model, opt, lat, txt, keys[:per], 0)) if profiled else None
-    del model, opt, adapters
+    streamed = {"stream_slots": memory.stream_slots, "loads_per_step": ring.loads / (steps + 2 + bool(prof)),
+                "host_weights_gib": ring.host_bytes() / 2**30} if ring else {}
+    del model, opt, adapters, ring
+    torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
-    return {"budget": budget, "samples_per_step": per, "joint_tokens": layout.n_joint,
+    return {"budget": budget, "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],
             "step_s": t, "samples_per_s": per / t, "peak_gib": peak, "estimate_gib": est,
+            "reserved_gib": reserved, "device_used_gib": held, "host_peak_gib": host_peak_gib(),
+            **streamed,
             "model_tflops_per_step": flops / 1e12, "mfu": flops / t / rate, "trainable_params":
             sum(p.numel() for _, p in named), **({"profile": prof} if prof else {})}
 
@@ -241,17 +283,31 @@ def main() -> None:
                     help="keep the elementwise ops' intermediates instead of recomputing them")
     ap.add_argument("--compile-blocks", action="store_true",
                     help="torch.compile each block with its adapters (dynamic token counts)")
+    ap.add_argument("--stream-slots", type=int, default=0,
+                    help="stream the frozen base's block weights through this many device slots")
+    ap.add_argument("--memory-profile", default="",
+                    help="a profile's engines (speed, balanced, low, minimal) instead of the knobs")
+    ap.add_argument("--cap", type=float, default=0.0,
+                    help="cap the allocator at this many GiB (set_per_process_memory_fraction) "
+                         "for the steps")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
     a = ap.parse_args()
     KERNEL_CHOICES.update(kernel_choices(a.kernels))
-    ENGINES["memory"] = MemoryEngines(a.checkpointing, a.checkpoint_blocks, not a.no_recompute)
+    ENGINES["memory"] = MemoryEngines(a.checkpointing, a.checkpoint_blocks, not a.no_recompute,
+                                      a.stream_slots)
+    if a.memory_profile:
+        from kohakumoss.memory.profiles import PROFILE_ENGINES
+
+        ENGINES["memory"] = PROFILE_ENGINES[a.memory_profile]
+    CAP[0] = a.cap
     COMPILE_BLOCKS[0] = a.compile_blocks
     rate = matmul_rate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
            "checkpointing": a.checkpointing, "checkpoint_blocks": a.checkpoint_blocks,
-           "recompute": not a.no_recompute,
+           "recompute": not a.no_recompute, "memory": ENGINES["memory"].describe(),
+           "memory_profile": a.memory_profile, "cap_gib": a.cap,
            "compile_blocks": a.compile_blocks,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:

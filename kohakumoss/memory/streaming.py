@@ -34,7 +34,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from kohakumoss.memory.checkpointing import repeated_blocks
 
-ALIGN = 64  # elements: each weight starts at a multiple of this in its block's buffer
+# elements: each weight starts at least 512-byte aligned in its block's buffer, as the
+# allocator aligns a resident one (cuBLAS picks its kernels by alignment)
+ALIGN = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +220,8 @@ def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: 
     """Stream ``model``'s frozen block weights through ``slots`` device buffers; everything
     else moves to ``device`` (see the module). Returns the ring (``model.weight_ring``)."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the index a tensor's .device carries
+        device = torch.device("cuda", torch.cuda.current_device())
     if getattr(model, "weight_ring", None) is not None:
         raise ValueError("the model streams its weights already")
     units = streamed_weights(model)
