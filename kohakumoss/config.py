@@ -304,6 +304,9 @@ class MemoryConfig:
                              allowed="an integer >= 0 (0: the base's weights stay on the device; "
                                      "N: its block weights live in host memory and stream "
                                      "through N block-sized device slots)")
+    optimizer: Literal["device", "host"] = knob(
+        "device", help="host: gradients leave the device as backward makes them; the optimizer's "
+                       "states and update live on the CPU (docs/memory.md)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,11 +28,12 @@ from kohakumoss.device import resolve_device
 from kohakumoss.diffusion.timesteps import LogitNormalTimesteps, MossTimesteps, UniformTimesteps
 from kohakumoss.formats import load_dit
 from kohakumoss.kernels.table import device_signature
+from kohakumoss.memory.host_update import HostUpdate
 from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
-from kohakumoss.training.estimate import resolve_profile
+from kohakumoss.training.estimate import resolve_profile, size
 from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engines, apply_placement,
                                          engine_plan,
                                          plan_token_batches, tuned_kernels)
@@ -73,6 +74,13 @@ class Components:
     caches: BatchCaches
     encoder: BatchEncoder
     batches: PlanBatches
+    update: HostUpdate | None = None  # memory.optimizer host: the masters the optimizer steps
+
+    @property
+    def stepped(self) -> list[tuple[str, torch.Tensor]]:
+        """What the optimizer, the gradient clipping and the EMA work on: the trained
+        parameters, or their host masters."""
+        return self.update.named_masters if self.update else self.trainable.named_parameters()
 
 
 RUN_KERNELS = "kernels.json"  # runs/<name>/: the op-table choices the run trains with
@@ -141,9 +149,18 @@ def build_components(params: Params, paths: RunPaths,
     trainable = make_trainable(model, p)
     apply_placement(model, trainable, engines, applied)
     named = trainable.named_parameters()
+    update = None
+    if engines.memory.optimizer == "host":  # the optimizer, clipping and EMA on host masters
+        update = HostUpdate(named, device)
+        named = update.named_masters
+        log.info("optimizer on the host: %d tensors (%s of masters, staging and gradients in "
+                 "host memory); the device keeps no gradient or optimizer state", len(named),
+                 size(update.host_bytes()))
     optimizer = build_optimizer(named, p.optim, trainable.lr_scale())
+    if update is not None:
+        update.attach(optimizer)
     scheduler = build_scheduler(optimizer, p.optim, p.train.steps)
-    ema = EMA(named, p.optim.ema, device=device) if p.optim.ema > 0 else None
+    ema = EMA(named, p.optim.ema, device=None if update else device) if p.optim.ema > 0 else None
     timesteps = make_timesteps(p)
     caches = BatchCaches(p, load_catalogs(paths.catalog, p.data.datasets), paths.text_cache,
                          paths.latent_cache, text_identity(p), vae_identity(p))
@@ -153,4 +170,4 @@ def build_components(params: Params, paths: RunPaths,
     return Components(device=device, engines=engines, applied=applied, model=model,
                       trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
                       timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
-                      batches=batches)
+                      batches=batches, update=update)

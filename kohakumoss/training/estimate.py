@@ -88,7 +88,8 @@ def profile_engines(params: Params) -> MemoryEngines:
     resolved against free memory by ``resolve_profile``."""
     if params.profile == "manual":
         m = params.memory
-        return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute, m.stream_slots)
+        return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute, m.stream_slots,
+                             m.optimizer)
     if params.profile == "auto":
         raise ValueError("profile auto is resolved against the device's free memory "
                          "(resolve_profile)")
@@ -96,19 +97,21 @@ def profile_engines(params: Params) -> MemoryEngines:
 
 
 def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tuple[MemoryEngines, str]:
-    """``engines`` as this run can place the weights, and a note when that differs: weight
-    streaming needs a CUDA device (elsewhere host and device memory are one) and a frozen
-    base (a full finetune trains every weight)."""
-    if not engines.stream_slots:
-        return engines, ""
-    why = ("a full finetune trains every weight (block swapping with host-side masters is not "
-           "built)" if params.adapter.full else
-           f"it needs a CUDA device: on {device.type} the weights are in host memory already"
-           if device.type != "cuda" else "")
-    if not why:
-        return engines, ""
-    return (dataclasses.replace(engines, stream_slots=0),
-            f"weight streaming is off ({why}); the base's weights stay where they are")
+    """``engines`` as this run can place the weights and the optimizer, and a note when that
+    differs: weight streaming needs a CUDA device (elsewhere host and device memory are one)
+    and a frozen base (a full finetune trains every weight); the host update a CUDA device."""
+    notes = []
+    if engines.stream_slots and (params.adapter.full or device.type != "cuda"):
+        why = ("a full finetune trains every weight (block swapping with host-side masters is "
+               "not built)" if params.adapter.full else
+               f"it needs a CUDA device: on {device.type} the weights are in host memory already")
+        engines = dataclasses.replace(engines, stream_slots=0)
+        notes.append(f"weight streaming is off ({why}); the base's weights stay where they are")
+    if engines.optimizer == "host" and device.type != "cuda":
+        engines = dataclasses.replace(engines, optimizer="device")
+        notes.append(f"the host update is off (on {device.type} the optimizer runs on the host "
+                     f"already)")
+    return engines, "; ".join(notes)
 
 
 class _FlashLike(torch.autograd.Function):
@@ -270,12 +273,16 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
             frozen += min(engines.stream_slots, len(unit_bytes)) * max(unit_bytes) \
                 - sum(p.numel() * p.element_size() for u in units for _, _, p in u)
     states = OPTIMIZER_STATES.get(params.optim.name, 2) + (1 if params.optim.ema else 0)
+    if engines.optimizer == "host":  # gradients, states and the EMA live on the host
+        states, grads = 0, 0
+    else:
+        grads = master
     if params.adapter.full:
         # fp32 masters, and autocast's copy of each in the compute dtype, kept for backward
         weights = trained_count * (master + size)
-        return Estimate(engines, n_joint, weights, 0, trained_count * master,
+        return Estimate(engines, n_joint, weights, 0, trained_count * grads,
                         trained_count * master * states, kept, transient)
-    return Estimate(engines, n_joint, frozen, trained_count * master, trained_count * master,
+    return Estimate(engines, n_joint, frozen, trained_count * master, trained_count * grads,
                     trained_count * master * states, kept, transient)
 
 

@@ -60,7 +60,8 @@ class Trainer:
         self.device, self.precision = c.device, c.engines.precision
         self.model, self.trainable = c.model, c.trainable
         # the tensors the optimiser steps (clipped together)
-        self.trained_tensors = [t for _, t in c.trainable.named_parameters()]
+        self.trained_tensors = [t for _, t in c.stepped]
+        self.update = c.update  # memory.optimizer host: gradients gathered on the host
         self.optimizer, self.scheduler, self.ema = c.optimizer, c.scheduler, c.ema
         self.timesteps, self.caches, self.encoder, self.batches = (c.timesteps, c.caches,
                                                                    c.encoder, c.batches)
@@ -112,6 +113,8 @@ class Trainer:
             return 0
         check_resumable(ckpt, self.identity)
         self.trainable.load_state_dict(data.trainable)
+        if self.update is not None:
+            self.update.pull()
         extra = data.extra
         self.optimizer.load_state_dict(extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
@@ -146,6 +149,8 @@ class Trainer:
             loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
                              p.objective.loss, p.objective.huber_delta)
             loss.backward()
+            if self.update is not None:
+                self.update.finish_backward()
             total += float(loss.detach())
             samples += len(batch.captions)
         grad_norm, finite = clip_and_check(self.trained_tensors, p.optim.grad_clip)

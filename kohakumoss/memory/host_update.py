@@ -1,0 +1,97 @@
+"""The optimizer on the host: gradients leave the device as backward makes them, and the
+update runs on the CPU over host copies of the trained tensors (``docs/memory.md#host-update``).
+
+``HostUpdate(named, device)`` acts on the trained parameters from outside:
+
+- each parameter gets a host copy, its **master** (page-locked on CUDA). The optimizer, the
+  gradient clipping and the EMA work on the masters (``named_masters``), so their states
+  live in host memory and the device holds no optimizer state at all;
+- a hook on each parameter (``register_post_accumulate_grad_hook``) copies its gradient to a
+  host buffer on a side stream the moment backward has it and drops the device gradient,
+  so at most the gradients backward is still making are on the device (gradient offload);
+- ``finish_backward()`` (after each micro-batch's backward) waits for those copies and
+  accumulates them into the masters' gradients, in fp32 on the host, in micro-batch order;
+- after the optimizer's step (a hook on it) the masters are copied back to the parameters.
+
+The masters and the optimizer's state dict have the same names and order as a device
+optimizer's, so a checkpoint resumes under either placement. With the device the CPU the
+arithmetic is the device optimizer's exactly; on CUDA it is the CPU's AdamW instead of the
+GPU's (fp32 round-off apart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class HostUpdate:
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        pin = self.cuda
+        with torch.no_grad():
+            self.masters = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.detach())
+                            .requires_grad_(True) for p in self.params]
+        self.staging = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in self.params]
+        self.grads = [torch.empty(p.shape, dtype=p.dtype) for p in self.params]  # the masters' .grad
+        self.arrived = [False] * len(self.params)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                        for i, p in enumerate(self.params)]
+        self.copied = 0  # bytes copied to the host (a benchmark reads it)
+
+    @property
+    def named_masters(self) -> list[tuple[str, torch.Tensor]]:
+        return list(zip(self.names, self.masters))
+
+    def _hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            grad, p.grad = p.grad, None
+            if self.cuda:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.copy_stream):
+                    self.staging[i].copy_(grad, non_blocking=True)
+                grad.record_stream(self.copy_stream)  # not reused before the copy is done
+            else:
+                self.staging[i].copy_(grad)
+            self.arrived[i] = True
+            self.copied += grad.numel() * grad.element_size()
+        return hook
+
+    @torch.no_grad()
+    def finish_backward(self) -> None:
+        """Wait for this backward's gradients and add them to the masters' (the first
+        micro-batch's are copied, later ones added, as autograd accumulates on a device)."""
+        if self.cuda:
+            self.copy_stream.synchronize()
+        for i, m in enumerate(self.masters):
+            if not self.arrived[i]:
+                continue
+            if m.grad is None:
+                m.grad = self.grads[i].copy_(self.staging[i])
+            else:
+                m.grad.add_(self.staging[i])
+            self.arrived[i] = False
+
+    @torch.no_grad()
+    def push(self) -> None:
+        """The masters to the parameters (after a step, or a resume that loaded them)."""
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m, non_blocking=self.cuda)
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """The parameters to the masters (after loading a checkpoint into the parameters)."""
+        for p, m in zip(self.params, self.masters):
+            m.copy_(p.detach())
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Copy the masters back to the device after each of ``optimizer``'s steps."""
+        self.handles.append(optimizer.register_step_post_hook(lambda *_: self.push()))
+
+    def host_bytes(self) -> int:
+        return sum(3 * m.numel() * m.element_size() for m in self.masters)  # masters, staging, grads

@@ -1,0 +1,107 @@
+"""The optimizer on the host (``memory.optimizer: host``): gradients leave the device as
+backward makes them, the update runs on host masters; on the CPU the arithmetic is the
+device optimizer's bit for bit, a run resumes across placements, and the device keeps no
+gradient."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kohakumoss.config import OptimConfig
+from kohakumoss.memory.host_update import HostUpdate
+from kohakumoss.memory.profiles import MemoryEngines
+from kohakumoss.precision import precision_policy
+from kohakumoss.training.engines import EnginePlan
+from kohakumoss.training.optim import build_optimizer, clip_and_check
+from kohakumoss.training.statefile import flatten_state
+
+CPU = torch.device("cpu")
+
+
+def _toy(seed=0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    # named as a block's: muon takes the matrices, AdamW the biases
+    return net, [(f"layers.0.{n}", p) for n, p in net.named_parameters()]
+
+
+def _train(host: bool, steps=3, accum=2, name="adamw"):
+    net, named = _toy()
+    update = HostUpdate(named, CPU) if host else None
+    stepped = update.named_masters if update else named
+    opt = build_optimizer(stepped, OptimConfig(name=name, lr=1e-2, weight_decay=0.1))
+    if update:
+        update.attach(opt)
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(steps):
+        for _ in range(accum):
+            net(torch.randn(5, 6, generator=g)).square().mean().backward()
+            if update:
+                update.finish_backward()
+                assert all(p.grad is None for _, p in named)  # the device keeps no gradient
+        norms.append(clip_and_check([t for _, t in stepped], 0.5)[0])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return net, opt, norms
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_the_host_update_is_the_device_optimizers_arithmetic_on_the_cpu(name):
+    a, opt_a, norms_a = _train(False, name=name)
+    b, opt_b, norms_b = _train(True, name=name)
+    assert norms_a == norms_b
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    (ta, sa), (tb, sb) = flatten_state(opt_a.state_dict()), flatten_state(opt_b.state_dict())
+    assert sa == sb and ta.keys() == tb.keys() and ta
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_masters_follow_a_loaded_state_and_skip_tensors_without_gradient():
+    net, named = _toy()
+    update = HostUpdate(named, CPU)
+    with torch.no_grad():
+        for _, p in named:
+            p.add_(1.0)
+    update.pull()
+    assert all(torch.equal(m, p) for m, (_, p) in zip(update.masters, named))
+    net[2](torch.randn(2, 8)).sum().backward()  # only the last layer gets a gradient
+    update.finish_backward()
+    got = [m.grad is not None for m in update.masters]
+    assert got == [False, False, True, True]
+
+
+def _lean(stream=2):
+    return EnginePlan(CPU, precision_policy("fp32", full=False),
+                      memory=MemoryEngines("block", stream_slots=stream, optimizer="host"))
+
+
+def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
+    """4 steps with the lean engines (streamed base, host update) equal 2 steps with the
+    device optimizer followed by 2 resumed with the lean engines: one checkpoint format."""
+    from kohakumoss.params import load_params
+    from kohakumoss.training.build import RunPaths, build_components
+    from kohakumoss.training.trainer import Trainer
+    from test_train import _prepare, _same_checkpoints, _write_params
+    from conftest import make_kohya
+
+    ds = make_kohya(tmp_path / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
+    params = _write_params(tmp_path, ds, train={"steps": 4, "checkpoint_every": 2, "grad_accum": 2},
+                           adapter={"algo": "lora", "dim": 4, "alpha": 4, "dropout": 0.1},
+                           optim={"lr": 3e-3, "ema": 0.9})
+    p, paths = load_params(params), _prepare(tmp_path, params)
+    lean = Trainer(p, paths, build_components(p, paths, _lean()))
+    assert lean.update is not None and lean.run(progress=False).start_step == 0
+    other = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "b")
+    plain = Trainer(p, other, build_components(p, other, EnginePlan(CPU, precision_policy("fp32", full=False))))
+    assert plain.update is None
+    plain.run(progress=False)
+    _same_checkpoints(paths.checkpoints / "step-000004", other.checkpoints / "step-000004")
+    resumed = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "c")
+    shutil.copytree(other.checkpoints / "step-000002", resumed.checkpoints / "step-000002")
+    again = Trainer(p, resumed, build_components(p, resumed, _lean(stream=1)))
+    assert again.run(progress=False).start_step == 2
+    _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")
