@@ -114,7 +114,7 @@ def fill_caches(root: str, n: int, text_len: int) -> tuple[TensorStore, TensorSt
     return TensorStore(f"{root}/lat", "bf16"), TensorStore(f"{root}/txt", "bf16")
 
 
-def step_fn(model, opt, lat, txt, keys, step, device="cuda"):
+def step_fn(model, opt, lat, txt, keys, step, device="cuda", update=None):
     x0 = torch.cat([lat.get(k) for k in keys]).to(device, non_blocking=True)
     texts = [txt.get(k) for k in keys]
     layout = build_layout([(64, 64)] * len(keys), [len(t) for t in texts]).to(device)
@@ -127,6 +127,8 @@ def step_fn(model, opt, lat, txt, keys, step, device="cuda"):
         pred = model(z, text, sigma, layout)
     loss = flow_loss(pred, target, layout.seg_img, torch.ones(len(keys), device=device), layout.n_img)
     loss.backward()
+    if update is not None:  # memory.optimizer host: the gradients gathered on the host
+        update.finish_backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return layout
@@ -210,7 +212,15 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     if COMPILE_BLOCKS[0]:
         compile_blocks(model)
     named = list(adapters.named_trainable())
-    opt = build_optimizer(named, OptimConfig(lr=1e-4))
+    update = None
+    if memory.optimizer == "host":
+        from kohakumoss.memory.host_update import HostUpdate
+
+        update = HostUpdate(named, torch.device("cuda"))
+        opt = build_optimizer(update.named_masters, OptimConfig(lr=1e-4))
+        update.attach(opt)
+    else:
+        opt = build_optimizer(named, OptimConfig(lr=1e-4))
     keys = [f"{i:032x}" for i in range(per * (steps + 2))]
     times = []
     torch.cuda.reset_peak_memory_stats()
@@ -219,7 +229,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
         for s in range(steps + 2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            layout = step_fn(model, opt, lat, txt, keys[s * per:(s + 1) * per], s)
+            layout = step_fn(model, opt, lat, txt, keys[s * per:(s + 1) * per], s, update=update)
             torch.cuda.synchronize()
             held = max(held, held_gib())
             if s >= 2:
@@ -229,7 +239,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                "estimate_gib": predicted_peak([(4096, 104)] * per, full=False),
                "detail": str(e).splitlines()[0][:200]}
-        del model, opt, adapters, ring
+        del model, opt, adapters, ring, update
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
         return out
@@ -238,10 +248,14 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     est = predicted_peak([(n, 104) for n in layout.img_len], full=False)
     peak = torch.cuda.max_memory_allocated() / 2**30
     reserved = torch.cuda.max_memory_reserved() / 2**30
-    prof = profile_step(lambda: step_fn(model, opt, lat, txt, keys[:per], 0)) if profiled else None
+    prof = profile_step(lambda: step_fn(model, opt, lat, txt, keys[:per], 0, update=update)) \
+        if profiled else None
     streamed = {"stream_slots": memory.stream_slots, "loads_per_step": ring.loads / (steps + 2 + bool(prof)),
                 "host_weights_gib": ring.host_bytes() / 2**30} if ring else {}
-    del model, opt, adapters, ring
+    offloaded = getattr(model, "offloader", None)
+    if offloaded is not None:
+        streamed["offloaded_gib_per_step"] = offloaded.bytes / 2**30
+    del model, opt, adapters, ring, update
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
     return {"budget": budget, "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],

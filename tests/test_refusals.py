@@ -70,6 +70,8 @@ REFUSED = {
                                   ["memory.stream_slots", "full finetune", "0"]),
     "negative slots": ({"profile": "manual", "memory": {"stream_slots": -1}},
                        ["memory.stream_slots", "an integer >= 0"]),
+    "offload without block checkpointing": ({"profile": "manual", "memory": {"checkpointing": "sub-block", "offload": True}},
+                                            ["memory.offload", "checkpointing: sub-block", "set checkpointing: block"]),
     "unknown optimizer placement": ({"profile": "manual", "memory": {"optimizer": "gpu"}},
                                     ["memory.optimizer", "'gpu'", "device", "host"]),
 }
@@ -122,7 +124,7 @@ def test_the_accepted_neighbours_still_load(tmp_path):
                      {"profile": "minimal"},
                      {"profile": "manual", "memory": {"checkpointing": "partial", "checkpoint_blocks": 2}},
                      {"profile": "manual", "memory": {"checkpointing": "block", "stream_slots": 3,
-                                                      "optimizer": "host"}},
+                                                      "optimizer": "host", "offload": True}},
                      {"profile": "auto", "memory": {"checkpointing": "none", "recompute": True}}):
         load_params(_params(tmp_path, **sections))
     p = load_params(_params(tmp_path, profile="manual", memory={"checkpointing": "sub-block"}))

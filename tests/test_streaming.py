@@ -139,8 +139,8 @@ def test_streaming_refuses_a_full_finetune_and_a_second_ring():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slots", [1, 2, 4])
-def test_streaming_on_cuda_is_bit_identical_with_copies_on_a_side_stream(slots):
+@pytest.mark.parametrize("slots, offload", [(1, False), (2, False), (4, False), (0, True), (2, True)])
+def test_streaming_on_cuda_is_bit_identical_with_copies_on_a_side_stream(slots, offload):
     """Blocks large enough that a copy takes longer than the compute it overlaps: any
     missing ordering (a reader before its copy, a copy over a slot still read) shows."""
     import dataclasses
@@ -154,8 +154,8 @@ def test_streaming_on_cuda_is_bit_identical_with_copies_on_a_side_stream(slots):
     # the fused attention backwards accumulate with atomics (run-to-run different sums): the
     # math backend and deterministic kernels make two resident runs agree bit for bit first
     with sdpa_kernel([SDPBackend.MATH]), _deterministic():
-        for stream in (0, 0, slots):
-            results.append(_cuda_run(c, stream))
+        for stream, off in ((0, False), (0, False), (slots, offload)):
+            results.append(_cuda_run(c, stream, off))
     for a, b in zip(results[0], results[1]):
         _same(a, b)
     for a, b in zip(results[0], results[2]):
@@ -176,9 +176,12 @@ def _deterministic():
     return ctx()
 
 
-def _cuda_run(c, stream: int):
+def _cuda_run(c, stream: int, offload: bool = False):
     """Two steps of a bf16 LoRA on a mid-size model on the GPU, streamed through
-    ``stream`` slots (0: resident): each step's output and adapter gradients."""
+    ``stream`` slots (0: resident), the blocks' inputs offloaded to the host or not: each
+    step's output and adapter gradients."""
+    from kohakumoss.memory.offload import apply_activation_offload
+
     torch.manual_seed(0)
     m = MOSSImageTransformer(c)
     with torch.no_grad():
@@ -186,6 +189,8 @@ def _cuda_run(c, stream: int):
             p.normal_(0, 0.02).add_(1.0 if "norm" in name else 0.0)
     cast_model(m, torch.bfloat16).cuda()
     apply_recompute(m)
+    if offload:
+        apply_activation_offload(m, "cuda")
     aset = apply_adapters(m, AdapterConfig(algo="lora", preset="all", dim=8, alpha=8.0), seed=0)
     with torch.no_grad():
         for p in aset.trainable_parameters():
@@ -206,4 +211,6 @@ def _cuda_run(c, stream: int):
         outs.append((out.detach(), {n: p.grad.clone() for n, p in aset.named_trainable()}))
     if stream:
         assert ring.loads >= 2 * (c.depth + c.text_blocks) - 2 * stream
+    if offload:
+        assert len(m.offloader.kept) == c.depth + c.text_blocks
     return outs

@@ -4,18 +4,18 @@ resolved by the trainer from the estimator (``kohakumoss.training.estimate``): t
 engines whose predicted peak fits the memory the device has free. Reading the params is
 ``kohakumoss.training.estimate.profile_engines``'s.
 
-What each profile runs today (activation offload is not built yet):
+What each profile runs:
 
 =========  ==============================================================================
 speed      nothing checkpointed (every activation kept: fastest, most memory)
 balanced   every block keeps only its input (``block`` checkpointing)
 low        as balanced, the frozen base's block weights streamed through 4 device slots, the
            optimizer on the host (gradients offloaded, states and update on the CPU)
-minimal    as low, streamed through 2 slots
+minimal    as low, streamed through 2 slots, the blocks' kept inputs offloaded to the host
 =========  ==============================================================================
 
-Weight streaming needs a CUDA device and a frozen base, the host update a CUDA device: on
-the CPU, and for a full finetune, ``low`` and ``minimal`` leave out what cannot apply and
+Weight streaming needs a CUDA device and a frozen base, the host update and activation
+offload a CUDA device: on the CPU, and for a full finetune, ``low`` and ``minimal`` leave out what cannot apply and
 say so (``kohakumoss.training.estimate.placed``).
 """
 
@@ -33,18 +33,21 @@ class MemoryEngines:
     recompute: bool = True  # the elementwise references' fp32 intermediates, recomputed
     stream_slots: int = 0  # the frozen base's block weights streamed through this many slots; 0: resident
     optimizer: str = "device"  # host: gradients offloaded, the update on the CPU (HostUpdate)
+    offload: bool = False  # block checkpointing's kept inputs in host memory (activation offload)
 
     def describe(self) -> str:
         what = self.checkpointing + (f" {self.checkpoint_blocks}" if self.checkpointing == "partial" else "")
         streamed = f", weights streamed through {self.stream_slots} slots" if self.stream_slots else ""
         host = ", optimizer on the host" if self.optimizer == "host" else ""
-        return f"checkpointing {what}, recompute {'on' if self.recompute else 'off'}{streamed}{host}"
+        offload = ", inputs offloaded to the host" if self.offload else ""
+        return (f"checkpointing {what}{offload}, recompute {'on' if self.recompute else 'off'}"
+                f"{streamed}{host}")
 
 
 PROFILE_ENGINES: dict[str, MemoryEngines] = {
     "speed": MemoryEngines("none"),
     "balanced": MemoryEngines("block"),
     "low": MemoryEngines("block", stream_slots=4, optimizer="host"),
-    "minimal": MemoryEngines("block", stream_slots=2, optimizer="host"),
+    "minimal": MemoryEngines("block", stream_slots=2, optimizer="host", offload=True),
 }
 FASTEST_FIRST = ("speed", "balanced", "low", "minimal")  # the distinct profiles, fastest first (auto's order)

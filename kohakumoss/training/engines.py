@@ -9,7 +9,8 @@ fixed order (``docs/engines.md``):
 3. memory: recomputation wraps the elementwise ops of that table (so it wraps whichever
    backend step 2 chose), then activation checkpointing in the profile's mode wraps the
    repeated blocks or their halves (``kohakumoss.memory``; the profile is resolved by
-   ``kohakumoss.training.estimate.resolve_profile``);
+   ``kohakumoss.training.estimate.resolve_profile``; with ``offload`` block checkpointing
+   keeps each block's input in host memory instead);
 4. placement, once the trainable set is made (``apply_placement``): weight streaming moves
    the frozen block weights to host memory behind a ring of device slots, and the rest of
    the model and the trained tensors to the device (a streamed run loads the model on the
@@ -44,7 +45,8 @@ from kohakumoss.kernels.table import TABLE, describe, device_signature, read_tab
 from kohakumoss.kernels.tuning import TuneResult, tune, tune_table
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.ops import REFERENCE, OpTable
-from kohakumoss.memory import apply_checkpointing, apply_recompute
+from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
+from kohakumoss.memory.offload import apply_activation_offload
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.memory.streaming import apply_weight_streaming
 from kohakumoss.training.estimate import placed, profile_engines, size
@@ -93,7 +95,12 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngin
     cast_model(model, plan.precision.weights)
     model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
     recomputed = apply_recompute(model) if plan.memory.recompute else []
-    checkpointed = apply_checkpointing(model, plan.memory.checkpointing, plan.memory.checkpoint_blocks)
+    if plan.memory.offload:  # block checkpointing with the kept inputs on the host
+        apply_activation_offload(model, plan.device)
+        checkpointed = [path for path, _ in repeated_blocks(model)]
+    else:
+        checkpointed = apply_checkpointing(model, plan.memory.checkpointing,
+                                           plan.memory.checkpoint_blocks)
     return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed)
 
 

@@ -89,7 +89,7 @@ def profile_engines(params: Params) -> MemoryEngines:
     if params.profile == "manual":
         m = params.memory
         return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute, m.stream_slots,
-                             m.optimizer)
+                             m.optimizer, m.offload)
     if params.profile == "auto":
         raise ValueError("profile auto is resolved against the device's free memory "
                          "(resolve_profile)")
@@ -111,6 +111,10 @@ def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tupl
         engines = dataclasses.replace(engines, optimizer="device")
         notes.append(f"the host update is off (on {device.type} the optimizer runs on the host "
                      f"already)")
+    if engines.offload and device.type != "cuda":
+        engines = dataclasses.replace(engines, offload=False)
+        notes.append(f"activation offload is off (on {device.type} the activations are in host "
+                     f"memory already)")
     return engines, "; ".join(notes)
 
 
@@ -238,6 +242,8 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     for b, count in lists:
         if mode == "none":
             kept += count * b.kept
+        elif mode == "block" and engines.offload:  # the inputs around the block in backward
+            kept += min(2, count) * b.inputs
         elif mode in ("block", "partial"):
             ckpt = count if mode == "block" else min(k, count)
             kept += ckpt * b.inputs + (count - ckpt) * b.kept

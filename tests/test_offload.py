@@ -1,0 +1,82 @@
+"""Activation offload: block checkpointing whose kept inputs wait in host memory gives plain
+autograd's outputs and gradients bit for bit (adapter dropout replayed, under weight
+streaming too), trains adapters inside blocks whose input needs no gradient, and keeps
+each block's input on the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kohakumoss.adapters import apply_adapters
+from kohakumoss.config import AdapterConfig
+from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
+from kohakumoss.memory.offload import apply_activation_offload
+from kohakumoss.memory.streaming import apply_weight_streaming
+from kohakumoss.model import FLAVORS, MOSSImageTransformer, cast_model
+
+from test_streaming import _same, _step
+
+
+def _model(dtype=torch.float32, offload=False, stream=0, **adapter):
+    torch.manual_seed(0)
+    m = MOSSImageTransformer(FLAVORS["tiny"])
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(0, 0.05 if p.ndim == 1 else 0.2).add_(1.0 if "norm" in name else 0.0)
+    cast_model(m, dtype)
+    apply_recompute(m)
+    off = apply_activation_offload(m, "cpu") if offload else None
+    cfg = {"algo": "lora", "preset": "all", "dim": 4, "alpha": 2.0, **adapter}
+    aset = apply_adapters(m, AdapterConfig(**cfg), seed=0)
+    with torch.no_grad():
+        for p in aset.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    if stream:
+        apply_weight_streaming(m, "cpu", stream)
+    return m, aset, off
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("stream", [0, 1, 2])
+def test_offload_keeps_outputs_and_gradients_bit_identical(dtype, stream):
+    plain = _model(dtype)
+    model, aset, off = _model(dtype, offload=True, stream=stream)
+    for _ in range(2):  # a second step reuses the offloader
+        _same(_step(model, aset), _step(*plain[:2]))
+    # every block's input went to the host once per forward
+    assert len(off.kept) == len(repeated_blocks(model))
+    assert off.bytes > 0
+
+
+def test_offload_replays_adapter_dropout():
+    torch.manual_seed(5)
+    plain = _model(dropout=0.3)
+    model, aset, _ = _model(offload=True, dropout=0.3)
+    torch.manual_seed(7)
+    a = _step(*plain[:2])
+    torch.manual_seed(7)
+    b = _step(model, aset)
+    _same(a, b)
+
+
+def test_adapters_inside_a_block_whose_input_needs_no_gradient_still_train():
+    """Only the text blocks carry an adapter: their input (the text projection, frozen)
+    needs no gradient, yet backward must run them."""
+    targets = (r"text_embedder\.blocks\.\d+\.qkv$",)
+    plain = _model(targets=targets, preset="attn")
+    model, aset, _ = _model(offload=True, targets=targets, preset="attn")
+    out, grads = _step(model, aset)
+    assert grads and all(g.abs().sum() > 0 for g in grads.values())
+    _same((out, grads), _step(*plain[:2]))
+
+
+def test_offload_refuses_to_stack_on_another_checkpointing():
+    m = MOSSImageTransformer(FLAVORS["tiny"])
+    apply_checkpointing(m, "block")
+    with pytest.raises(ValueError, match="instead of another checkpointing"):
+        apply_activation_offload(m, "cpu")
+    m = MOSSImageTransformer(FLAVORS["tiny"])
+    apply_activation_offload(m, "cpu")
+    with pytest.raises(ValueError, match="already"):
+        apply_activation_offload(m, "cpu")
