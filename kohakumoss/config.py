@@ -307,8 +307,8 @@ class MemoryConfig:
     optimizer: Literal["device", "host"] = knob(
         "device", help="host: gradients leave the device as backward makes them; the optimizer's "
                        "states and update live on the CPU (docs/memory.md)")
-    offload: bool = knob(False, help="with checkpointing: block, the blocks' kept inputs wait in "
-                                     "host memory until backward needs them")
+    offload: bool = knob(False, help="with checkpointing: block or sub-block, the kept inputs "
+                                     "wait in host memory until backward needs them")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,11 +109,11 @@ def check_memory(p: Params) -> None:
         fail(f"{where}.stream_slots", m.stream_slots,
              "0 for a full finetune (streaming moves a frozen base's weights; a full finetune "
              "trains every weight, and block swapping with host-side masters is not built)")
-    if m.offload and m.checkpointing != "block":
+    if m.offload and m.checkpointing not in ("block", "sub-block"):
         fail(f"{where}.offload", m.offload,
              f"false with checkpointing: {m.checkpointing} (activation offload moves what "
-             f"block checkpointing keeps, each block's input, to the host: set checkpointing: "
-             f"block)")
+             f"block or sub-block checkpointing keeps, the blocks' or halves' inputs, to the "
+             f"host: set checkpointing: block or sub-block)")
     if m.checkpointing != "partial" and m.checkpoint_blocks:
         fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
              f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "

@@ -18,7 +18,7 @@ from kohakumoss.model import FLAVORS, MOSSImageTransformer, cast_model
 from test_streaming import _same, _step
 
 
-def _model(dtype=torch.float32, offload=False, stream=0, **adapter):
+def _model(dtype=torch.float32, offload=False, stream=0, halves=False, **adapter):
     torch.manual_seed(0)
     m = MOSSImageTransformer(FLAVORS["tiny"])
     with torch.no_grad():
@@ -26,7 +26,7 @@ def _model(dtype=torch.float32, offload=False, stream=0, **adapter):
             p.normal_(0, 0.05 if p.ndim == 1 else 0.2).add_(1.0 if "norm" in name else 0.0)
     cast_model(m, dtype)
     apply_recompute(m)
-    off = apply_activation_offload(m, "cpu") if offload else None
+    off = apply_activation_offload(m, "cpu", halves=halves) if offload else None
     cfg = {"algo": "lora", "preset": "all", "dim": 4, "alpha": 2.0, **adapter}
     aset = apply_adapters(m, AdapterConfig(**cfg), seed=0)
     with torch.no_grad():
@@ -39,20 +39,22 @@ def _model(dtype=torch.float32, offload=False, stream=0, **adapter):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("stream", [0, 1, 2])
-def test_offload_keeps_outputs_and_gradients_bit_identical(dtype, stream):
+@pytest.mark.parametrize("halves", [False, True], ids=["block", "sub-block"])
+def test_offload_keeps_outputs_and_gradients_bit_identical(dtype, stream, halves):
     plain = _model(dtype)
-    model, aset, off = _model(dtype, offload=True, stream=stream)
+    model, aset, off = _model(dtype, offload=True, stream=stream, halves=halves)
     for _ in range(2):  # a second step reuses the offloader
         _same(_step(model, aset), _step(*plain[:2]))
-    # every block's input went to the host once per forward
-    assert len(off.kept) == len(repeated_blocks(model))
+    # every block's (or half's) input went to the host once per forward
+    assert len(off.kept) == len(repeated_blocks(model)) * (2 if halves else 1)
     assert off.bytes > 0
 
 
-def test_offload_replays_adapter_dropout():
+@pytest.mark.parametrize("halves", [False, True], ids=["block", "sub-block"])
+def test_offload_replays_adapter_dropout(halves):
     torch.manual_seed(5)
     plain = _model(dropout=0.3)
-    model, aset, _ = _model(offload=True, dropout=0.3)
+    model, aset, _ = _model(offload=True, dropout=0.3, halves=halves)
     torch.manual_seed(7)
     a = _step(*plain[:2])
     torch.manual_seed(7)
@@ -65,17 +67,18 @@ def test_adapters_inside_a_block_whose_input_needs_no_gradient_still_train():
     needs no gradient, yet backward must run them."""
     targets = (r"text_embedder\.blocks\.\d+\.qkv$",)
     plain = _model(targets=targets, preset="attn")
-    model, aset, _ = _model(offload=True, targets=targets, preset="attn")
+    model, aset, _ = _model(offload=True, targets=targets, preset="attn", halves=True)
     out, grads = _step(model, aset)
     assert grads and all(g.abs().sum() > 0 for g in grads.values())
     _same((out, grads), _step(*plain[:2]))
 
 
 def test_offload_refuses_to_stack_on_another_checkpointing():
-    m = MOSSImageTransformer(FLAVORS["tiny"])
-    apply_checkpointing(m, "block")
-    with pytest.raises(ValueError, match="instead of another checkpointing"):
-        apply_activation_offload(m, "cpu")
+    for mode in ("block", "sub-block"):
+        m = MOSSImageTransformer(FLAVORS["tiny"])
+        apply_checkpointing(m, mode)
+        with pytest.raises(ValueError, match="instead of another checkpointing"):
+            apply_activation_offload(m, "cpu", halves=True)
     m = MOSSImageTransformer(FLAVORS["tiny"])
     apply_activation_offload(m, "cpu")
     with pytest.raises(ValueError, match="already"):

@@ -70,8 +70,8 @@ REFUSED = {
                                   ["memory.stream_slots", "full finetune", "0"]),
     "negative slots": ({"profile": "manual", "memory": {"stream_slots": -1}},
                        ["memory.stream_slots", "an integer >= 0"]),
-    "offload without block checkpointing": ({"profile": "manual", "memory": {"checkpointing": "sub-block", "offload": True}},
-                                            ["memory.offload", "checkpointing: sub-block", "set checkpointing: block"]),
+    "offload without block checkpointing": ({"profile": "manual", "memory": {"checkpointing": "selective", "offload": True}},
+                                            ["memory.offload", "checkpointing: selective", "set checkpointing: block or sub-block"]),
     "unknown optimizer placement": ({"profile": "manual", "memory": {"optimizer": "gpu"}},
                                     ["memory.optimizer", "'gpu'", "device", "host"]),
 }

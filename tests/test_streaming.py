@@ -139,7 +139,7 @@ def test_streaming_refuses_a_full_finetune_and_a_second_ring():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slots, offload", [(1, False), (2, False), (4, False), (0, True), (2, True)])
+@pytest.mark.parametrize("slots, offload", [(1, False), (2, False), (4, False), (0, "block"), (2, "sub-block")])
 def test_streaming_on_cuda_is_bit_identical_with_copies_on_a_side_stream(slots, offload):
     """Blocks large enough that a copy takes longer than the compute it overlaps: any
     missing ordering (a reader before its copy, a copy over a slot still read) shows."""
@@ -176,7 +176,7 @@ def _deterministic():
     return ctx()
 
 
-def _cuda_run(c, stream: int, offload: bool = False):
+def _cuda_run(c, stream: int, offload: str | bool = False):
     """Two steps of a bf16 LoRA on a mid-size model on the GPU, streamed through
     ``stream`` slots (0: resident), the blocks' inputs offloaded to the host or not: each
     step's output and adapter gradients."""
@@ -190,7 +190,7 @@ def _cuda_run(c, stream: int, offload: bool = False):
     cast_model(m, torch.bfloat16).cuda()
     apply_recompute(m)
     if offload:
-        apply_activation_offload(m, "cuda")
+        apply_activation_offload(m, "cuda", halves=offload == "sub-block")
     aset = apply_adapters(m, AdapterConfig(algo="lora", preset="all", dim=8, alpha=8.0), seed=0)
     with torch.no_grad():
         for p in aset.trainable_parameters():
@@ -212,5 +212,5 @@ def _cuda_run(c, stream: int, offload: bool = False):
     if stream:
         assert ring.loads >= 2 * (c.depth + c.text_blocks) - 2 * stream
     if offload:
-        assert len(m.offloader.kept) == c.depth + c.text_blocks
+        assert len(m.offloader.kept) == (c.depth + c.text_blocks) * (2 if offload == "sub-block" else 1)
     return outs

@@ -7,7 +7,8 @@ but the input it keeps goes to page-locked host memory on a side stream as soon 
 block has read it, and comes back in backward one block ahead of its use: while block i
 recomputes and backpropagates, block i-1's input is already on its way. The device holds
 the inputs of at most the two blocks around the one backward is in, instead of every
-block's.
+block's. With ``halves`` the same is done per half block (as ``sub-block`` checkpointing),
+so backward holds half a block's intermediates at a time.
 
 The checkpoint is reentrant style: forward runs the block without grad; backward
 recomputes it with grad under the forward's RNG state (adapter dropout draws the same
@@ -25,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from kohakumoss.memory.checkpointing import repeated_blocks
+from kohakumoss.model.dit import HALVES
 
 
 @dataclasses.dataclass
@@ -151,20 +153,25 @@ def offloaded(forward: Callable, offloader: Offloader) -> Callable:
     return run
 
 
-def apply_activation_offload(model: torch.nn.Module, device: torch.device | str) -> Offloader:
+def apply_activation_offload(model: torch.nn.Module, device: torch.device | str,
+                             halves: bool = False) -> Offloader:
     """Checkpoint every repeated block with its input offloaded to the host (see the
-    module); returns the offloader (``model.offloader``)."""
+    module), or with ``halves`` each of its halves (``HALVES``: the attention half and the
+    MLP half, as ``sub-block`` checkpointing: backward holds half a block's intermediates
+    at a time); returns the offloader (``model.offloader``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if getattr(model, "offloader", None) is not None:
         raise ValueError("the model offloads its activations already")
     offloader = Offloader(device)
+    parts = HALVES if halves else ("forward",)
     for _, block in repeated_blocks(model):
-        if hasattr(block.forward, "checkpointed"):
+        if any(hasattr(getattr(block, m), "checkpointed") for m in ("forward", *HALVES)):
             raise ValueError("activation offload checkpoints the blocks itself: apply it "
                              "instead of another checkpointing mode, not on top of one")
-        block.forward = offloaded(block.forward, offloader)
+        for method in parts:
+            setattr(block, method, offloaded(getattr(block, method), offloader))
     inner = model.forward
 
     def forward(*args, **kwargs):

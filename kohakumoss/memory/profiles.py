@@ -11,7 +11,8 @@ speed      nothing checkpointed (every activation kept: fastest, most memory)
 balanced   every block keeps only its input (``block`` checkpointing)
 low        as balanced, the frozen base's block weights streamed through 4 device slots, the
            optimizer on the host (gradients offloaded, states and update on the CPU)
-minimal    as low, streamed through 2 slots, the blocks' kept inputs offloaded to the host
+minimal    ``sub-block`` checkpointing (half a block recomputed at a time) whose kept inputs
+           wait in host memory, weights streamed through 2 slots, the optimizer on the host
 =========  ==============================================================================
 
 Weight streaming needs a CUDA device and a frozen base, the host update and activation
@@ -48,6 +49,6 @@ PROFILE_ENGINES: dict[str, MemoryEngines] = {
     "speed": MemoryEngines("none"),
     "balanced": MemoryEngines("block"),
     "low": MemoryEngines("block", stream_slots=4, optimizer="host"),
-    "minimal": MemoryEngines("block", stream_slots=2, optimizer="host", offload=True),
+    "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),
 }
 FASTEST_FIRST = ("speed", "balanced", "low", "minimal")  # the distinct profiles, fastest first (auto's order)

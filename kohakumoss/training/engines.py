@@ -9,8 +9,8 @@ fixed order (``docs/engines.md``):
 3. memory: recomputation wraps the elementwise ops of that table (so it wraps whichever
    backend step 2 chose), then activation checkpointing in the profile's mode wraps the
    repeated blocks or their halves (``kohakumoss.memory``; the profile is resolved by
-   ``kohakumoss.training.estimate.resolve_profile``; with ``offload`` block checkpointing
-   keeps each block's input in host memory instead);
+   ``kohakumoss.training.estimate.resolve_profile``; with ``offload`` block or sub-block
+   checkpointing keeps its inputs in host memory instead);
 4. placement, once the trainable set is made (``apply_placement``): weight streaming moves
    the frozen block weights to host memory behind a ring of device slots, and the rest of
    the model and the trained tensors to the device (a streamed run loads the model on the
@@ -50,7 +50,7 @@ from kohakumoss.memory.offload import apply_activation_offload
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.memory.streaming import apply_weight_streaming
 from kohakumoss.training.estimate import placed, profile_engines, size
-from kohakumoss.model.dit import MOSSImageTransformer, cast_model
+from kohakumoss.model.dit import HALVES, MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
 
 
@@ -95,9 +95,11 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngin
     cast_model(model, plan.precision.weights)
     model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
     recomputed = apply_recompute(model) if plan.memory.recompute else []
-    if plan.memory.offload:  # block checkpointing with the kept inputs on the host
-        apply_activation_offload(model, plan.device)
-        checkpointed = [path for path, _ in repeated_blocks(model)]
+    if plan.memory.offload:  # block or sub-block checkpointing with the kept inputs on the host
+        halves = plan.memory.checkpointing == "sub-block"
+        apply_activation_offload(model, plan.device, halves=halves)
+        checkpointed = [f"{path}.{half}" if halves else path for path, _ in repeated_blocks(model)
+                        for half in (HALVES if halves else ("",))]
     else:
         checkpointed = apply_checkpointing(model, plan.memory.checkpointing,
                                            plan.memory.checkpoint_blocks)

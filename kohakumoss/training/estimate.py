@@ -242,8 +242,8 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     for b, count in lists:
         if mode == "none":
             kept += count * b.kept
-        elif mode == "block" and engines.offload:  # the inputs around the block in backward
-            kept += min(2, count) * b.inputs
+        elif engines.offload and mode in ("block", "sub-block"):  # the inputs around the
+            kept += min(2, count) * b.inputs  # part backward is in
         elif mode in ("block", "partial"):
             ckpt = count if mode == "block" else min(k, count)
             kept += ckpt * b.inputs + (count - ckpt) * b.kept
