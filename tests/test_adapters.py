@@ -297,3 +297,37 @@ def test_unknown_adapter_key_is_an_error(tmp_path):
     assert len(handle.modules) == 18
     handle.remove()
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("algo, kw, folded", [
+    ("lora", {}, True), ("locon", {}, True), ("lora", {"dropout": 0.2}, False),
+    ("lora", {"rank_dropout": 0.2}, False), ("dora", {}, False), ("loha", {}, False)])
+def test_a_lora_delta_folds_into_its_base_matmul_only_where_that_is_the_same_math(algo, kw, folded):
+    """The folded LoRA (one ``addmm`` onto the base output) gives LyCORIS's own bypass
+    output and gradients (float64: round-off only); layers whose delta is not a plain
+    low-rank product, or that draw a dropout now, keep LyCORIS's path."""
+    from kohakumoss.adapters.runtime import folds
+
+    model = _model()
+    aset = apply_adapters(model, _cfg(algo, mode="bypass", **kw), seed=0)
+    with torch.no_grad():
+        for p in aset.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert all(folds(m) == folded for m in aset.modules.values())
+    if not folded:
+        return
+    inputs, target = _batch()
+    torch.manual_seed(0)
+    out = model(*inputs)
+    F.mse_loss(out, target).backward()
+    grads = [p.grad.clone() for p in aset.trainable_parameters()]
+    for m in aset.modules.values():  # LyCORIS's own bypass: a trained scalar of 1 stops the fold
+        m.scalar = torch.nn.Parameter(torch.ones((), dtype=m.scalar.dtype), requires_grad=False)
+        assert not folds(m)
+    for p in aset.trainable_parameters():
+        p.grad = None
+    ref = model(*inputs)
+    F.mse_loss(ref, target).backward()
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-14)
+    for g, p in zip(grads, aset.trainable_parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-10, atol=1e-14)

@@ -130,10 +130,41 @@ def _oft_bias_shift(lyco: DiagOFTModule, like: torch.Tensor) -> torch.Tensor | i
     return shift[0].to(like)
 
 
+def folds(lyco: LycorisBaseModule) -> bool:
+    """Whether this layer's LoRA delta folds into its base matmul (``_folded``): a LoRA or
+    LoCon on a linear in bypass mode, without DoRA, a Tucker core, a trained scalar, or a
+    dropout drawing now."""
+    return (kind_of(lyco) == "locon" and lyco.bypass_mode and lyco.module_type == "linear"
+            and not lyco.tucker and not getattr(lyco, "wd", False)
+            and not isinstance(lyco.scalar, nn.Parameter)
+            and not (lyco.training and (lyco.rank_dropout or _drops(lyco.dropout))))
+
+
+def _drops(dropout) -> bool:
+    return isinstance(dropout, nn.Dropout) and dropout.p > 0 or (
+        isinstance(dropout, float) and dropout > 0)
+
+
+def _folded(lyco: LycorisBaseModule, x: torch.Tensor) -> torch.Tensor:
+    """``base(x) + m * scale * up(down(x))`` with the delta accumulated onto the base
+    output by one matmul (``addmm``): no full-width temporary for the delta, its scaled
+    copy or the sum (two [tokens, out] tensors at a time instead of four). The delta is
+    rounded once, inside the matmul, instead of three times. Out of place: the base output
+    may be kept by selective checkpointing, which refuses a mutated one."""
+    y = lyco.org_forward(x)
+    h = F.linear(x, lyco.lora_down.weight.to(x))
+    out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype),
+                      lyco.lora_up.weight.to(y.dtype).t(),
+                      alpha=float(lyco.scale) * float(lyco.multiplier))
+    return out.view(y.shape)
+
+
 def _math(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     kind, m = kind_of(lyco), lyco.multiplier
     if m == 0:  # strength 0: the base layer, exactly
         return lyco.org_forward(x, *args, **kwargs)
+    if not args and not kwargs and folds(lyco):
+        return _folded(lyco, x)
     if m != 1 and (kind in ("oft", "boft") or getattr(lyco, "wd", False)):
         base = lyco.org_forward(x)  # the strength rule: base + m (full - base)
         lyco.multiplier = 1.0
