@@ -133,6 +133,9 @@ def _dtype_knob(default: str, allowed: tuple[str, ...]):
 class EncodersConfig:
     device: str = _dtype_knob("auto", ("auto", "cpu", "cuda"))
     text_dtype: str = _dtype_knob("auto", ("auto", "bf16", "fp16", "fp32"))
+    text_stream: Literal["auto", "on", "off"] = knob(
+        "auto", help="stream the text encoder's layers through device slots from host memory: "
+                     "auto when its weights do not fit the free device memory (docs/memory.md)")
     vae_dtype: str = _dtype_knob("auto", ("auto", "bf16", "fp16", "fp32"))
     draw: Literal["mode", "sample"] = "mode"
     text_batch: int = knob(32, check=lambda v: v >= 1, allowed="an integer >= 1 (captions per call)")

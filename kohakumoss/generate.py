@@ -77,7 +77,8 @@ class Generator:
         self.handles: list = []
         self.use(adapters)
         self.text = TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
-                                     dtype=p.encoders.text_dtype, device=str(device))
+                                     dtype=p.encoders.text_dtype, device=str(device),
+                                     stream=p.encoders.text_stream)
         self.vae = VAE.load(p.model.vae, dtype=p.encoders.vae_dtype, device=str(device))
 
     def _base(self) -> MOSSImageTransformer:

@@ -234,3 +234,29 @@ def test_cpu_forward_uses_pytorch_linear_attention_ops():
         for name, fn in before.items():
             assert getattr(qwen, name) is fn.__wrapped__  # the torch reference, not fla / causal-conv1d
     assert {n: getattr(qwen, n) for n in before} == before
+
+
+def test_streamed_layers_encode_exactly_as_resident_ones(batched):
+    """The text encoder's layers streamed from host memory through two slots (on the CPU
+    here: the same ring as on CUDA, copies without a side stream) give the same states."""
+    from kohakumoss.memory.streaming import apply_weight_streaming
+
+    streamed = TextEncoder.load("tiny", dtype="fp32")
+    ring = apply_weight_streaming(streamed.model, "cpu", 2, blocks=list(streamed.model.layers))
+    assert_same(streamed.encode(CAPTIONS), batched)
+    assert ring.loads >= len(streamed.model.layers) and ring.n_slots == 2
+
+
+def test_text_stream_choice(monkeypatch):
+    """``on`` streams on CUDA, ``auto`` when the weights exceed STREAM_SHARE of free memory,
+    ``off`` never; off CUDA never."""
+    from kohakumoss.encoders import text as T
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 80 * gib))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert T._streams("on", cuda, gib) and not T._streams("off", cuda, 100 * gib)
+    assert T._streams("auto", cuda, 17 * gib) and not T._streams("auto", cuda, 15 * gib)
+    assert not T._streams("on", cpu, 100 * gib)
+    with pytest.raises(ValueError, match="one of auto, on, off"):
+        T._streams("yes", cuda, gib)

@@ -91,7 +91,8 @@ def build_text_cache(p: Params, plan_dir: str | Path, out: str | Path) -> tuple[
 
     def encoder():
         return _checked(TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
-                                         dtype=p.encoders.text_dtype, device=p.encoders.device), identity)
+                                         dtype=p.encoders.text_dtype, device=p.encoders.device,
+                                         stream=p.encoders.text_stream), identity)
 
     with store.writing():
         stats = fill_text(store, items, encoder, p.encoders.text_batch, p.encoders.text_batch_tokens)

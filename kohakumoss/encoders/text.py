@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -307,6 +308,19 @@ def locate(path: Path, tokenizer: str) -> tuple[list[Path], Path, Qwen3_5TextCon
     return files, folder, config
 
 
+log = logging.getLogger(__name__)
+STREAM_SLOTS = 4  # layers of the text encoder on the device at once when streamed
+STREAM_SHARE = 0.8  # auto streams weights larger than this share of the free device memory
+
+
+def _streams(stream: str, device: torch.device, size: int) -> bool:
+    if stream not in ("auto", "on", "off"):
+        raise ValueError(f"text encoder stream {stream!r}: one of auto, on, off")
+    if device.type != "cuda" or stream == "off":
+        return False
+    return stream == "on" or size > STREAM_SHARE * torch.cuda.mem_get_info(device)[0]
+
+
 class TextEncoder:
     """Frozen Qwen3.5 text model + tokenizer; ``encode`` gives ``[L_i, hidden]`` per caption."""
 
@@ -320,21 +334,37 @@ class TextEncoder:
                                    f"vocab_size {model.config.vocab_size}; they do not belong together")
 
     @classmethod
-    def load(cls, path: str, tokenizer: str = "", dtype: str = "auto", device: str = "cpu") -> TextEncoder:
+    def load(cls, path: str, tokenizer: str = "", dtype: str = "auto", device: str = "cpu",
+             stream: str = "off") -> TextEncoder:
+        """``stream``: ``on`` streams the layers' weights from host memory through
+        ``STREAM_SLOTS`` device slots (``kohakumoss.memory.streaming``; the same outputs),
+        ``auto`` when the weights do not fit ``STREAM_SHARE`` of the device's free memory,
+        ``off`` never; only on a CUDA device (elsewhere the weights are in host memory)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev, DTYPE_NAMES)
         if path == "tiny":
             if tokenizer not in ("", "tiny"):
                 raise TextEncoderError(f"the tiny text encoder uses the tiny tokenizer, not {tokenizer!r}")
             sd = tiny_state_dict(config := tiny_config())
-            model = build_model(config, list(sd), sd.__getitem__, dt, dev, path)
-            return cls(model, tiny_tokenizer(), TINY_ID)
-        files, model_dir, config = locate(Path(path), tokenizer)
-        tok = load_tokenizer(model_dir, tokenizer)
-        weights = Weights(files)
-        config = config or infer_config(weights.shapes)
-        model = build_model(config, weights.names, weights.tensor, dt, dev, path)
-        return cls(model, tok, ENCODER_ID)
+            names, get, tok, eid = list(sd), sd.__getitem__, tiny_tokenizer(), TINY_ID
+            shapes = {k: tuple(v.shape) for k, v in sd.items()}
+        else:
+            files, model_dir, config = locate(Path(path), tokenizer)
+            tok = load_tokenizer(model_dir, tokenizer)
+            weights = Weights(files)
+            config = config or infer_config(weights.shapes)
+            names, get, eid, shapes = weights.names, weights.tensor, ENCODER_ID, weights.shapes
+        size = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dt).element_size()
+        if not _streams(stream, dev, size):
+            return cls(build_model(config, names, get, dt, dev, path), tok, eid)
+        from kohakumoss.memory.streaming import apply_weight_streaming
+
+        model = build_model(config, names, get, dt, torch.device("cpu"), path)
+        ring = apply_weight_streaming(model, dev, STREAM_SLOTS, blocks=list(model.layers))
+        log.info("text encoder %s: %.1f GiB of layer weights streamed from host memory through %d "
+                 "slots (%.1f GiB on %s)", path, ring.host_bytes() / 2**30, ring.n_slots,
+                 ring.resident_bytes() / 2**30, dev)
+        return cls(model, tok, eid)
 
     @classmethod
     def identity(cls, path: str, dtype: str = "auto", device: str = "cpu") -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -53,11 +53,13 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def streamed_weights(model: nn.Module) -> list[list[tuple[nn.Module, str, nn.Parameter]]]:
-    """Per repeated block, in forward order: ``(module, name, parameter)`` of the weights
-    streaming moves (matrices without gradient in the blocks' most common dtype)."""
+def streamed_weights(model: nn.Module, blocks: Sequence[nn.Module] | None = None
+                     ) -> list[list[tuple[nn.Module, str, nn.Parameter]]]:
+    """Per block (``blocks``, default the DiT's repeated ones), in forward order:
+    ``(module, name, parameter)`` of the weights streaming moves (matrices without gradient
+    in the blocks' most common dtype)."""
     units = []
-    for _, block in repeated_blocks(model):
+    for block in _blocks(model, blocks):
         units.append([(m, n, p) for m in block.modules() for n, p in m.named_parameters(recurse=False)
                       if p.dim() >= 2 and not p.requires_grad])
     dtypes = Counter(p.dtype for unit in units for _, _, p in unit)
@@ -65,6 +67,10 @@ def streamed_weights(model: nn.Module) -> list[list[tuple[nn.Module, str, nn.Par
         return [[] for _ in units]
     dtype = dtypes.most_common(1)[0][0]
     return [[w for w in unit if w[2].dtype == dtype] for unit in units]
+
+
+def _blocks(model: nn.Module, blocks: Sequence[nn.Module] | None) -> list[nn.Module]:
+    return [b for _, b in repeated_blocks(model)] if blocks is None else list(blocks)
 
 
 def unit_numel(unit: list[tuple[nn.Module, str, nn.Parameter]]) -> int:
@@ -216,15 +222,19 @@ class WeightRing:
         return sum(h.numel() * h.element_size() for h in self.host)
 
 
-def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: int) -> WeightRing:
+def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: int,
+                           blocks: Sequence[nn.Module] | None = None) -> WeightRing:
     """Stream ``model``'s frozen block weights through ``slots`` device buffers; everything
-    else moves to ``device`` (see the module). Returns the ring (``model.weight_ring``)."""
+    else moves to ``device`` (see the module). ``blocks``: the blocks in the order the
+    forward runs them (default the DiT's repeated blocks; a text encoder's layers).
+    Returns the ring (``model.weight_ring``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the index a tensor's .device carries
         device = torch.device("cuda", torch.cuda.current_device())
     if getattr(model, "weight_ring", None) is not None:
         raise ValueError("the model streams its weights already")
-    units = streamed_weights(model)
+    blocks = _blocks(model, blocks)
+    units = streamed_weights(model, blocks)
     if not any(units):
         raise ValueError("weight streaming found no frozen block weights to stream: it streams a "
                          "frozen base under an adapter (a full finetune trains every weight)")
@@ -232,8 +242,7 @@ def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: 
     ring = WeightRing(units, device, slots)  # the streamed weights now live on the host
     model._apply(lambda t: t if id(t) in keep else t.to(device))
     handles = []
-    blocks = repeated_blocks(model)
-    for u, ((_, block), unit) in enumerate(zip(blocks, units)):
+    for u, (block, unit) in enumerate(zip(blocks, units)):
         hook = _hook(ring, u)
         handles.append(block.register_forward_pre_hook(hook))
         for module in {id(m): m for m, _, _ in unit}.values():

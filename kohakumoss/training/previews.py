@@ -32,7 +32,8 @@ class Previewer:
         self.device, self.dtype = device, dtype
         c = p.preview
         enc = TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
-                               dtype=p.encoders.text_dtype, device=str(device))
+                               dtype=p.encoders.text_dtype, device=str(device),
+                               stream=p.encoders.text_stream)
         embs = [e.cpu() for e in enc.encode(list(c.prompts) + [""])]
         del enc
         _release(device)
