@@ -105,3 +105,37 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
     again = Trainer(p, resumed, build_components(p, resumed, _lean(stream=1)))
     assert again.run(progress=False).start_step == 2
     _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")
+
+
+PROFILES_ON_CUDA = {  # what each profile runs on a CUDA device, forced here on the CPU
+    "speed": MemoryEngines("none"),
+    "balanced": MemoryEngines("block"),
+    "low": MemoryEngines("block", stream_slots=4, optimizer="host"),
+    "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),
+}
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES_ON_CUDA))
+def test_a_resumed_run_equals_an_uninterrupted_one_under_every_profile(tmp_path, profile):
+    """Killed after step 2 (its checkpoint kept), resumed under the same engines: the step-4
+    checkpoint is the uninterrupted run's, bit for bit."""
+    from kohakumoss.memory.profiles import PROFILE_ENGINES
+    from kohakumoss.params import load_params
+    from kohakumoss.training.build import RunPaths, build_components
+    from kohakumoss.training.trainer import Trainer
+    from test_train import _prepare, _same_checkpoints, _write_params
+    from conftest import make_kohya
+
+    memory = PROFILES_ON_CUDA[profile]
+    assert PROFILE_ENGINES[profile] == memory  # the table above is the profiles' own
+    plan = lambda: EnginePlan(CPU, precision_policy("fp32", full=False), memory=memory)  # noqa: E731
+    ds = make_kohya(tmp_path / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
+    params = _write_params(tmp_path, ds, train={"steps": 4, "checkpoint_every": 2, "grad_accum": 2},
+                           adapter={"algo": "lora", "dim": 4, "alpha": 4, "dropout": 0.1},
+                           optim={"lr": 3e-3, "ema": 0.9})
+    p, paths = load_params(params), _prepare(tmp_path, params)
+    Trainer(p, paths, build_components(p, paths, plan())).run(progress=False)
+    resumed = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "resumed")
+    shutil.copytree(paths.checkpoints / "step-000002", resumed.checkpoints / "step-000002")
+    assert Trainer(p, resumed, build_components(p, resumed, plan())).run(progress=False).start_step == 2
+    _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")
