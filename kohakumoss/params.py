@@ -105,10 +105,11 @@ def check_memory(p: Params) -> None:
         fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
              "an integer >= 1 with checkpointing: partial (how many blocks of each list, from "
              "the first, keep only their input)")
-    if m.stream_slots and p.adapter.full:
+    if m.stream_slots and p.adapter.full and m.optimizer != "host":
         fail(f"{where}.stream_slots", m.stream_slots,
-             "0 for a full finetune (streaming moves a frozen base's weights; a full finetune "
-             "trains every weight, and block swapping with host-side masters is not built)")
+             "0 for a full finetune with memory.optimizer: device (a streamed full finetune "
+             "keeps its fp32 masters and optimizer states on the host: set memory.optimizer: "
+             "host)")
     if m.offload and m.checkpointing not in ("block", "sub-block"):
         fail(f"{where}.offload", m.offload,
              f"false with checkpointing: {m.checkpointing} (activation offload moves what "

@@ -183,3 +183,19 @@ def test_train_resolves_the_profile_from_the_plan_and_says_why(tmp_path, caplog)
     c = build_components(load_params(params), paths)
     assert c.engines.memory.checkpointing == "sub-block"
     assert c.applied.checkpointed[:2] == ["text_embedder.blocks.0.attention", "text_embedder.blocks.0.mlp"]
+
+
+def test_a_streamed_full_finetune_holds_slots_and_the_resident_rest():
+    """Streamed, a full finetune's device holds two block slots in bf16 and the rest of the
+    model (fp32 masters + autocast copies); gradients and AdamW states live on the host."""
+    base = FLAVORS["base"]
+    full = make_params(DS, adapter={"algo": "full"}, train={"dtype": "bf16"})
+    resident = E.estimate(full, [(4096, 104)], MemoryEngines("block"), config=base)
+    streamed = E.estimate(full, [(4096, 104)], MemoryEngines("block", stream_slots=2, optimizer="host"),
+                          config=base)
+    block = 4 * base.dim * base.dim + 3 * base.dim * base.ffn_dim
+    n = resident.gradients // 4  # every parameter
+    rest = n - (base.depth + base.text_blocks) * block
+    assert streamed.weights == pytest.approx(2 * 2 * block + 6 * rest, rel=0.01)
+    assert streamed.gradients == streamed.optimizer == 0
+    assert streamed.peak < 24 * 2**30 < resident.peak  # the 24 GB card's full finetune

@@ -139,3 +139,35 @@ def test_a_resumed_run_equals_an_uninterrupted_one_under_every_profile(tmp_path,
     shutil.copytree(paths.checkpoints / "step-000002", resumed.checkpoints / "step-000002")
     assert Trainer(p, resumed, build_components(p, resumed, plan())).run(progress=False).start_step == 2
     _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")
+
+
+def test_a_streamed_full_finetune_is_the_resident_one_bit_for_bit(tmp_path):
+    """A full finetune whose block matrices stream in bf16 (fp32 masters, gradients and
+    AdamW on the host) computes what the resident fp32-master autocast run computes: the
+    same values meet the same kernels. Resumed from the resident run's step-2 checkpoint it
+    writes that run's step-4 checkpoint (masters, not bf16 copies), bit for bit."""
+    from kohakumoss.params import load_params
+    from kohakumoss.training.build import RunPaths, build_components
+    from kohakumoss.training.trainer import Trainer
+    from test_train import _prepare, _same_checkpoints, _write_params
+    from conftest import make_kohya
+
+    ds = make_kohya(tmp_path / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
+    params = _write_params(tmp_path, ds, train={"steps": 4, "checkpoint_every": 2, "dtype": "bf16",
+                                                "grad_accum": 2},
+                           adapter={"algo": "full"}, optim={"lr": 1e-3, "ema": 0.9, "grad_clip": 0.5})
+    p, paths = load_params(params), _prepare(tmp_path, params)
+    policy = precision_policy("bf16", full=True)
+    plain = Trainer(p, paths, build_components(p, paths, EnginePlan(CPU, policy))).run(progress=False)
+    streamed_plan = EnginePlan(CPU, policy, memory=MemoryEngines("block", stream_slots=2, optimizer="host"))
+    other = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "s")
+    c = build_components(p, other, streamed_plan)
+    ring = c.model.weight_ring
+    assert ring.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in c.update.masters)
+    streamed = Trainer(p, other, c).run(progress=False)
+    assert streamed.losses == plain.losses
+    _same_checkpoints(paths.checkpoints / "step-000004", other.checkpoints / "step-000004")
+    resumed = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "t")
+    shutil.copytree(paths.checkpoints / "step-000002", resumed.checkpoints / "step-000002")
+    assert Trainer(p, resumed, build_components(p, resumed, streamed_plan)).run(progress=False).start_step == 2
+    _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")

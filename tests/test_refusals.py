@@ -65,9 +65,10 @@ REFUSED = {
                                ["memory.checkpoint_blocks = 3", "partial only"]),
     "unknown checkpointing": ({"profile": "manual", "memory": {"checkpointing": "blocks"}},
                               ["memory.checkpointing", "'blocks'"]),
-    "streaming a full finetune": ({"profile": "manual", "adapter": {"algo": "full"},
-                                   "memory": {"checkpointing": "block", "stream_slots": 2}},
-                                  ["memory.stream_slots", "full finetune", "0"]),
+    "streaming a full finetune with a device optimizer": (
+        {"profile": "manual", "adapter": {"algo": "full"},
+         "memory": {"checkpointing": "block", "stream_slots": 2}},
+        ["memory.stream_slots", "full finetune", "set memory.optimizer: host"]),
     "negative slots": ({"profile": "manual", "memory": {"stream_slots": -1}},
                        ["memory.stream_slots", "an integer >= 0"]),
     "offload without block checkpointing": ({"profile": "manual", "memory": {"checkpointing": "selective", "offload": True}},
@@ -125,6 +126,8 @@ def test_the_accepted_neighbours_still_load(tmp_path):
                      {"profile": "manual", "memory": {"checkpointing": "partial", "checkpoint_blocks": 2}},
                      {"profile": "manual", "memory": {"checkpointing": "block", "stream_slots": 3,
                                                       "optimizer": "host", "offload": True}},
+                     {"profile": "manual", "adapter": {"algo": "full"},
+                      "memory": {"checkpointing": "block", "stream_slots": 2, "optimizer": "host"}},
                      {"profile": "auto", "memory": {"checkpointing": "none", "recompute": True}}):
         load_params(_params(tmp_path, **sections))
     p = load_params(_params(tmp_path, profile="manual", memory={"checkpointing": "sub-block"}))

@@ -11,7 +11,12 @@ update runs on the CPU over host copies of the trained tensors (``docs/memory.md
   so at most the gradients backward is still making are on the device (gradient offload);
 - ``finish_backward()`` (after each micro-batch's backward) waits for those copies and
   accumulates them into the masters' gradients, in fp32 on the host, in micro-batch order;
-- after the optimizer's step (a hook on it) the masters are copied back to the parameters.
+- after the optimizer's step (a hook on it) the masters are copied back to the parameters;
+- a checkpoint holds the masters (``overlay``) and a resume loads them (``load``).
+
+The masters are at least fp32: a full finetune whose block weights stream in the compute
+dtype (``apply_weight_streaming(trainable=True)``) keeps its fp32 weights here, and its
+bf16 gradients are accumulated into fp32 on the host as autocast's cast would.
 
 The masters and the optimizer's state dict have the same names and order as a device
 optimizer's, so a checkpoint resumes under either placement. With the device the CPU the
@@ -33,12 +38,15 @@ class HostUpdate:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         pin = self.cuda
-        with torch.no_grad():
-            self.masters = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.detach())
-                            .requires_grad_(True) for p in self.params]
-        self.staging = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in self.params]
-        self.grads = [torch.empty(p.shape, dtype=p.dtype) for p in self.params]  # the masters' .grad
+        with torch.no_grad():  # at least fp32 (a streamed full finetune holds bf16 copies)
+            self.masters = [torch.empty(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                                        pin_memory=pin).copy_(p.detach()).requires_grad_(True)
+                            for p in self.params]
+        # the gradients' landing buffers, in their dtype (made at the first backward)
+        self.staging: list[torch.Tensor | None] = [None] * len(self.params)
+        self.grads = [torch.empty(m.shape, dtype=m.dtype) for m in self.masters]  # the masters' .grad
         self.arrived = [False] * len(self.params)
+        self.before_push: list = []  # called before the masters are written back (ring.invalidate)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(self.params)]
@@ -51,6 +59,8 @@ class HostUpdate:
     def _hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
             grad, p.grad = p.grad, None
+            if self.staging[i] is None or self.staging[i].dtype != grad.dtype:
+                self.staging[i] = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.cuda)
             if self.cuda:
                 self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.copy_stream):
@@ -80,8 +90,24 @@ class HostUpdate:
     @torch.no_grad()
     def push(self) -> None:
         """The masters to the parameters (after a step, or a resume that loaded them)."""
+        for fn in self.before_push:
+            fn()
         for p, m in zip(self.params, self.masters):
-            p.copy_(m, non_blocking=self.cuda)
+            p.copy_(m, non_blocking=self.cuda and p.device.type == "cuda")
+
+    def overlay(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (the trainable's state dict) with the masters in place of the tensors of
+        the same names: a checkpoint holds the masters, not a lower-precision copy."""
+        masters = dict(self.named_masters)
+        return {k: masters[k].detach() if k in masters else v for k, v in state.items()}
+
+    @torch.no_grad()
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """The masters from a checkpoint's state (the names it holds; the rest from the
+        parameters), then the parameters from the masters."""
+        for name, p, m in zip(self.names, self.params, self.masters):
+            m.copy_(state[name] if name in state else p.detach())
+        self.push()
 
     @torch.no_grad()
     def pull(self) -> None:
@@ -94,4 +120,7 @@ class HostUpdate:
         self.handles.append(optimizer.register_step_post_hook(lambda *_: self.push()))
 
     def host_bytes(self) -> int:
-        return sum(3 * m.numel() * m.element_size() for m in self.masters)  # masters, staging, grads
+        """Masters, their gradients and the landing buffers (the last in the gradients'
+        dtype: counted as the parameters')."""
+        return sum(m.numel() * (2 * m.element_size() + p.element_size())
+                   for m, p in zip(self.masters, self.params))

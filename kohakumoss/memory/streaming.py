@@ -53,15 +53,16 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def streamed_weights(model: nn.Module, blocks: Sequence[nn.Module] | None = None
-                     ) -> list[list[tuple[nn.Module, str, nn.Parameter]]]:
+def streamed_weights(model: nn.Module, blocks: Sequence[nn.Module] | None = None,
+                     trainable: bool = False) -> list[list[tuple[nn.Module, str, nn.Parameter]]]:
     """Per block (``blocks``, default the DiT's repeated ones), in forward order:
-    ``(module, name, parameter)`` of the weights streaming moves (matrices without gradient
-    in the blocks' most common dtype)."""
+    ``(module, name, parameter)`` of the weights streaming moves: the matrices without
+    gradient (with ``trainable``, a full finetune's, every matrix) in the blocks' most
+    common dtype."""
     units = []
     for block in _blocks(model, blocks):
         units.append([(m, n, p) for m in block.modules() for n, p in m.named_parameters(recurse=False)
-                      if p.dim() >= 2 and not p.requires_grad])
+                      if p.dim() >= 2 and (trainable or not p.requires_grad)])
     dtypes = Counter(p.dtype for unit in units for _, _, p in unit)
     if not dtypes:
         return [[] for _ in units]
@@ -82,14 +83,14 @@ class WeightRing:
     """The host copies, the device slots and which block is in which slot."""
 
     def __init__(self, units: list[list[tuple[nn.Module, str, nn.Parameter]]],
-                 device: torch.device, slots: int):
+                 device: torch.device, slots: int, dtype: torch.dtype | None = None):
         if slots < 1:
             raise ValueError(f"weight streaming needs at least one slot, got {slots}")
         self.device = device
         self.cuda = device.type == "cuda"
         self.units = units
         streamed = [p for unit in units for _, _, p in unit]
-        self.dtype = streamed[0].dtype
+        self.dtype = dtype or streamed[0].dtype  # the copies' (a full finetune's: compute)
         self.n_slots = min(slots, len(units))
         self.host: list[torch.Tensor] = []
         self.views: list[list[tuple[int, int]]] = []  # per unit: (offset, numel) of each weight
@@ -202,6 +203,15 @@ class WeightRing:
     def start_forward(self) -> None:
         self.last, self.direction = -1, 1
 
+    def invalidate(self) -> None:
+        """Empty every slot, each weight its host copy again: before the host copies are
+        written (a full finetune's update), so no slot keeps an old copy."""
+        for i, u in enumerate(self.unit_in):
+            if u is not None:
+                self._point(u, self.host[u])
+                del self.slot_of[u]
+            self.unit_in[i], self.pending[i] = None, None
+
     # -- autograd keeps where a weight was, not the weight ---------------------------------
     def pack(self, t: torch.Tensor):
         if t.device == self.device and t.dtype == self.dtype and t.layout == torch.strided:
@@ -223,23 +233,29 @@ class WeightRing:
 
 
 def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: int,
-                           blocks: Sequence[nn.Module] | None = None) -> WeightRing:
+                           blocks: Sequence[nn.Module] | None = None, trainable: bool = False,
+                           dtype: torch.dtype | None = None) -> WeightRing:
     """Stream ``model``'s frozen block weights through ``slots`` device buffers; everything
     else moves to ``device`` (see the module). ``blocks``: the blocks in the order the
     forward runs them (default the DiT's repeated blocks; a text encoder's layers).
-    Returns the ring (``model.weight_ring``)."""
+
+    ``trainable`` (a full finetune): every block matrix streams, held in ``dtype`` (the
+    compute dtype; its fp32 masters live in ``HostUpdate``, which writes the host copies
+    after each step); its gradients reach it as autograd's. Returns the ring
+    (``model.weight_ring``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the index a tensor's .device carries
         device = torch.device("cuda", torch.cuda.current_device())
     if getattr(model, "weight_ring", None) is not None:
         raise ValueError("the model streams its weights already")
     blocks = _blocks(model, blocks)
-    units = streamed_weights(model, blocks)
+    units = streamed_weights(model, blocks, trainable)
     if not any(units):
         raise ValueError("weight streaming found no frozen block weights to stream: it streams a "
-                         "frozen base under an adapter (a full finetune trains every weight)")
+                         "frozen base under an adapter (a full finetune trains every weight: "
+                         "stream it with trainable=True)")
     keep = {id(p) for unit in units for _, _, p in unit}
-    ring = WeightRing(units, device, slots)  # the streamed weights now live on the host
+    ring = WeightRing(units, device, slots, dtype)  # the streamed weights now live on the host
     model._apply(lambda t: t if id(t) in keep else t.to(device))
     handles = []
     for u, (block, unit) in enumerate(zip(blocks, units)):

@@ -147,15 +147,18 @@ def build_components(params: Params, paths: RunPaths,
                                   plan_token_batches(plan_rows))))
     applied = apply_engines(model, engines)
     trainable = make_trainable(model, p)
-    apply_placement(model, trainable, engines, applied)
     named = trainable.named_parameters()
     update = None
     if engines.memory.optimizer == "host":  # the optimizer, clipping and EMA on host masters
+        # (taken before placement: a streamed full finetune holds its blocks in bf16 after it)
         update = HostUpdate(named, device)
         named = update.named_masters
-        log.info("optimizer on the host: %d tensors (%s of masters, staging and gradients in "
-                 "host memory); the device keeps no gradient or optimizer state", len(named),
-                 size(update.host_bytes()))
+        log.info("optimizer on the host: %d tensors (%s of masters, gradients and landing "
+                 "buffers in host memory); the device keeps no gradient or optimizer state",
+                 len(named), size(update.host_bytes()))
+    apply_placement(model, trainable, engines, applied)
+    if update is not None and getattr(model, "weight_ring", None) is not None:
+        update.before_push.append(model.weight_ring.invalidate)
     optimizer = build_optimizer(named, p.optim, trainable.lr_scale())
     if update is not None:
         update.attach(optimizer)

@@ -112,11 +112,15 @@ def apply_placement(model: MOSSImageTransformer, trainable, plan: EnginePlan,
     weight it wraps, so on the host when the model was loaded there): with
     ``memory.stream_slots`` the frozen block weights stream through that many device slots
     and the rest of the model and the trained tensors move to the device
-    (``kohakumoss.memory.streaming``)."""
+    (``kohakumoss.memory.streaming``). A full finetune's block matrices stream too, held in
+    the compute dtype: their fp32 masters are the host update's (``params.py`` requires
+    ``memory.optimizer: host`` with it)."""
     slots = plan.memory.stream_slots
     if not slots:
         return
-    ring = apply_weight_streaming(model, plan.device, slots)
+    full = any(p.requires_grad for p in model.parameters())  # a full finetune's blocks stream too
+    ring = apply_weight_streaming(model, plan.device, slots, trainable=full,
+                                  dtype=plan.precision.compute if full else None)
     trainable.to(plan.device)
     applied.streaming = (f"{len(ring.units)} blocks' weights ({size(ring.host_bytes())}) in "
                          f"{'pinned ' if ring.cuda else ''}host memory, streamed through "

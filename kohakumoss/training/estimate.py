@@ -98,13 +98,11 @@ def profile_engines(params: Params) -> MemoryEngines:
 
 def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tuple[MemoryEngines, str]:
     """``engines`` as this run can place the weights and the optimizer, and a note when that
-    differs: weight streaming needs a CUDA device (elsewhere host and device memory are one)
-    and a frozen base (a full finetune trains every weight); the host update a CUDA device."""
+    differs: weight streaming, the host update and activation offload need a CUDA device
+    (elsewhere host and device memory are one)."""
     notes = []
-    if engines.stream_slots and (params.adapter.full or device.type != "cuda"):
-        why = ("a full finetune trains every weight (block swapping with host-side masters is "
-               "not built)" if params.adapter.full else
-               f"it needs a CUDA device: on {device.type} the weights are in host memory already")
+    if engines.stream_slots and device.type != "cuda":
+        why = f"it needs a CUDA device: on {device.type} the weights are in host memory already"
         engines = dataclasses.replace(engines, stream_slots=0)
         notes.append(f"weight streaming is off ({why}); the base's weights stay where they are")
     if engines.optimizer == "host" and device.type != "cuda":
@@ -269,25 +267,32 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     n_img = n_joint - n_txt
     kept += n_img * c.latent_channels * 4 * 4 + n_txt * c.text_dim * size
     master = 4  # fp32 masters, gradients and optimizer states
-    if engines.stream_slots and not params.adapter.full:
+    streamed = 0  # a full finetune's parameters held in the compute dtype in the ring
+    if engines.stream_slots:
         # the streamed block weights are on the host; the device holds the slots
         from kohakumoss.memory.streaming import streamed_weights, unit_numel
 
-        units = streamed_weights(model)
+        units = streamed_weights(model, trainable=params.adapter.full)
         if any(units):
-            unit_bytes = [unit_numel(u) * u[0][2].element_size() for u in units if u]
-            frozen += min(engines.stream_slots, len(unit_bytes)) * max(unit_bytes) \
-                - sum(p.numel() * p.element_size() for u in units for _, _, p in u)
+            slot_bytes = min(engines.stream_slots, len(units)) * max(
+                unit_numel(u) * size for u in units if u)
+            if params.adapter.full:
+                streamed = sum(p.numel() for u in units for _, _, p in u)
+                frozen = slot_bytes
+            else:
+                frozen += slot_bytes - sum(p.numel() * p.element_size() for u in units for _, _, p in u)
     states = OPTIMIZER_STATES.get(params.optim.name, 2) + (1 if params.optim.ema else 0)
     if engines.optimizer == "host":  # gradients, states and the EMA live on the host
         states, grads = 0, 0
     else:
         grads = master
     if params.adapter.full:
-        # fp32 masters, and autocast's copy of each in the compute dtype, kept for backward
-        weights = trained_count * (master + size)
-        return Estimate(engines, n_joint, weights, 0, trained_count * grads,
-                        trained_count * master * states, kept, transient)
+        # fp32 masters, and autocast's copy of each in the compute dtype, kept for backward;
+        # streamed: the blocks' slots, the rest resident (its masters on the host)
+        resident = trained_count - streamed
+        weights = resident * (master + size) + frozen if streamed else trained_count * (master + size)
+        return Estimate(engines, n_joint, weights, 0, resident * grads,
+                        resident * master * states, kept, transient)
     return Estimate(engines, n_joint, frozen, trained_count * master, trained_count * grads,
                     trained_count * master * states, kept, transient)
 

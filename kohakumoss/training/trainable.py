@@ -54,7 +54,8 @@ class FullFinetune:
         return {"algo": "full"}
 
     def to(self, device: torch.device) -> None:
-        self.model.to(device)
+        if getattr(self.model, "weight_ring", None) is None:  # a streamed model is placed already
+            self.model.to(device)
 
 
 class AdapterTrainable:

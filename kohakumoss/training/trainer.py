@@ -86,7 +86,10 @@ class Trainer:
         ema = {k: v for k, v in self.ema.state_dict().items() if k != "shadow"} if self.ema else None
         extra = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "ema": ema, "rng": self._rng_state()}
-        return save_checkpoint(self.paths.checkpoints, step, self.trainable.state_dict(), extra,
+        state = self.trainable.state_dict()
+        if self.update is not None:  # the masters, not a compute-dtype copy
+            state = self.update.overlay(state)
+        return save_checkpoint(self.paths.checkpoints, step, state, extra,
                                {**self.identity, "steps": self.params.train.steps},
                                ema=self.ema.shadow if self.ema else None,
                                keep=self.params.train.keep_checkpoints,
@@ -114,7 +117,7 @@ class Trainer:
         check_resumable(ckpt, self.identity)
         self.trainable.load_state_dict(data.trainable)
         if self.update is not None:
-            self.update.pull()
+            self.update.load(data.trainable)
         extra = data.extra
         self.optimizer.load_state_dict(extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
