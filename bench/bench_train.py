@@ -266,24 +266,62 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
             sum(p.numel() for _, p in named), **({"profile": prof} if prof else {})}
 
 
-def bench_full(text_len: int, root: str) -> dict:
-    lat, txt = fill_caches(root + "/full", 2, text_len)
+def bench_full(text_len: int, root: str, steps: int = 3) -> dict:
+    """A full finetune, one 1 MP sample per step (fp32 masters, bf16 autocast, AdamW), with
+    the --memory-profile / knobs' engines: streamed blocks and the host update when set
+    (the model is built on the card, then its blocks move to the host; --cap applies from
+    then on)."""
+    lat, txt = fill_caches(root + "/full", steps + 2, text_len)
     model = random_base(full=True)
-    opt = build_optimizer(list(model.named_parameters()), OptimConfig(lr=1e-5))
+    named = list(model.named_parameters())
+    memory = ENGINES.get("memory", MemoryEngines())
+    update = None
+    if memory.optimizer == "host":
+        from kohakumoss.memory.host_update import HostUpdate
+
+        update = HostUpdate(named, torch.device("cuda"))
+        named = update.named_masters
+    if memory.stream_slots:
+        from kohakumoss.memory.streaming import apply_weight_streaming
+
+        ring = apply_weight_streaming(model, torch.device("cuda"), memory.stream_slots, trainable=True,
+                                      dtype=torch.bfloat16)
+        if update is not None:
+            update.before_push.append(ring.invalidate)
+    torch.cuda.empty_cache()
+    if CAP[0]:
+        torch.cuda.set_per_process_memory_fraction(CAP[0] * 2**30 / torch.cuda.mem_get_info()[1])
+    opt = build_optimizer(named, OptimConfig(lr=1e-5))
+    if update is not None:
+        update.attach(opt)
     torch.cuda.reset_peak_memory_stats()
+    times, held = [], 0.0
     try:
-        t0 = time.perf_counter()
-        step_fn(model, opt, lat, txt, [f"{0:032x}"], 0)
-        torch.cuda.synchronize()
-        return {"samples": 1, "step_s": time.perf_counter() - t0,
-                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        for s in range(steps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step_fn(model, opt, lat, txt, [f"{s:032x}"], s, update=update)
+            torch.cuda.synchronize()
+            held = max(held, held_gib())
+            if s >= 1:
+                times.append(time.perf_counter() - t0)
+        out = {"samples": 1, "step_s": statistics.median(times), "samples_per_s": 1 / statistics.median(times),
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+               "reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "device_used_gib": held}
     except torch.OutOfMemoryError as e:
-        return {"error": str(e).splitlines()[0], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        out = {"error": str(e).splitlines()[0][:200], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    out.update(cap_gib=CAP[0], memory=memory.describe(), host_peak_gib=host_peak_gib(),
+               estimate_gib=predicted_peak([(4096, 104)], full=True))
+    del model, opt, update
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--budgets", type=int, nargs="*", default=[8192, 16384],
+                    help="LoRA token budgets to measure (none: only --full)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--text", type=int, default=100)
     ap.add_argument("--full", action="store_true")
@@ -329,7 +367,8 @@ def main() -> None:
             res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{b}", a.profile))
             print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:
-            res["full"] = bench_full(a.text, root)
+            res["full"] = bench_full(a.text, root, a.steps)
+            print(json.dumps(res["full"]), flush=True)
     report(res, a.name or "bench_train")
 
 
