@@ -347,7 +347,8 @@ def test_recomputation_leaves_the_triton_ops_alone_and_would_not_change_them():
     model.ops = build_op_table(DEVICE, torch.float32, {"modulated_rms_norm": "triton"})
     wrapped_ops = apply_recompute(model)
     assert "modulated_rms_norm" not in wrapped_ops and "rms_norm" in wrapped_ops
-    assert model.ops.modulated_rms_norm is fn
+    assert [b.fn for b in model.ops.modulated_rms_norm.backends] == [fn]  # the choice, unwrapped
+    assert model.ops.modulated_rms_norm.keeps_inputs_only
     args = (x, w, shift, scale, seg, 1e-6)
     plain, wrapped = fn(*args), recomputed(fn, 5)(*args)
     assert torch.equal(plain, wrapped)

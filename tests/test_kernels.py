@@ -48,7 +48,7 @@ def registry():
 def test_a_backend_that_can_run_is_selected_and_used(registry):
     table = registry.build_op_table(CPU, torch.float32, {"rms_norm": "test"})
     backend = registry.backend("rms_norm", "test").fn
-    assert table.rms_norm is backend
+    assert [b.fn for b in table.rms_norm.backends] == [backend]
     assert all(getattr(table, n) is f for n, f in ops.REFERENCE.items() if n != "rms_norm")
     model = tiny_transformer()
     model.ops = table
@@ -72,6 +72,32 @@ def test_a_backend_that_cannot_run_falls_back_to_the_reference(registry, caplog)
     assert chosen["rms_norm"] == "test" and unable == {"rms_norm": ["gpu_only"]}
     chosen, _ = registry.dispatch(CPU, torch.float32, {"rms_norm": ["reference", "test"]})
     assert chosen["rms_norm"] == "reference"
+
+
+def test_a_static_choice_respects_fits_per_call_and_survives_a_failing_backend(caplog):
+    """A chosen backend runs only the shapes its ``fits`` takes (the reference the rest), and
+    one that raises is dropped for the next choice, said once."""
+    r = KernelRegistry()
+    narrow = Counting(ops.rms_norm)
+    r.register("rms_norm", "narrow", narrow, _cpu_fp32, fits=lambda d: d["D"] <= 8)
+
+    def broken(*args):
+        raise RuntimeError("no kernel image for this device")
+
+    r.register("rms_norm", "broken", broken, _cpu_fp32)
+    op = r.build_op_table(CPU, torch.float32, {"rms_norm": ["narrow"]}).rms_norm
+    x8, x16 = torch.randn(5, 8), torch.randn(5, 16)
+    assert torch.equal(op(x8, torch.ones(8), 1e-6), ops.rms_norm(x8, torch.ones(8), 1e-6))
+    assert torch.equal(op(x16, torch.ones(16), 1e-6), ops.rms_norm(x16, torch.ones(16), 1e-6))
+    assert narrow.calls == 1 and op.backend_for(x16, torch.ones(16), 1e-6) == "reference"
+    with caplog.at_level(logging.WARNING, "kohakumoss.kernels"):
+        op = r.build_op_table(CPU, torch.float32, {"rms_norm": ["broken", "narrow"]}).rms_norm
+        for _ in range(3):
+            assert torch.equal(op(x8, torch.ones(8), 1e-6), ops.rms_norm(x8, torch.ones(8), 1e-6))
+    assert narrow.calls == 4 and op.broken == {"broken": "RuntimeError: no kernel image for this device"}
+    assert [m.getMessage() for m in caplog.records] == [
+        "rms_norm: backend broken failed (RuntimeError: no kernel image for this device); "
+        "using the next choice from now on"]
 
 
 def test_unknown_names_are_clear_errors(registry):

@@ -164,6 +164,49 @@ class TunedOp:
         return self.reference(*args)
 
 
+class ChosenOp:
+    """A static choice (``kernels.backends`` named per op, ``bench --kernels``): the chosen
+    backends that can run on the device, in order, then the reference. Each call takes the
+    first that takes its shape (``fits``; a backend without one takes any); a backend that
+    raises is not tried again by this op, and the reason is logged once."""
+
+    def __init__(self, op: str, backends: list[Backend], note: Callable[..., None]):
+        self.op, self.backends, self._note = op, backends, note
+        self.problem = PROBLEMS.get(op)
+        self.shaped = self.problem is not None and any(b.fits is not None for b in backends)
+        self.reference = REFERENCE[op]
+        self.broken: dict[str, str] = {}
+        if all(b.keeps_inputs_only for b in backends) and not self.shaped:
+            self.keeps_inputs_only = True  # every call that does not fail
+        self.__qualname__ = f"chosen({op}: {', '.join([*(b.name for b in backends), REFERENCE_NAME])})"
+
+    def _usable(self, args) -> list[Backend]:
+        dims = self.problem.dims(*args) if self.shaped else None
+        return [b for b in self.backends
+                if b.name not in self.broken and (dims is None or b.takes(dims))]
+
+    def backend_for(self, *args) -> str:
+        usable = self._usable(args)
+        return usable[0].name if usable else REFERENCE_NAME
+
+    def keeps_inputs_only_for(self, *args) -> bool:
+        usable = self._usable(args)
+        return bool(usable) and usable[0].keeps_inputs_only
+
+    def __call__(self, *args):
+        for b in self._usable(args):
+            try:
+                return b.fn(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # a backend that fails to build or run: the next one
+                self.broken[b.name] = failure_reason(e)
+                self._note(("broken", self.op, b.name),
+                           f"{self.op}: backend {b.name} failed ({self.broken[b.name]}); "
+                           f"using the next choice from now on", logging.WARNING)
+        return self.reference(*args)
+
+
 class KernelRegistry:
     def __init__(self):
         self._backends: dict[str, dict[str, Backend]] = {op: {} for op in REFERENCE}
@@ -239,6 +282,16 @@ class KernelRegistry:
                 unable.setdefault(op, []).append(name)
         return chosen, unable
 
+    def chosen_op(self, op: str, device: torch.device, dtype: torch.dtype,
+                  names: str | Sequence[str]) -> ChosenOp:
+        """A ``ChosenOp`` over the named backends of ``op`` that can run here, in order (up
+        to the reference, when named)."""
+        names = [names] if isinstance(names, str) else list(names)
+        if REFERENCE_NAME in names:
+            names = names[:names.index(REFERENCE_NAME)]
+        backends = [self.backend(op, n) for n in names]
+        return ChosenOp(op, [b for b in backends if b.available(device, dtype)], self.note)
+
     def tuned_op(self, op: str, device: torch.device | str, tuned: Tuned) -> TunedOp | None:
         """A ``TunedOp`` for ``op`` from the table's entries, or None when no entry names a
         backend (other than the reference) that can run here."""
@@ -274,7 +327,7 @@ class KernelRegistry:
         picked = []
         for op, name in chosen.items():
             if name != REFERENCE_NAME:
-                table.override(op, self.backend(op, name).fn)
+                table.override(op, self.chosen_op(op, device, dtype, choices[op]))
                 picked.append(f"{op}={name}")
             elif tuned and op not in (choices or {}):
                 t = self.tuned_op(op, device, tuned)
