@@ -348,3 +348,21 @@ def test_loaded_parameters_own_their_storage(tmp_path, small):
     model, _ = load_transformer(path, dtype=torch.float32)
     for name, p in model.named_parameters():
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
+
+
+def test_a_checkpoints_trained_record_is_checked_like_params():
+    """``state.json``'s ``trained`` builds its ``AdapterConfig`` through the params checks: a
+    damaged or foreign record is a clear error naming the field, never a half-built config."""
+    from kohakumoss.config import AdapterConfig
+    from kohakumoss.training.trained import TrainedError, trained_config
+
+    good = {"algo": "lora", "preset": "attn-mlp", "targets": [], "dim": 8, "alpha": 4.0,
+            "dora": False, "algo_kwargs": {}, "train_norms": False}
+    assert trained_config(good) == AdapterConfig(algo="lora", dim=8, alpha=4.0)
+    assert trained_config({"algo": "full"}).full
+    for bad, words in [({**good, "dim": -3}, ["trained.dim", "-3"]),
+                       ({**good, "algo": "lorax"}, ["trained.algo", "lorax"]),
+                       ({**good, "rank": 8}, ["trained.rank", "unknown key"])]:
+        with pytest.raises(TrainedError) as e:
+            trained_config(bad, "ckpt/step-000004")
+        assert all(w in str(e.value) for w in ["ckpt/step-000004", *words]), str(e.value)

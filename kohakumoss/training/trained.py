@@ -21,6 +21,7 @@ from torch import nn
 
 from kohakumoss.adapters import AdapterSet, apply_adapters
 from kohakumoss.config import AdapterConfig
+from kohakumoss.configlib import ConfigError, build
 from kohakumoss.errors import KohakuError
 from kohakumoss.training.checkpoint import open_checkpoint
 
@@ -52,12 +53,12 @@ def trained_config(trained: Any, where: str | os.PathLike = "checkpoint") -> Ada
         raise TrainedError(f"{where}: state.json records no 'trained' algorithm ({trained!r}); "
                            f"it was not written by kmoss train")
     fields = dict(trained)
-    fields["targets"] = tuple(fields.get("targets", ()))
-    try:
-        return AdapterConfig(**fields)
-    except TypeError as e:
-        raise TrainedError(f"{where}: state.json's 'trained' has fields this version does not "
-                           f"know ({e}); export it with the version that trained it") from None
+    fields["targets"] = list(fields.get("targets") or ())
+    try:  # every knob checked as params.yaml's adapter section is: a damaged record is refused
+        return build(AdapterConfig, fields, f"{where}: state.json trained")
+    except ConfigError as e:
+        raise TrainedError(f"{e} (the checkpoint's record of what it trained; export it with "
+                           f"the version that trained it, or check the file)") from None
 
 
 def load_trained(model: nn.Module, checkpoint: str | os.PathLike, ema: bool = False, *,
