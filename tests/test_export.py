@@ -295,7 +295,7 @@ def test_load_trained_full_finetune_and_its_ema(tmp_path):
     with pytest.raises(TrainedError, match="holds no EMA weights"):
         load_trained(tiny_transformer(), no_ema, ema=True)
     unknown = save_checkpoint(tmp_path / "odd", 3, weights, {}, {"trained": {"algo": "full", "x": 1}})
-    with pytest.raises(TrainedError, match="'trained' has fields"):
+    with pytest.raises(TrainedError, match="state.json trained.x: unknown key"):
         load_trained(tiny_transformer(), unknown)
     bare = save_checkpoint(tmp_path / "bare", 3, weights, {}, {"steps": 3})
     with pytest.raises(TrainedError, match="records no 'trained'"):
