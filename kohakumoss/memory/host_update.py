@@ -47,6 +47,7 @@ class HostUpdate:
         self.grads = [torch.empty(m.shape, dtype=m.dtype) for m in self.masters]  # the masters' .grad
         self.arrived = [False] * len(self.params)
         self.before_push: list = []  # called before the masters are written back (ring.invalidate)
+        self.pushed: torch.cuda.Event | None = None
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(self.params)]
@@ -94,6 +95,14 @@ class HostUpdate:
             fn()
         for p, m in zip(self.params, self.masters):
             p.copy_(m, non_blocking=self.cuda and p.device.type == "cuda")
+        if self.cuda:  # the masters are not written again before these copies have read them
+            self.pushed = torch.cuda.current_stream(self.device).record_event()
+
+    def _settle(self) -> None:
+        """Wait for the last push's copies (before the masters change)."""
+        if self.pushed is not None:
+            self.pushed.synchronize()
+            self.pushed = None
 
     def overlay(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` (the trainable's state dict) with the masters in place of the tensors of
@@ -105,6 +114,7 @@ class HostUpdate:
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """The masters from a checkpoint's state (the names it holds; the rest from the
         parameters), then the parameters from the masters."""
+        self._settle()
         for name, p, m in zip(self.names, self.params, self.masters):
             m.copy_(state[name] if name in state else p.detach())
         self.push()
@@ -112,11 +122,13 @@ class HostUpdate:
     @torch.no_grad()
     def pull(self) -> None:
         """The parameters to the masters (after loading a checkpoint into the parameters)."""
+        self._settle()
         for p, m in zip(self.params, self.masters):
             m.copy_(p.detach())
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Copy the masters back to the device after each of ``optimizer``'s steps."""
+        self.handles.append(optimizer.register_step_pre_hook(lambda *_: self._settle()))
         self.handles.append(optimizer.register_step_post_hook(lambda *_: self.push()))
 
     def host_bytes(self) -> int:
