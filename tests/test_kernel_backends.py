@@ -261,6 +261,33 @@ def test_gated_residual(lengths, dtype):
 
 
 @triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("loss", ["mse", "l1", "huber"])
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+def test_flow_loss(lengths, loss, dtype):
+    """The fused loss against ``ops.flow_loss``: the value (fp32) and pred's gradient, with
+    per-sample weights, tokens in any sample order, 128 channels (the latent's) and an odd
+    width, and huber errors on both sides of delta."""
+    needs_triton()
+    g = torch.Generator().manual_seed(12)
+    N, B = sum(lengths), len(lengths)
+    for C, shuffle in ((128, False), (37, True)):
+        pred = leaf(g, N, C, dtype=dtype, scale=1.5)
+        target = leaf(g, N, C, grad=False)
+        weight = (torch.rand(B, generator=g) + 0.5).to(DEVICE)
+        seg = seg_of(lengths, shuffle, g)
+        args = (pred, target, seg, weight, 3 * N + 1, loss, 0.7)
+        out, want = triton_fn("flow_loss")(*args), ops.flow_loss(*args)
+        assert out.dtype == want.dtype == torch.float32 and out.shape == want.shape == ()
+        assert rel(out, want) <= 1e-5, (float(out), float(want))
+        go = torch.tensor(0.3, device=DEVICE)
+        got, = torch.autograd.grad(out, pred, go)
+        exp, = torch.autograd.grad(want, pred, go)
+        assert got.dtype == exp.dtype == dtype
+        assert rel(got, exp) <= TOL[dtype], f"dpred: relative error {rel(got, exp):.2e}"
+
+
+@triton_test
 def test_every_triton_op_passes_opcheck():
     """``torch.library.opcheck``: the schema, the autograd registration, the fake (meta)
     implementation against the real one, and AOT dispatch with dynamic shapes, which is
@@ -281,6 +308,8 @@ def test_every_triton_op_passes_opcheck():
         "triton_situ": (leaf(g, N, D, dtype=torch.bfloat16), leaf(g, N, D, dtype=torch.bfloat16)),
         "triton_residual": (leaf(g, N, D, dtype=torch.bfloat16), leaf(g, N, D)),
         "triton_gated_residual": (leaf(g, N, D), leaf(g, N, D), leaf(g, B, D), seg),
+        "triton_flow_loss": (leaf(g, N, D, dtype=torch.bfloat16), leaf(g, N, D, grad=False), seg,
+                             leaf(g, B, grad=False), 11, "huber", 0.5),
     }
     for name, args in cases.items():
         result = torch.library.opcheck(getattr(K, name).default, args)

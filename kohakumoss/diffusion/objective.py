@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kohakumoss.model.ops import REFERENCE, OpTable
+
 
 def noised(x0_NC: torch.Tensor, eps_NC: torch.Tensor, sigma_N: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,18 +21,6 @@ def noised(x0_NC: torch.Tensor, eps_NC: torch.Tensor, sigma_N: torch.Tensor
     return x0 + s * (eps - x0), eps - x0
 
 
-def token_error(pred_NC: torch.Tensor, target_NC: torch.Tensor, loss: str = "mse",
-                delta: float = 1.0) -> torch.Tensor:
-    d = pred_NC.float() - target_NC.float()
-    if loss == "mse":
-        e = d.square()
-    elif loss == "l1":
-        e = d.abs()
-    elif loss == "huber":
-        e = torch.nn.functional.huber_loss(d, torch.zeros_like(d), reduction="none", delta=delta)
-    else:
-        raise ValueError(f"unknown loss {loss!r}; one of mse, l1, huber")
-    return e.mean(dim=-1)
 
 
 def sigma_weight(sigma_B: torch.Tensor, weighting: str = "none") -> torch.Tensor:
@@ -46,7 +36,8 @@ def sigma_weight(sigma_B: torch.Tensor, weighting: str = "none") -> torch.Tensor
 
 def flow_loss(pred_NC: torch.Tensor, target_NC: torch.Tensor, seg_N: torch.Tensor,
               sample_weight_B: torch.Tensor, n_tokens_step: int, loss: str = "mse",
-              delta: float = 1.0) -> torch.Tensor:
-    """This micro-batch's share of the step's per-token mean loss (backward it as is)."""
-    err = token_error(pred_NC, target_NC, loss, delta)
-    return (err * sample_weight_B.float()[seg_N]).sum() / max(1, n_tokens_step)
+              delta: float = 1.0, ops: OpTable | None = None) -> torch.Tensor:
+    """This micro-batch's share of the step's per-token mean loss (backward it as is):
+    ``ops.flow_loss`` of the model's op table (its reference without one)."""
+    fn = ops.flow_loss if ops is not None else REFERENCE["flow_loss"]
+    return fn(pred_NC, target_NC, seg_N, sample_weight_B, n_tokens_step, loss, delta)

@@ -37,6 +37,7 @@ TRITON_OPS = {  # op -> the module holding its Triton kernels
     "situ": "triton_pointwise",
     "residual": "triton_pointwise",
     "gated_residual": "triton_pointwise",
+    "flow_loss": "triton_loss",
 }
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

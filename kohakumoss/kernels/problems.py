@@ -118,6 +118,12 @@ def _make_attention(d, dtype, device, g, wg):
     return q, k, v, _lengths(d["N"], d["L"])
 
 
+def _make_loss(d, dtype, device, g, wg):
+    n, b = d["N"], d["B"]
+    return (_rand(g, device, dtype, n, d["C"]), _rand(g, device, torch.float32, n, d["C"], grad=False),
+            _seg(n, b, device), torch.ones(b, device=device), n, "mse", 1.0)
+
+
 PROBLEMS: dict[str, Problem] = {p.op: p for p in (
     Problem("rms_norm", lambda x, w, eps: {"N": _rows(x), "D": x.shape[-1]}, ("N", "D"),
             _make_rms),
@@ -139,6 +145,10 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
                                       "L": max(lengths, default=0),
                                       "S": sum(1 for n in lengths if n)},
             ("N", "L", "H", "Dh"), _make_attention, tokens=("N", "L")),
+    Problem("flow_loss",
+            lambda pred, target, seg, weight, n, loss, delta: {"N": pred.shape[0], "C": pred.shape[1],
+                                                               "B": weight.shape[0]},
+            ("N", "C"), _make_loss),
 )}
 
 
@@ -184,4 +194,5 @@ def plan_problems(config: DiTConfig, batches: Iterable[Sequence[tuple[int, int]]
             add("situ", {"N": n, "F": F})
         if n_img:
             add("modulated_rms_norm", {"N": n_img, "D": D, "B": B})
+            add("flow_loss", {"N": n_img, "C": config.latent_channels, "B": B})
     return {op: shapes for op, shapes in out.items() if shapes}

@@ -111,6 +111,29 @@ def timestep_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
+LOSSES = ("mse", "l1", "huber")
+
+
+def flow_loss(pred_NC: torch.Tensor, target_NC: torch.Tensor, seg_N: torch.Tensor,
+              weight_B: torch.Tensor, n_tokens: int, loss: str = "mse", delta: float = 1.0
+              ) -> torch.Tensor:
+    """The training loss of a micro-batch (``docs/diffusion.md#training-objective``): each
+    token's error ``e(pred - target)`` averaged over the channels, weighted by its sample's
+    ``weight``, summed and divided by the step's loss-token count ``n_tokens``; float32,
+    0-d. ``e``: ``mse`` d^2, ``l1`` |d|, ``huber`` 0.5 d^2 within ``delta``, else
+    delta (|d| - 0.5 delta)."""
+    d = pred_NC.float() - target_NC.float()
+    if loss == "mse":
+        e = d.square()
+    elif loss == "l1":
+        e = d.abs()
+    elif loss == "huber":
+        e = F.huber_loss(d, torch.zeros_like(d), reduction="none", delta=delta)
+    else:
+        raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)}")
+    return (e.mean(dim=-1) * weight_B.float()[seg_N]).sum() / max(1, n_tokens)
+
+
 REFERENCE: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "modulated_rms_norm": modulated_rms_norm,
@@ -121,6 +144,7 @@ REFERENCE: dict[str, Callable] = {
     "gated_residual": gated_residual,
     "varlen_attention": varlen_attention,
     "timestep_embedding": timestep_embedding,
+    "flow_loss": flow_loss,
 }
 
 
