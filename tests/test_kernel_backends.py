@@ -429,6 +429,25 @@ def test_triton_at_the_real_sizes(op, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_ids)
+@pytest.mark.parametrize("loss", ["mse", "huber"])
+def test_the_flow_loss_at_the_real_sizes(loss, dtype):
+    """The loss of a 2 x 1 MP batch: 8192 image tokens x 128 channels."""
+    needs_triton()
+    g = torch.Generator().manual_seed(14)
+    N, C = 2 * 4096, BASE.latent_channels
+    pred, target = leaf(g, N, C, dtype=dtype), leaf(g, N, C, grad=False)
+    weight = torch.tensor([1.0, 0.5], device=DEVICE)
+    seg = seg_of([4096, 4096])
+    args = (pred, target, seg, weight, N, loss, 1.0)
+    out, want = triton_fn("flow_loss")(*args), ops.flow_loss(*args)
+    assert rel(out, want) <= 1e-5
+    got, = torch.autograd.grad(out, pred)
+    exp, = torch.autograd.grad(want, pred)
+    assert rel(got, exp) <= TOL[dtype]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend,dtype", [("flash_varlen", torch.bfloat16),
                                            ("flash_varlen", torch.float16),
                                            ("flex", torch.bfloat16), ("flex", torch.float32)],
