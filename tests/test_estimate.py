@@ -146,6 +146,13 @@ def test_streaming_profiles_hold_fewer_weights_and_auto_reaches_them_on_cuda():
     # the host update: no gradient, optimizer state or EMA on the device, the parameters stay
     assert est["minimal"].gradients == est["minimal"].optimizer == est["low"].optimizer == 0
     assert est["minimal"].trained == est["balanced"].trained == est["balanced"].gradients > 0
+    # host memory: the streamed copies, then masters, gradients, two AdamW states and the
+    # landing buffers (fp32, 5 x 4 bytes per trained number); minimal adds the offloaded inputs
+    trained = est["low"].trained // 4
+    streamed = (base.depth + base.text_blocks) * block_bytes
+    assert est["balanced"].host == 0
+    assert est["low"].host == pytest.approx(streamed + 20 * trained, rel=0.01)
+    assert est["minimal"].host > est["low"].host
     cuda = torch.device("cuda")
     free = int((est["low"].peak + est["balanced"].peak) / 2 / E.HEADROOM)
     name, engines, _, _ = E.resolve_profile(p, batch, cuda, free=free, config=base)

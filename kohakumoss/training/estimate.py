@@ -62,6 +62,7 @@ class Estimate:
     optimizer: int
     activations: int  # kept from forward to backward
     transient: int  # the backward's working set on top
+    host: int = 0  # host memory the engines hold: streamed weights, masters, states, inputs
 
     @property
     def peak(self) -> int:
@@ -69,8 +70,9 @@ class Estimate:
                 + self.transient)
 
     def describe(self) -> str:
+        host = f"; {size(self.host)} of host memory for the engines" if self.host else ""
         return (f"{size(self.peak)} predicted peak ({self.engines.describe()}; {self.tokens} "
-                f"tokens per micro-batch): weights {size(self.weights)}, trained + gradients + "
+                f"tokens per micro-batch{host}): weights {size(self.weights)}, trained + gradients + "
                 f"optimizer {size(self.trained + self.gradients + self.optimizer)}, activations "
                 f"{size(self.activations)}, backward working set {size(self.transient)}")
 
@@ -268,6 +270,10 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     kept += n_img * c.latent_channels * 4 * 4 + n_txt * c.text_dim * size
     master = 4  # fp32 masters, gradients and optimizer states
     streamed = 0  # a full finetune's parameters held in the compute dtype in the ring
+    host = 0  # what the engines keep in host memory
+    if engines.offload:  # every checkpointed part's input, in the compute dtype
+        for b, count in lists:
+            host += count * (b.half_inputs if mode == "sub-block" else b.inputs)
     if engines.stream_slots:
         # the streamed block weights are on the host; the device holds the slots
         from kohakumoss.memory.streaming import streamed_weights, unit_numel
@@ -276,6 +282,7 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         if any(units):
             slot_bytes = min(engines.stream_slots, len(units)) * max(
                 unit_numel(u) * size for u in units if u)
+            host += sum(unit_numel(u) * size for u in units)  # the host copies
             if params.adapter.full:
                 streamed = sum(p.numel() for u in units for _, _, p in u)
                 frozen = slot_bytes
@@ -283,6 +290,10 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
                 frozen += slot_bytes - sum(p.numel() * p.element_size() for u in units for _, _, p in u)
     states = OPTIMIZER_STATES.get(params.optim.name, 2) + (1 if params.optim.ema else 0)
     if engines.optimizer == "host":  # gradients, states and the EMA live on the host
+        # masters, their gradients, the states, and the landing buffers (the gradients'
+        # dtype: the compute dtype for a streamed full finetune's blocks, else fp32)
+        host += trained_count * master * (2 + states) + (trained_count - streamed) * master \
+            + streamed * size
         states, grads = 0, 0
     else:
         grads = master
@@ -292,9 +303,9 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         resident = trained_count - streamed
         weights = resident * (master + size) + frozen if streamed else trained_count * (master + size)
         return Estimate(engines, n_joint, weights, 0, resident * grads,
-                        resident * master * states, kept, transient)
+                        resident * master * states, kept, transient, host)
     return Estimate(engines, n_joint, frozen, trained_count * master, trained_count * grads,
-                    trained_count * master * states, kept, transient)
+                    trained_count * master * states, kept, transient, host)
 
 
 def free_memory(device: torch.device) -> int:
