@@ -155,8 +155,16 @@ def test_streaming_profiles_hold_fewer_weights_and_auto_reaches_them_on_cuda():
     assert est["minimal"].host > est["low"].host
     cuda = torch.device("cuda")
     free = int((est["low"].peak + est["balanced"].peak) / 2 / E.HEADROOM)
-    name, engines, _, _ = E.resolve_profile(p, batch, cuda, free=free, config=base)
+    name, engines, _, _ = E.resolve_profile(p, batch, cuda, free=free, config=base, host_free=64 * 2**30)
     assert (name, engines) == ("low", PROFILE_ENGINES["low"])
+    # a host without the RAM the streamed profiles need: auto does not take them, and a
+    # named one is warned about
+    name, engines, est, why = E.resolve_profile(p, batch, cuda, free=free, config=base,
+                                                host_free=4 * 2**30)
+    assert name == "minimal" and "nothing fits" in why and "host memory" in why
+    named = dataclasses.replace(p, profile="low")
+    why = E.resolve_profile(named, batch, cuda, config=base, host_free=4 * 2**30)[3]
+    assert "need 10.7 GiB of host memory and 4.0 GiB is available" in why
     # on the CPU nothing streams: what fits there is only minimal's sub-block checkpointing
     name, engines, _, _ = E.resolve_profile(p, batch, torch.device("cpu"), free=free, config=base)
     assert name in ("balanced", "minimal") and not engines.stream_slots and not engines.offload

@@ -320,16 +320,28 @@ def free_memory(device: torch.device) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def _host_note(est: Estimate, host_free: int) -> str:
+    if est.host <= host_free * HEADROOM:
+        return ""
+    return (f"; its engines need {size(est.host)} of host memory and {size(host_free)} is "
+            f"available: it may run out of host memory (close other programs, add swap, or "
+            f"choose a profile that streams less)")
+
+
 def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: torch.device,
-                    free: int | None = None, config: DiTConfig | None = None
-                    ) -> tuple[str, MemoryEngines, Estimate, str]:
+                    free: int | None = None, config: DiTConfig | None = None,
+                    host_free: int | None = None) -> tuple[str, MemoryEngines, Estimate, str]:
     """``(profile, engines, estimate, why)`` for a run: the params' profile as it is, or for
     ``auto`` the fastest engines whose estimate fits ``HEADROOM`` of the free memory
-    (``free``, default: the device's now)."""
+    (``free``, default: the device's now) and whose host memory fits ``HEADROOM`` of the
+    host's available RAM (``host_free``, default: now). ``why`` warns when the host memory
+    the engines need is not there."""
+    host_free = free_memory(torch.device("cpu")) if host_free is None else host_free
     if params.profile != "auto":
         engines, note = placed(profile_engines(params), params, device)
         est = estimate(params, batch, engines, config)
-        return params.profile, engines, est, f"profile {params.profile}" + (f": {note}" if note else "")
+        return (params.profile, engines, est, f"profile {params.profile}"
+                + (f": {note}" if note else "") + _host_note(est, host_free))
     free = free_memory(device) if free is None else free
     budget = int(free * HEADROOM)
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
@@ -345,7 +357,7 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     estimates = {}
     for name, engines in candidates:
         est = estimates[engines] = estimate(params, batch, engines, _model=built)
-        if est.peak <= budget:
+        if est.peak <= budget and not _host_note(est, host_free):
             why = (f"profile auto: {name if name != 'auto' else engines.describe()} is the fastest "
                    f"whose {size(est.peak)} estimate fits {size(budget)} "
                    f"({HEADROOM:.0%} of {size(free)} free on {device})")
@@ -354,5 +366,5 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     est = estimates[engines]
     why = (f"profile auto: nothing fits {size(budget)} ({HEADROOM:.0%} of {size(free)} free on "
            f"{device}); running {name}, the leanest, at {size(est.peak)} estimated: it may run "
-           f"out of memory (lower batching.max_tokens)")
+           f"out of memory (lower batching.max_tokens)" + _host_note(est, host_free))
     return name, engines, est, why
