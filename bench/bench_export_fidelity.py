@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kohakumoss.adapters import apply_adapters, merged_weight
-from kohakumoss.config import AdapterConfig
+from kohakumoss.adapters import merged_weight
+from kohakumoss.export.cases import ALGOS, CASES, trained_case
 from kohakumoss.export.check import trained_deltas
 from kohakumoss.formats.comfy import (comfy_state_dict, comfy_strength_delta, layer_delta,
                                       load_adapter_file)
@@ -47,48 +47,8 @@ from kohakumoss.model.config import FLAVORS
 sys.path.insert(0, str(Path(__file__).parent))
 from _report import report  # noqa: E402
 
-ALGOS = {"lora": {}, "locon": {}, "loha": {}, "lokr": {"algo_kwargs": {"factor": 4}}, "dora": {},
-         "oft": {}, "boft": {"dim": 8}, "glora": {}, "ia3": {}, "dylora": {"dim": 8}, "tlora": {}}
-VARIANTS = {
-    "lokr-factor-8": ("lokr", {"algo_kwargs": {"factor": 8}}),
-    "lokr-full-factors": ("lokr", {"dim": 10000, "alpha": 1.0, "algo_kwargs": {"factor": 4}}),
-    "dora-input-axis": ("lora", {"dora": True, "algo_kwargs": {"wd_on_out": False}}),
-    "loha-dora": ("loha", {"dora": True}),
-    "oft-rescaled": ("oft", {"algo_kwargs": {"rescaled": True}}),
-    "boft-rescaled": ("boft", {"dim": 8, "algo_kwargs": {"rescaled": True, "constraint": 1e-2}}),
-    "lora-norms": ("lora", {"train_norms": True}),
-    "tlora-norms": ("tlora", {"train_norms": True}),
-}
-CASES = {**{a: (a, kw) for a, kw in ALGOS.items()}, **VARIANTS}
 AS_DIFF = {"oft-as-diff": "oft", "boft-as-diff": "boft"}  # export rotations "diff"
 STRENGTHS = (1.0, 0.5)
-
-
-def trained(algo: str, kw: dict, model=None, dim: int = 4, alpha: float = 2.0,
-            preset: str = "all"):
-    """A DiT (tiny unless given) with the adapter on ``preset``, every factor moved off its init."""
-    model = model if model is not None else tiny_transformer().float().eval()
-    with torch.no_grad():  # non-zero biases, so bias deltas show
-        g = torch.Generator().manual_seed(3)
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    cfg = AdapterConfig(**{"algo": algo, "preset": preset, "dim": dim, "alpha": alpha, **kw})
-    aset = apply_adapters(model, cfg, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for lyco in aset.modules.values():
-            for name, p in lyco.named_parameters():
-                noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-                if "dora_scale" in name or "rescale" in name:
-                    p.mul_(1 + 0.1 * noise)
-                elif name == "scalar":
-                    p.copy_(1 + 0.1 * noise)
-                else:
-                    p.add_(0.05 * noise)
-        for n in aset.norms.values():
-            n.w_norm.add_(0.05 * torch.randn(n.w_norm.shape, generator=g))
-    return model, aset.eval()
 
 
 def lycoris_error(aset, model, tensors, strength: float) -> float:
@@ -150,7 +110,7 @@ def tensor_bytes(tensors: dict[str, torch.Tensor], uniform: torch.dtype | None =
 
 def measure(case: str) -> dict:
     algo, kw = CASES[AS_DIFF.get(case, case)]
-    model, aset = trained(algo, kw)
+    model, aset = trained_case(algo, kw)
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     comfy, _ = comfy_state_dict(aset, model, fused_qkv=True, dtype=torch.bfloat16,
                                 rotations="diff" if case in AS_DIFF else "blocks")
@@ -171,7 +131,7 @@ def moss_sizes(case: str) -> dict:
     algo, kw = CASES[AS_DIFF.get(case, case)]
     kw = {**kw, "dim": 32, "alpha": 16.0}
     config = dataclasses.replace(FLAVORS["base"], depth=1, text_blocks=0, negative_skip_layers=())
-    model, aset = trained(algo, kw, random_transformer(config, "cpu").eval(), preset="attn-mlp")
+    model, aset = trained_case(algo, kw, random_transformer(config, "cpu").eval(), preset="attn-mlp")
     comfy, _ = comfy_state_dict(aset, model, fused_qkv=True, dtype=torch.bfloat16,
                                 rotations="diff" if case in AS_DIFF else "blocks")
     lyco = lycoris_state_dict(aset, torch.bfloat16)

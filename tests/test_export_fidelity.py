@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from kohakumoss.adapters import apply_adapters, merged_weight
-from kohakumoss.config import AdapterConfig
+from kohakumoss.adapters import merged_weight
+from kohakumoss.export.cases import ALGOS, CASES, trained_case
 from kohakumoss.export.check import trained_deltas
 from kohakumoss.export.formats import load_source, write_export
 from kohakumoss.formats.comfy import comfy_state_dict, layer_delta, load_adapter_file
@@ -27,49 +27,12 @@ from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.training.checkpoint import save_checkpoint
 
-ALGOS = {"lora": {}, "locon": {}, "loha": {}, "lokr": {"algo_kwargs": {"factor": 4}}, "dora": {},
-         "oft": {}, "boft": {"dim": 8}, "glora": {}, "ia3": {}, "dylora": {"dim": 8}, "tlora": {}}
-VARIANTS = {
-    "lokr-factor-8": ("lokr", {"algo_kwargs": {"factor": 8}}),
-    "lokr-full-factors": ("lokr", {"dim": 10000, "alpha": 1.0, "algo_kwargs": {"factor": 4}}),
-    "dora-input-axis": ("lora", {"dora": True, "algo_kwargs": {"wd_on_out": False}}),
-    "loha-dora": ("loha", {"dora": True}),
-    "oft-rescaled": ("oft", {"algo_kwargs": {"rescaled": True}}),
-    "boft-rescaled": ("boft", {"dim": 8, "algo_kwargs": {"rescaled": True, "constraint": 1e-2}}),
-    "lora-norms": ("lora", {"train_norms": True}),
-    "tlora-norms": ("tlora", {"train_norms": True}),
-}
-CASES = {**{a: (a, kw) for a, kw in ALGOS.items()}, **VARIANTS}
 BF16_TOL = 5e-3  # the issue's bound; LoRA's own bf16 level is ~2.5e-3 here
 BF16 = torch.bfloat16
 
 
 def _trained(algo: str, kw: dict, noise: float = 0.05, biases: bool = True):
-    """A tiny float32 DiT with the adapter on preset ``all`` (non-zero biases), every factor
-    moved off its init by ``noise`` (scales by ``1 + 2 noise``)."""
-    model = tiny_transformer().float().eval()
-    if biases:
-        g = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(".bias"):
-                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    cfg = AdapterConfig(**{"algo": algo, "preset": "all", "dim": 4, "alpha": 2.0, **kw})
-    aset = apply_adapters(model, cfg, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for lyco in aset.modules.values():
-            for name, p in lyco.named_parameters():
-                z = torch.randn(p.shape, generator=g, dtype=p.dtype)
-                if "dora_scale" in name or "rescale" in name:
-                    p.mul_(1 + 2 * noise * z)
-                elif name == "scalar":
-                    p.copy_(1 + 2 * noise * z)
-                else:
-                    p.add_(noise * z)
-        for n in aset.norms.values():
-            n.w_norm.add_(noise * torch.randn(n.w_norm.shape, generator=g))
-    return model, aset.eval()
+    return trained_case(algo, kw, noise=noise, biases=biases)
 
 
 def _state(model) -> dict[str, torch.Tensor]:
