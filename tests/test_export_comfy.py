@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kohakumoss.adapters import apply_adapters, merged_weight
-from kohakumoss.config import AdapterConfig
+from kohakumoss.adapters import merged_weight
+from kohakumoss.export.cases import trained_case
 from kohakumoss.export.check import trained_deltas
 from kohakumoss.formats.comfy import (comfy_from_weight_deltas, comfy_state_dict, convert_file,
                                       load_adapter_file, save_comfy_file)
@@ -68,23 +68,7 @@ def _base() -> torch.nn.Module:
 
 def _trained(algo: str, kw: dict):
     """A tiny DiT with the adapter on preset ``all``, every factor moved off its init."""
-    model = _base()
-    cfg = AdapterConfig(**{"algo": algo, "preset": "all", "dim": 4, "alpha": 2.0, **kw})
-    aset = apply_adapters(model, cfg, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for lyco in aset.modules.values():
-            for name, p in lyco.named_parameters():
-                noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-                if "dora_scale" in name or "rescale" in name:
-                    p.mul_(1 + 0.1 * noise)
-                elif name == "scalar":  # init 0; near 1, so the delta stays far above rounding
-                    p.copy_(1 + 0.1 * noise)
-                else:
-                    p.add_(0.05 * noise)
-        for n in aset.norms.values():
-            n.w_norm.add_(0.05 * torch.randn(n.w_norm.shape, generator=g))
-    return model, aset.eval()
+    return trained_case(algo, kw)
 
 
 def _expected(aset, base: dict[str, torch.Tensor], fused: bool) -> dict[str, torch.Tensor]:
