@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from kohakumoss.configlib import ConfigError, fail, knob, to_plain
+from kohakumoss.configlib import knob, to_plain
 
 # Defaults of the data.max_* knobs (docs/data.md, "Hostile and broken input"):
 # - 16384 characters per caption field: caption.max_text_tokens (4096) at ~4 characters a
@@ -362,28 +362,6 @@ class Params:
     memory: MemoryConfig = MemoryConfig()
     profile: str = "auto"
     path: str = "params.yaml"
-
-
-def validate(p: Params) -> None:
-    """Cross-section rules (``docs/data.md#cross-section-rules``)."""
-    where = f"{p.path}: batching.token_budget"
-    if p.batching.token_budget == "exact" and not p.caption.tokenizer:
-        fail(where, "exact", "'exact' needs caption.tokenizer set to a tokenizer folder; "
-             "use 'auto' or 'estimate' without one")
-    refuse_unhonoured(p)
-
-
-def refuse_unhonoured(p: Params) -> None:
-    if p.parallel.world_size > 1:
-        raise ConfigError(
-            f"{p.path}: parallel.world_size = {p.parallel.world_size}: multi-GPU training is not "
-            f"implemented yet, so every rank's share of the plan would not be trained; set "
-            f"parallel.world_size: 1")
-    if p.train.dtype == "fp16":
-        raise ConfigError(
-            f"{p.path}: train.dtype = 'fp16': fp16 training needs loss scaling, which is not "
-            f"implemented yet (its gradients would underflow silently); use bf16 (any GPU from "
-            f"Ampere on, and the CPU) or fp32")
 
 
 def section_plain(params: Params, name: str) -> dict[str, Any]:

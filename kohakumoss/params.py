@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kohakumoss.checks.params import check_adapter, check_targets, check_weights
-from kohakumoss.config import DATASET_KEYS, SECTIONS, TOP_LEVEL, DatasetEntry, Params, validate
+from kohakumoss.config import DATASET_KEYS, SECTIONS, TOP_LEVEL, DatasetEntry, Params
 from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
 from kohakumoss.data.sources import SOURCES
@@ -98,6 +98,31 @@ def parse_params(raw: Any, path: str = "params.yaml") -> Params:
     return params
 
 
+def validate(p: Params) -> None:
+    """Cross-section rules (``docs/data.md#cross-section-rules``)."""
+    where = f"{p.path}: batching.token_budget"
+    if p.batching.token_budget == "exact" and not p.caption.tokenizer:
+        fail(where, "exact", "'exact' needs caption.tokenizer set to a tokenizer folder; "
+             "use 'auto' or 'estimate' without one")
+    refuse_unhonoured(p)
+
+
+def refuse_unhonoured(p: Params) -> None:
+    """Knobs that parse but that no engine honours yet: accepting them would train something
+    other than what params.yaml says, so they are refused until their issue lands
+    (``docs/architecture.md#refused-knobs``)."""
+    if p.parallel.world_size > 1:
+        raise ConfigError(
+            f"{p.path}: parallel.world_size = {p.parallel.world_size}: multi-GPU training is not "
+            f"implemented yet, so every rank's share of the plan would not be trained; set "
+            f"parallel.world_size: 1")
+    if p.train.dtype == "fp16":
+        raise ConfigError(
+            f"{p.path}: train.dtype = 'fp16': fp16 training needs loss scaling, which is not "
+            f"implemented yet (its gradients would underflow silently); use bf16 (any GPU from "
+            f"Ampere on, and the CPU) or fp32")
+
+
 def check_memory(p: Params) -> None:
     """The ``memory:`` knobs against each other (the profile's own settings are valid)."""
     m, where = p.memory, f"{p.path}: memory"
@@ -119,12 +144,6 @@ def check_memory(p: Params) -> None:
         fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
              f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "
              f"partial only)")
-
-
-# Knobs that parse but that no engine honours yet: accepting them would train something
-# other than what params.yaml says, so they are refused until their issue lands
-# (docs/architecture.md#refused-knobs).
-
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
