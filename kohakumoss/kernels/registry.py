@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kohakumoss.errors import KohakuError
-from kohakumoss.kernels.problems import PROBLEMS, Problem, call_dtype
+from kohakumoss.kernels.problems import PROBLEMS, Dims, Problem, call_dtype
 from kohakumoss.model.ops import REFERENCE, OpTable
 
 log = logging.getLogger(__name__)
@@ -149,19 +149,7 @@ class TunedOp:
         chain = self.chain(call_dtype(args), self.problem.key(dims))
         if chain is None:
             return self.reference(*args)
-        for b in chain:
-            if b.name in self.broken or not b.takes(dims):
-                continue
-            try:
-                return b.fn(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # a backend that fails to build or run: the next one
-                self.broken[b.name] = failure_reason(e)
-                self._note(("broken", self.op, b.name),
-                           f"{self.op}: backend {b.name} failed ({self.broken[b.name]}); "
-                           f"using the next choice from now on", logging.WARNING)
-        return self.reference(*args)
+        return _run_first(self, chain, dims, args)
 
 
 class ChosenOp:
@@ -194,17 +182,26 @@ class ChosenOp:
         return bool(usable) and usable[0].keeps_inputs_only
 
     def __call__(self, *args):
-        for b in self._usable(args):
-            try:
-                return b.fn(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # a backend that fails to build or run: the next one
-                self.broken[b.name] = failure_reason(e)
-                self._note(("broken", self.op, b.name),
-                           f"{self.op}: backend {b.name} failed ({self.broken[b.name]}); "
-                           f"using the next choice from now on", logging.WARNING)
-        return self.reference(*args)
+        return _run_first(self, self.backends, self.problem.dims(*args) if self.shaped else None, args)
+
+
+def _run_first(op: TunedOp | ChosenOp, backends: list[Backend], dims: Dims | None, args: tuple):
+    """The first of ``backends`` that is not broken and takes ``dims`` (None: any shape) runs
+    ``args``; one that raises is marked broken on ``op`` (said once) and the next is tried;
+    the reference when none is left."""
+    for b in backends:
+        if b.name in op.broken or (dims is not None and not b.takes(dims)):
+            continue
+        try:
+            return b.fn(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a backend that fails to build or run: the next one
+            op.broken[b.name] = failure_reason(e)
+            op._note(("broken", op.op, b.name),
+                     f"{op.op}: backend {b.name} failed ({op.broken[b.name]}); "
+                     f"using the next choice from now on", logging.WARNING)
+    return op.reference(*args)
 
 
 class KernelRegistry:

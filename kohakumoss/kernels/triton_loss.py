@@ -27,14 +27,24 @@ _TILE = 4096  # elements per program
 
 
 @jit
-def _loss_fwd(P, T, SEG, W, PART, R, C, sp, st, delta, KIND: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _tile(P, T, SEG, W, R, C, sp, st, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's rows: (rows, columns, element mask, row mask, ``pred - target`` in
+    fp32, each row's sample weight)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)[None, :]
     rmask = rows < R
     m = rmask[:, None] & (cols < C)
     d = tl.load(P + rows[:, None] * sp + cols, mask=m, other=0.0).to(tl.float32) \
         - tl.load(T + rows[:, None] * st + cols, mask=m, other=0.0).to(tl.float32)
+    seg = tl.load(SEG + rows, mask=rmask, other=0)
+    w = tl.load(W + seg, mask=rmask, other=0.0).to(tl.float32)
+    return rows, cols, m, rmask, d, w
+
+
+@jit
+def _loss_fwd(P, T, SEG, W, PART, R, C, sp, st, delta, KIND: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows, cols, m, rmask, d, w = _tile(P, T, SEG, W, R, C, sp, st, BLOCK_R, BLOCK_C)
     if KIND == 0:
         e = d * d
     elif KIND == 1:
@@ -43,8 +53,6 @@ def _loss_fwd(P, T, SEG, W, PART, R, C, sp, st, delta, KIND: tl.constexpr,
         a = tl.abs(d)
         e = tl.where(a <= delta, 0.5 * d * d, delta * (a - 0.5 * delta))
     e = tl.where(m, e, 0.0)
-    seg = tl.load(SEG + rows, mask=rmask, other=0)
-    w = tl.load(W + seg, mask=rmask, other=0.0).to(tl.float32)
     per_row = tl.sum(e, axis=1) / C * w
     tl.store(PART + tl.program_id(0), tl.sum(tl.where(rmask, per_row, 0.0), axis=0))
 
@@ -52,20 +60,13 @@ def _loss_fwd(P, T, SEG, W, PART, R, C, sp, st, delta, KIND: tl.constexpr,
 @jit
 def _loss_bwd(GO, P, T, SEG, W, DP, R, C, sp, st, delta, inv_n, KIND: tl.constexpr,
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_C)[None, :]
-    rmask = rows < R
-    m = rmask[:, None] & (cols < C)
-    d = tl.load(P + rows[:, None] * sp + cols, mask=m, other=0.0).to(tl.float32) \
-        - tl.load(T + rows[:, None] * st + cols, mask=m, other=0.0).to(tl.float32)
+    rows, cols, m, _, d, w = _tile(P, T, SEG, W, R, C, sp, st, BLOCK_R, BLOCK_C)
     if KIND == 0:
         de = 2.0 * d
     elif KIND == 1:
         de = tl.where(d > 0.0, 1.0, tl.where(d < 0.0, -1.0, 0.0))
     else:
         de = tl.minimum(tl.maximum(d, -delta), delta)
-    seg = tl.load(SEG + rows, mask=rmask, other=0)
-    w = tl.load(W + seg, mask=rmask, other=0.0).to(tl.float32)
     go = tl.load(GO).to(tl.float32)
     scale = (go * inv_n / C) * w
     tl.store(DP + rows[:, None] * C + cols, rounded(de * scale[:, None], DP.dtype.element_ty), mask=m)
