@@ -8,33 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kohakumoss.adapters import apply_adapters
-from kohakumoss.config import AdapterConfig
-from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
+from kohakumoss.memory import apply_checkpointing, repeated_blocks
 from kohakumoss.memory.offload import apply_activation_offload
-from kohakumoss.memory.streaming import apply_weight_streaming
-from kohakumoss.model import FLAVORS, MOSSImageTransformer, cast_model
+from kohakumoss.model import FLAVORS, MOSSImageTransformer
 
+from test_streaming import _model as _streamed_model
 from test_streaming import _same, _step
 
 
 def _model(dtype=torch.float32, offload=False, stream=0, halves=False, **adapter):
-    torch.manual_seed(0)
-    m = MOSSImageTransformer(FLAVORS["tiny"])
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.normal_(0, 0.05 if p.ndim == 1 else 0.2).add_(1.0 if "norm" in name else 0.0)
-    cast_model(m, dtype)
-    apply_recompute(m)
-    off = apply_activation_offload(m, "cpu", halves=halves) if offload else None
-    cfg = {"algo": "lora", "preset": "all", "dim": 4, "alpha": 2.0, **adapter}
-    aset = apply_adapters(m, AdapterConfig(**cfg), seed=0)
-    with torch.no_grad():
-        for p in aset.trainable_parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    if stream:
-        apply_weight_streaming(m, "cpu", stream)
-    return m, aset, off
+    model, aset, _ = _streamed_model(dtype, stream=stream, offload=offload and (
+        "sub-block" if halves else "block"), **adapter)
+    return model, aset, getattr(model, "offloader", None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

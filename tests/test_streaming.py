@@ -10,11 +10,14 @@ import torch
 from kohakumoss.adapters import apply_adapters
 from kohakumoss.config import AdapterConfig
 from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
+from kohakumoss.memory.offload import apply_activation_offload
 from kohakumoss.memory.streaming import apply_weight_streaming, streamed_weights
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
 
 
-def _model(dtype=torch.float32, algo="lora", mode="none", stream=0, **adapter):
+def _model(dtype=torch.float32, algo="lora", mode="none", stream=0, offload=None, **adapter):
+    """The tiny DiT with a trained-looking adapter; ``mode`` checkpointing, or ``offload``
+    (block / sub-block) activation offload; ``stream`` slots (0: resident)."""
     torch.manual_seed(0)
     m = MOSSImageTransformer(FLAVORS["tiny"])
     with torch.no_grad():
@@ -22,7 +25,10 @@ def _model(dtype=torch.float32, algo="lora", mode="none", stream=0, **adapter):
             p.normal_(0, 0.05 if p.ndim == 1 else 0.2).add_(1.0 if "norm" in name else 0.0)
     cast_model(m, dtype)
     apply_recompute(m)
-    apply_checkpointing(m, mode, 1 if mode == "partial" else 0)
+    if offload:
+        apply_activation_offload(m, "cpu", halves=offload == "sub-block")
+    else:
+        apply_checkpointing(m, mode, 1 if mode == "partial" else 0)
     aset = apply_adapters(m, AdapterConfig(**{"algo": algo, "preset": "all", "dim": 4, "alpha": 2.0,
                                               **adapter}), seed=0)
     with torch.no_grad():  # a trained-looking adapter: every factor non-zero

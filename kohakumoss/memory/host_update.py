@@ -119,13 +119,6 @@ class HostUpdate:
             m.copy_(state[name] if name in state else p.detach())
         self.push()
 
-    @torch.no_grad()
-    def pull(self) -> None:
-        """The parameters to the masters (after loading a checkpoint into the parameters)."""
-        self._settle()
-        for p, m in zip(self.params, self.masters):
-            m.copy_(p.detach())
-
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Copy the masters back to the device after each of ``optimizer``'s steps."""
         self.handles.append(optimizer.register_step_pre_hook(lambda *_: self._settle()))
