@@ -49,8 +49,8 @@ class HostUpdate:
         self.before_push: list = []  # called before the masters are written back (ring.invalidate)
         self.pushed: torch.cuda.Event | None = None
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
-                        for i, p in enumerate(self.params)]
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._hook(i))
         self.copied = 0  # bytes copied to the host (a benchmark reads it)
 
     @property
@@ -121,8 +121,8 @@ class HostUpdate:
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Copy the masters back to the device after each of ``optimizer``'s steps."""
-        self.handles.append(optimizer.register_step_pre_hook(lambda *_: self._settle()))
-        self.handles.append(optimizer.register_step_post_hook(lambda *_: self.push()))
+        optimizer.register_step_pre_hook(lambda *_: self._settle())
+        optimizer.register_step_post_hook(lambda *_: self.push())
 
     def host_bytes(self) -> int:
         """Masters, their gradients and the landing buffers (the last in the gradients'

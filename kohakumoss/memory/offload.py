@@ -32,7 +32,6 @@ from kohakumoss.model.dit import HALVES
 @dataclasses.dataclass
 class _Kept:
     host: torch.Tensor  # the block input's host copy
-    requires_grad: bool
     ready: torch.cuda.Event | None = None  # the copy to the host is done
     back: torch.Tensor | None = None  # on the device again (prefetched)
     arrived: torch.cuda.Event | None = None
@@ -53,7 +52,7 @@ class Offloader:
 
     def keep(self, x: torch.Tensor) -> int:
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
-        entry = _Kept(host, x.requires_grad)
+        entry = _Kept(host)
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):

@@ -121,19 +121,19 @@ class WeightRing:
         for (_, _, p), (at, n) in zip(self.units[u], self.views[u]):
             p.data = storage[at:at + n].view(p.shape)
 
-    def _load(self, u: int, protect: set[int]) -> bool:
+    def _load(self, u: int, protect: set[int]) -> None:
         """Put block ``u`` in a slot (copying it there) unless it is in one; the slot is an
         empty one or the least recently used whose block is not in ``protect``."""
         self.clock += 1
         if u in self.slot_of:
             self.touched[self.slot_of[u]] = self.clock
-            return True
+            return
         free = [i for i, v in enumerate(self.unit_in) if v is None]
         if not free:
             free = sorted((i for i, v in enumerate(self.unit_in) if v not in protect),
                           key=self.touched.__getitem__)
-        if not free:
-            return False
+        if not free:  # every slot holds a block in use (a prefetch that cannot happen now)
+            return
         i = free[0]
         old = self.unit_in[i]
         if old is not None:  # its weights are their host copies again
@@ -144,7 +144,6 @@ class WeightRing:
         self.loads += 1
         self.unit_in[i], self.slot_of[u], self.touched[i] = u, i, self.clock
         self._point(u, self.slots[i])
-        return True
 
     def _copy(self, i: int, u: int, n: int) -> None:
         if self.cuda:
@@ -257,12 +256,11 @@ def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: 
     keep = {id(p) for unit in units for _, _, p in unit}
     ring = WeightRing(units, device, slots, dtype)  # the streamed weights now live on the host
     model._apply(lambda t: t if id(t) in keep else t.to(device))
-    handles = []
     for u, (block, unit) in enumerate(zip(blocks, units)):
         hook = _hook(ring, u)
-        handles.append(block.register_forward_pre_hook(hook))
+        block.register_forward_pre_hook(hook)
         for module in {id(m): m for m, _, _ in unit}.values():
-            handles.append(module.register_forward_pre_hook(hook))
+            module.register_forward_pre_hook(hook)
     inner = model.forward
 
     def forward(*args, **kwargs):
@@ -271,7 +269,6 @@ def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: 
             return inner(*args, **kwargs)
 
     model.forward = forward
-    ring.handles = handles
     model.weight_ring = ring
     return ring
 
