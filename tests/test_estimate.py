@@ -100,15 +100,27 @@ def test_auto_picks_the_fastest_engines_that_fit():
     p = _lora()
     cpu = torch.device("cpu")
     speed = E.estimate(p, BATCH, PROFILE_ENGINES["speed"]).peak
-    block = E.estimate(p, BATCH, PROFILE_ENGINES["balanced"]).peak
+    block = E.estimate(p, BATCH, MemoryEngines("block")).peak
+    balanced = E.estimate(p, BATCH, PROFILE_ENGINES["balanced"]).peak
+    assert block < balanced < speed  # selective keeps the matmul outputs, block only inputs
     name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=10 * speed)
     assert (name, engines) == ("speed", PROFILE_ENGINES["speed"]) and "fits" in why
-    tight = int((block + speed) / 2 / E.HEADROOM)  # between block and speed: partial
-    name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=tight)
-    assert engines.checkpointing == "partial" and est.peak <= tight * E.HEADROOM
-    fewer = E.estimate(p, BATCH, MemoryEngines("partial", engines.checkpoint_blocks - 1)).peak \
-        if engines.checkpoint_blocks > 1 else speed
-    assert fewer > tight * E.HEADROOM  # one block fewer would not fit
+    # the order auto tries: partial of a few blocks is faster than balanced's selective
+    # recomputation, partial of many slower
+    depth = 2
+    assert E.slowdown(MemoryEngines("partial", 1), 42) < E.slowdown(PROFILE_ENGINES["balanced"], 42) \
+        < E.slowdown(MemoryEngines("partial", 21), 42) < E.slowdown(MemoryEngines("block"), 42)
+    assert E.slowdown(MemoryEngines("block"), depth) < E.slowdown(PROFILE_ENGINES["low"], depth) \
+        < E.slowdown(PROFILE_ENGINES["minimal"], depth)
+    # between selective and speed: the fastest that fits, each faster one does not
+    for free in (int((balanced + speed) / 2 / E.HEADROOM), int((block + balanced) / 2 / E.HEADROOM)):
+        name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=free)
+        assert est.peak <= free * E.HEADROOM
+        faster = [MemoryEngines("partial", k) for k in range(1, depth)] + [PROFILE_ENGINES["balanced"]]
+        for other in faster:
+            if E.slowdown(other, depth) < E.slowdown(engines, depth):
+                assert E.estimate(p, BATCH, other).peak > free * E.HEADROOM, other
+    assert (name, engines) == ("auto", MemoryEngines("block")) or engines.checkpointing == "partial"
     name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=block // 4)
     # the leanest on the CPU: minimal's sub-block checkpointing (streaming, offload and the
     # host update need a CUDA device)
@@ -128,33 +140,33 @@ def test_auto_picks_the_fastest_engines_that_fit():
 
 def test_streaming_profiles_hold_fewer_weights_and_auto_reaches_them_on_cuda():
     """low and minimal keep 4 and 2 blocks of the frozen base on the device; auto takes them
-    when balanced does not fit (on a CUDA device only)."""
+    when resident block checkpointing does not fit (on a CUDA device only)."""
     base = FLAVORS["base"]
     p = dataclasses.replace(make_params(DS, adapter={"algo": "lora", "dim": 32}, train={"dtype": "bf16"}),
                             profile="auto")
     batch = [(4096, 104)]
-    est = {name: E.estimate(p, batch, PROFILE_ENGINES[name], config=base)
-           for name in ("balanced", "low", "minimal")}
+    engines = {**PROFILE_ENGINES, "block": MemoryEngines("block")}  # block: low, resident
+    est = {name: E.estimate(p, batch, engines[name], config=base) for name in ("block", "low", "minimal")}
     # a joint block (q k v o, up-gate, down) and a text block (qkv, proj, gate, up, down) both
     # hold 4 D^2 + 3 D F matrix elements, in bf16
     block_bytes = 2 * (4 * base.dim * base.dim + 3 * base.dim * base.ffn_dim)
-    assert est["balanced"].weights - est["minimal"].weights == pytest.approx(
+    assert est["block"].weights - est["minimal"].weights == pytest.approx(
         (base.depth + base.text_blocks - 2) * block_bytes, rel=0.01)
     assert est["low"].weights - est["minimal"].weights == pytest.approx(2 * block_bytes, rel=0.01)
     # minimal offloads the blocks' inputs: the device keeps two of them
-    assert est["low"].activations == est["balanced"].activations > est["minimal"].activations
+    assert est["low"].activations == est["block"].activations > est["minimal"].activations
     # the host update: no gradient, optimizer state or EMA on the device, the parameters stay
     assert est["minimal"].gradients == est["minimal"].optimizer == est["low"].optimizer == 0
-    assert est["minimal"].trained == est["balanced"].trained == est["balanced"].gradients > 0
+    assert est["minimal"].trained == est["block"].trained == est["block"].gradients > 0
     # host memory: the streamed copies, then masters, gradients, two AdamW states and the
     # landing buffers (fp32, 5 x 4 bytes per trained number); minimal adds the offloaded inputs
     trained = est["low"].trained // 4
     streamed = (base.depth + base.text_blocks) * block_bytes
-    assert est["balanced"].host == 0
+    assert est["block"].host == 0
     assert est["low"].host == pytest.approx(streamed + 20 * trained, rel=0.01)
     assert est["minimal"].host > est["low"].host
     cuda = torch.device("cuda")
-    free = int((est["low"].peak + est["balanced"].peak) / 2 / E.HEADROOM)
+    free = int((est["low"].peak + est["block"].peak) / 2 / E.HEADROOM)
     name, engines, _, _ = E.resolve_profile(p, batch, cuda, free=free, config=base, host_free=64 * 2**30)
     assert (name, engines) == ("low", PROFILE_ENGINES["low"])
     # a host without the RAM the streamed profiles need: auto does not take them, and a
@@ -167,7 +179,7 @@ def test_streaming_profiles_hold_fewer_weights_and_auto_reaches_them_on_cuda():
     assert "need 10.7 GiB of host memory and 4.0 GiB is available" in why
     # on the CPU nothing streams: what fits there is only minimal's sub-block checkpointing
     name, engines, _, _ = E.resolve_profile(p, batch, torch.device("cpu"), free=free, config=base)
-    assert name in ("balanced", "minimal") and not engines.stream_slots and not engines.offload
+    assert name in ("auto", "minimal") and not engines.stream_slots and not engines.offload
 
 
 def test_train_resolves_the_profile_from_the_plan_and_says_why(tmp_path, caplog):

@@ -8,9 +8,11 @@ What each profile runs:
 
 =========  ==============================================================================
 speed      nothing checkpointed (every activation kept: fastest, most memory)
-balanced   every block keeps only its input (``block`` checkpointing)
-low        as balanced, the frozen base's block weights streamed through 4 device slots, the
-           optimizer on the host (gradients offloaded, states and update on the CPU)
+balanced   every block keeps its matmuls' and attention's outputs and recomputes the cheap
+           elementwise ops (``selective`` checkpointing: no matmul runs twice)
+low        every block keeps only its input (``block`` checkpointing), the frozen base's block
+           weights streamed through 4 device slots, the optimizer on the host (gradients
+           offloaded, states and update on the CPU)
 minimal    ``sub-block`` checkpointing (half a block recomputed at a time) whose kept inputs
            wait in host memory, weights streamed through 2 slots, the optimizer on the host
 =========  ==============================================================================
@@ -47,7 +49,7 @@ class MemoryEngines:
 
 PROFILE_ENGINES: dict[str, MemoryEngines] = {
     "speed": MemoryEngines("none"),
-    "balanced": MemoryEngines("block"),
+    "balanced": MemoryEngines("selective"),
     "low": MemoryEngines("block", stream_slots=4, optimizer="host"),
     "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),
 }

@@ -20,8 +20,9 @@ start of backward:
   checkpointed, one block (or half) recomputed.
 
 ``resolve_profile`` picks ``profile: auto``'s engines: the fastest whose estimate fits the
-memory the device has free (``speed``, then ``partial`` checkpointing of as few blocks as
-fit, then ``balanced``), and says which and why.
+memory the device has free, in the order ``slowdown`` predicts (``speed``; ``partial``
+checkpointing of a few blocks; ``balanced``'s selective checkpointing; ``partial`` of more
+blocks; ``block``; ``low``; ``minimal``), and says which and why.
 """
 
 from __future__ import annotations
@@ -308,6 +309,28 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
                     trained_count * master * states, kept, transient, host)
 
 
+# what each engine adds to the step time of ``speed`` (nothing checkpointed, resident), as
+# measured on the H200 (rank-32 LoRA at 1 MP, four samples per step, commit a3fde35,
+# docs/performance.md#memory-profiles): recomputing every block's forward (block or
+# sub-block checkpointing) +33%, selective's elementwise recomputation +8%; streaming, the
+# host update and activation offload a little more on top. Only the order matters: auto
+# tries the engines fastest first.
+RECOMPUTE_ALL, RECOMPUTE_ELEMENTWISE, PER_HOST_ENGINE = 0.33, 0.08, 0.01
+
+
+def slowdown(engines: MemoryEngines, depth: int) -> float:
+    """The predicted step time of ``engines`` over ``speed``'s, minus one (``RECOMPUTE_ALL``)."""
+    mode = engines.checkpointing
+    if mode == "partial":
+        cost = RECOMPUTE_ALL * min(engines.checkpoint_blocks, depth) / depth
+    else:
+        cost = {"none": 0.0, "selective": RECOMPUTE_ELEMENTWISE}.get(mode, RECOMPUTE_ALL)
+    host = (engines.stream_slots > 0) + (engines.optimizer == "host") + engines.offload
+    # fewer slots wait more often for a block's copy
+    return cost + PER_HOST_ENGINE * host + (PER_HOST_ENGINE / engines.stream_slots
+                                            if engines.stream_slots else 0)
+
+
 def free_memory(device: torch.device) -> int:
     """Bytes the device has free now: CUDA's free memory, or the host's available RAM."""
     if device.type == "cuda":
@@ -346,7 +369,7 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     budget = int(free * HEADROOM)
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
     depth = built[0].config.depth
-    candidates = [("speed", PROFILE_ENGINES["speed"])]
+    candidates = [("speed", PROFILE_ENGINES["speed"]), ("auto", MemoryEngines("block"))]
     candidates += [("auto", MemoryEngines("partial", k)) for k in range(1, depth)]
     seen = set()
     for name in FASTEST_FIRST[1:]:  # those this run cannot place (streaming on the CPU) drop out
@@ -354,6 +377,7 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
         if engines not in seen:
             seen.add(engines)
             candidates.append((name, engines))
+    candidates.sort(key=lambda c: slowdown(c[1], depth))  # stable: a tie keeps this order
     estimates = {}
     for name, engines in candidates:
         est = estimates[engines] = estimate(params, batch, engines, _model=built)
