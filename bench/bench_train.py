@@ -339,9 +339,9 @@ def main() -> None:
                     help="stream the frozen base's block weights through this many device slots")
     ap.add_argument("--memory-profile", default="",
                     help="a profile's engines (speed, balanced, low, minimal) instead of the knobs")
-    ap.add_argument("--cap", type=float, default=0.0,
+    ap.add_argument("--cap", type=float, nargs="*", default=[0.0],
                     help="cap the allocator at this many GiB (set_per_process_memory_fraction) "
-                         "for the steps")
+                         "for the steps; several: each budget is measured under each cap")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
@@ -353,19 +353,22 @@ def main() -> None:
         from kohakumoss.memory.profiles import PROFILE_ENGINES
 
         ENGINES["memory"] = PROFILE_ENGINES[a.memory_profile]
-    CAP[0] = a.cap
+    caps = a.cap or [0.0]
+    CAP[0] = caps[0]
     COMPILE_BLOCKS[0] = a.compile_blocks
     rate = matmul_rate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
            "checkpointing": a.checkpointing, "checkpoint_blocks": a.checkpoint_blocks,
            "recompute": not a.no_recompute, "memory": ENGINES["memory"].describe(),
-           "memory_profile": a.memory_profile, "cap_gib": a.cap,
+           "memory_profile": a.memory_profile, "cap_gib": caps,
            "compile_blocks": a.compile_blocks,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:
-        for b in a.budgets:
-            res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{b}", a.profile))
-            print(json.dumps(res["lora"][-1]), flush=True)
+        for cap in caps:
+            CAP[0] = cap
+            for b in a.budgets:
+                res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{cap:g}-{b}", a.profile))
+                print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:
             res["full"] = bench_full(a.text, root, a.steps)
             print(json.dumps(res["full"]), flush=True)

@@ -100,6 +100,34 @@ def test_a_static_choice_respects_fits_per_call_and_survives_a_failing_backend(c
         "using the next choice from now on"]
 
 
+@pytest.mark.parametrize("mode", ["block", "selective", "sub-block"])
+def test_checkpointings_early_stop_passes_through_a_chosen_backend(mode):
+    """Non-reentrant checkpointing stops a recomputation by raising from inside the op that
+    saves the last tensor it needs: a chosen backend's dispatch lets it through (taken for a
+    failure, the backend was dropped and the op ran twice, which checkpointing refuses), and
+    the gradients are the uncheckpointed ones."""
+    from kohakumoss.memory import apply_checkpointing
+
+    r = KernelRegistry()
+    for name in ops.REFERENCE:
+        r.register(name, "py", Counting(ops.REFERENCE[name]), _cpu_fp32)
+    layout = build_layout([(2, 3), (3, 2)], [4, 3])
+    c = FLAVORS["tiny"]
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(layout.n_img, c.latent_channels, generator=g),
+            torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g))
+    grads = []
+    for checkpointing in ("none", mode):
+        model = tiny_transformer()
+        model.ops = r.build_op_table(CPU, torch.float32, {name: ["py"] for name in ops.REFERENCE})
+        if checkpointing != "none":
+            apply_checkpointing(model, checkpointing)
+        model(*args, layout).square().mean().backward()
+        assert not any(getattr(model.ops, name).broken for name in ops.REFERENCE)
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_unknown_names_are_clear_errors(registry):
     with pytest.raises(KernelError, match="unknown op 'rms_nrom'; the op table has rms_norm, "):
         registry.build_op_table(CPU, torch.float32, {"rms_nrom": "test"})

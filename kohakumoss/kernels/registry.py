@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from kohakumoss.errors import KohakuError
 from kohakumoss.kernels.problems import PROBLEMS, Dims, Problem, call_dtype
@@ -185,6 +186,12 @@ class ChosenOp:
         return _run_first(self, self.backends, self.problem.dims(*args) if self.shaped else None, args)
 
 
+# non-reentrant checkpointing stops a recomputation early by raising this from inside the op
+# that saves the last tensor it needs; it must pass through (taken for a failure, the next
+# backend would run the op again and checkpointing refuses the second save)
+_StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
 def _run_first(op: TunedOp | ChosenOp, backends: list[Backend], dims: Dims | None, args: tuple):
     """The first of ``backends`` that is not broken and takes ``dims`` (None: any shape) runs
     ``args``; one that raises is marked broken on ``op`` (said once) and the next is tried;
@@ -194,8 +201,8 @@ def _run_first(op: TunedOp | ChosenOp, backends: list[Backend], dims: Dims | Non
             continue
         try:
             return b.fn(*args)
-        except torch.OutOfMemoryError:
-            raise
+        except (torch.OutOfMemoryError, _StopRecomputation):
+            raise  # out of memory is not the backend's fault; checkpointing's early stop passes
         except Exception as e:  # a backend that fails to build or run: the next one
             op.broken[b.name] = failure_reason(e)
             op._note(("broken", op.op, b.name),
