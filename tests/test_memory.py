@@ -171,6 +171,47 @@ def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
     assert selective["other"] > plain["other"], (plain, selective)
 
 
+def test_selective_recomputes_a_lora_fold_from_the_kept_base_output():
+    """A LoRA's delta is added into its base output by a narrow matmul (rank r into the
+    layer's width): selective keeps the base output and reruns that narrow product in
+    backward, instead of keeping a second full-width output per adapted linear."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kohakumoss.adapters import apply_adapters
+    from kohakumoss.config import AdapterConfig
+    from kohakumoss.memory.checkpointing import NARROW
+
+    def backward_matmuls(selective: bool) -> list[tuple[int, int]]:
+        model = _tiny(torch.float32)
+        apply_adapters(model, AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
+        if selective:
+            apply_checkpointing(model, "selective")
+        seen = []
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                if name in ("mm", "addmm"):
+                    a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+                    seen.append((a.shape[-1], b.shape[-1]))
+                return func(*args, **(kwargs or {}))
+
+        layout = build_layout([(3, 4), (2, 5)], [4, 6])
+        c = FLAVORS["tiny"]
+        g = torch.Generator().manual_seed(0)
+        out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                    torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+        with Count():
+            out.square().mean().backward()
+        return seen
+
+    plain, selective = backward_matmuls(False), backward_matmuls(True)
+    rerun = list(selective)
+    for km in plain:
+        rerun.remove(km)
+    assert rerun and all(k * NARROW <= m for k, m in rerun), rerun  # only the folds' products
+
+
 def test_apply_checkpointing_names_what_it_wrapped_and_refuses_bad_modes():
     c = FLAVORS["tiny"]
     model = _tiny(torch.float32)

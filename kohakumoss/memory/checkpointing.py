@@ -15,7 +15,10 @@ block are recomputed with it. The modes (``MODES``), least memory first:
   at a time, not a whole block's);
 - ``selective``: every block runs under a policy that keeps the outputs of the matmuls and
   the attention (costly to recompute, ``SAVED_OPS``) and recomputes everything else (the
-  norms, RoPE, SiTU, the residual adds: cheap to compute, yet most of the bytes);
+  norms, RoPE, SiTU, the residual adds: cheap to compute, yet most of the bytes), and the
+  matmuls whose contraction is narrow beside their output (``NARROW``: a LoRA's up product,
+  which adds its delta into the base output at a few percent of the base matmul's cost; kept,
+  it doubled what selective keeps);
 - ``partial``: ``block`` for the first ``blocks`` blocks of each repeated list (a list
   shorter than that entirely), the rest keep everything: memory traded for speed in steps
   of one block;
@@ -46,9 +49,26 @@ def repeated_blocks(model: MOSSImageTransformer) -> list[tuple[str, nn.Module]]:
             for i, block in enumerate(model.get_submodule(path))]
 
 
+# a matmul contracting k into m outputs with k * NARROW <= m is recomputed (rank r into D)
+NARROW = 8
+
+
+def _contraction(name: str, args: tuple) -> tuple[int, int] | None:
+    """``(k, m)`` of a matmul's contraction and output width, None for another op."""
+    a, b = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}.get(name, (None, None))
+    if a is None or len(args) <= b:
+        return None
+    return args[a].shape[-1], args[b].shape[-1]
+
+
 def _keeps_output(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     name = getattr(func, "__name__", str(func)).split(".")[0]
-    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if name not in SAVED_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    km = _contraction(name, args)
+    if km is not None and km[0] * NARROW <= km[1]:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
 
 
 def checkpointed(forward: Callable, selective: bool = False) -> Callable:
