@@ -312,6 +312,9 @@ class MemoryConfig:
                        "states and update live on the CPU (docs/memory.md)")
     offload: bool = knob(False, help="with checkpointing: block or sub-block, the kept inputs "
                                      "wait in host memory until backward needs them")
+    rebuild: bool = knob(False, help="with checkpointing: none or partial, the norms', RoPE's "
+                                     "and SiTU's outputs are not kept: backward runs those ops "
+                                     "again on their kept inputs (docs/memory.md)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,6 +140,11 @@ def check_memory(p: Params) -> None:
              f"false with checkpointing: {m.checkpointing} (activation offload moves what "
              f"block or sub-block checkpointing keeps, the blocks' or halves' inputs, to the "
              f"host: set checkpointing: block or sub-block)")
+    if m.rebuild and m.checkpointing not in ("none", "partial"):
+        fail(f"{where}.rebuild", m.rebuild,
+             f"false with checkpointing: {m.checkpointing} (rebuilding drops the elementwise "
+             f"outputs a block keeps; a checkpointed block keeps none of them: use it with "
+             f"checkpointing: none or partial)")
     if m.checkpointing != "partial" and m.checkpoint_blocks:
         fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
              f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "

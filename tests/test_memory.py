@@ -9,6 +9,7 @@ import torch
 
 from kohakumoss.memory import (ELEMENTWISE, MODES, apply_block_checkpointing,
                                apply_checkpointing, apply_recompute, recomputed, repeated_blocks)
+from kohakumoss.memory.rebuild import apply_rebuild
 from kohakumoss.model import FLAVORS, build_layout, cast_model
 from kohakumoss.model import ops
 from kohakumoss.model.build import tiny_transformer
@@ -95,6 +96,10 @@ ENGINES = {
     "partial 1": [lambda m: apply_checkpointing(m, "partial", 1)],
     "recompute + sub-block": [apply_recompute, lambda m: apply_checkpointing(m, "sub-block")],
     "recompute + selective": [apply_recompute, lambda m: apply_checkpointing(m, "selective")],
+    "rebuild": [lambda m: apply_rebuild(m)],
+    "recompute + rebuild": [apply_recompute, lambda m: apply_rebuild(m)],
+    "partial + rebuild": [apply_recompute, lambda m: apply_checkpointing(m, "partial", 1),
+                          lambda m: apply_rebuild(m)],
 }
 
 
@@ -210,6 +215,68 @@ def test_selective_recomputes_a_lora_fold_from_the_kept_base_output():
     for km in plain:
         rerun.remove(km)
     assert rerun and all(k * NARROW <= m for k, m in rerun), rerun  # only the folds' products
+
+
+class _Keeping:
+    """Stands in for a weight ring: the rebuilder hands it every saved tensor that is not a
+    recipe, so it sees what autograd keeps (each storage once)."""
+
+    def __init__(self):
+        self.storages = {}
+
+    def pack(self, t):
+        self.storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    def unpack(self, t):
+        return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rebuild_keeps_no_elementwise_output_and_trains_the_same(dtype):
+    """With ``rebuild`` the norms', RoPE's and SiTU's outputs are not kept (a third of what
+    the tiny model keeps goes), backward runs those ops again, and the gradients are plain
+    autograd's bit for bit (``test_engines_keep_outputs_and_gradients_bit_identical``)."""
+    plain = {}
+
+    def pack(t):
+        plain[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    model = _tiny(dtype, [apply_recompute])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _forward_backward(model)
+    model = _tiny(dtype, [apply_recompute])
+    rebuilder = apply_rebuild(model)
+    model.weight_ring = keeping = _Keeping()
+    _, grads = _forward_backward(model)
+    kept, before = sum(keeping.storages.values()), sum(plain.values())
+    assert rebuilder.rebuilt_bytes > 0 and kept < 0.8 * before, (kept, before)
+    assert not rebuilder.made  # nothing of the forward is held after it
+    model.weight_ring = None
+    _, again = _forward_backward(model)  # no ring: the same
+    assert all(torch.equal(grads[n], again[n]) for n in grads)
+
+
+def test_rebuild_refuses_an_input_changed_in_place():
+    """A recipe reruns the op on its inputs: one modified in place since is an error naming
+    the knob, never a silently different gradient."""
+    model = _tiny(torch.float32, [apply_recompute])
+    apply_rebuild(model)
+    norm = model.ops.rms_norm
+    w = torch.ones(8, requires_grad=True)
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.enable_grad():
+        model.rebuilder.active = True
+        with torch.autograd.graph.saved_tensors_hooks(model.rebuilder.pack, model.rebuilder.unpack):
+            y = norm(x.clone(), w, 1e-6)
+            z = (y * w).sum()  # mul keeps y for the gradient of w: a recipe
+        model.rebuilder.active = False
+    args = model.rebuilder.made[y.untyped_storage()._cdata][3]
+    with torch.no_grad():
+        args[0].add_(1.0)
+    with pytest.raises(RuntimeError, match="memory.rebuild"):
+        z.backward()
 
 
 def test_apply_checkpointing_names_what_it_wrapped_and_refuses_bad_modes():

@@ -145,7 +145,9 @@ def test_streaming_refuses_a_full_finetune_and_a_second_ring():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slots, offload", [(1, False), (2, False), (4, False), (0, "block"), (2, "sub-block")])
+@pytest.mark.parametrize("slots, offload", [(1, False), (2, False), (4, False), (0, "block"), (2, "sub-block"),
+                                            (0, "rebuild"), (2, "rebuild"), (0, "rebuild triton"),
+                                            (2, "rebuild triton")])
 def test_streaming_on_cuda_is_bit_identical_with_copies_on_a_side_stream(slots, offload):
     """Blocks large enough that a copy takes longer than the compute it overlaps: any
     missing ordering (a reader before its copy, a copy over a slot still read) shows."""
@@ -160,7 +162,8 @@ def test_streaming_on_cuda_is_bit_identical_with_copies_on_a_side_stream(slots, 
     # the fused attention backwards accumulate with atomics (run-to-run different sums): the
     # math backend and deterministic kernels make two resident runs agree bit for bit first
     with sdpa_kernel([SDPBackend.MATH]), _deterministic():
-        for stream, off in ((0, False), (0, False), (slots, offload)):
+        plain = "triton" if "triton" in str(offload) else False
+        for stream, off in ((0, plain), (0, plain), (slots, offload)):
             results.append(_cuda_run(c, stream, off))
     for a, b in zip(results[0], results[1]):
         _same(a, b)
@@ -185,8 +188,12 @@ def _deterministic():
 def _cuda_run(c, stream: int, offload: str | bool = False):
     """Two steps of a bf16 LoRA on a mid-size model on the GPU, streamed through
     ``stream`` slots (0: resident), the blocks' inputs offloaded to the host or not: each
-    step's output and adapter gradients."""
+    step's output and adapter gradients. ``offload`` may instead name ``rebuild`` (the
+    elementwise outputs rebuilt in backward) and ``triton`` (the Triton kernels)."""
+    from kohakumoss.kernels import KERNELS, build_op_table
     from kohakumoss.memory.offload import apply_activation_offload
+    from kohakumoss.memory.rebuild import apply_rebuild
+    from kohakumoss.model.ops import REFERENCE
 
     torch.manual_seed(0)
     m = MOSSImageTransformer(c)
@@ -194,8 +201,15 @@ def _cuda_run(c, stream: int, offload: str | bool = False):
         for name, p in m.named_parameters():
             p.normal_(0, 0.02).add_(1.0 if "norm" in name else 0.0)
     cast_model(m, torch.bfloat16).cuda()
+    words = str(offload).split()
+    if "triton" in words:
+        m.ops = build_op_table(torch.device("cuda"), torch.bfloat16,
+                               {op: ["triton"] for op in REFERENCE  # attention's backward sums with atomics
+                                if "triton" in KERNELS.names(op) and op != "varlen_attention"})
     apply_recompute(m)
-    if offload:
+    if "rebuild" in words:
+        apply_rebuild(m)
+    elif offload in ("block", "sub-block"):
         apply_activation_offload(m, "cuda", halves=offload == "sub-block")
     aset = apply_adapters(m, AdapterConfig(algo="lora", preset="all", dim=8, alpha=8.0), seed=0)
     with torch.no_grad():
@@ -215,8 +229,10 @@ def _cuda_run(c, stream: int, offload: str | bool = False):
         out = m(img, txt, sigma, layout)
         out.float().square().mean().backward()
         outs.append((out.detach(), {n: p.grad.clone() for n, p in aset.named_trainable()}))
+    if "rebuild" in words:
+        assert m.rebuilder.rebuilt_bytes > 0
     if stream:
         assert ring.loads >= 2 * (c.depth + c.text_blocks) - 2 * stream
-    if offload:
+    if offload in ("block", "sub-block"):
         assert len(m.offloader.kept) == (c.depth + c.text_blocks) * (2 if offload == "sub-block" else 1)
     return outs

@@ -8,8 +8,9 @@ What each profile runs:
 
 =========  ==============================================================================
 speed      nothing checkpointed (every activation kept: fastest, most memory)
-balanced   every block keeps its matmuls' and attention's outputs and recomputes the cheap
-           elementwise ops (``selective`` checkpointing: no matmul runs twice)
+balanced   nothing checkpointed, but the norms', RoPE's and SiTU's outputs are not kept:
+           backward runs those ops again on their kept inputs (``rebuild``; no matmul runs
+           twice)
 low        every block keeps only its input (``block`` checkpointing), the frozen base's block
            weights streamed through 4 device slots, the optimizer on the host (gradients
            offloaded, states and update on the CPU)
@@ -37,19 +38,21 @@ class MemoryEngines:
     stream_slots: int = 0  # the frozen base's block weights streamed through this many slots; 0: resident
     optimizer: str = "device"  # host: gradients offloaded, the update on the CPU (HostUpdate)
     offload: bool = False  # block checkpointing's kept inputs in host memory (activation offload)
+    rebuild: bool = False  # the norms', RoPE's and SiTU's outputs rebuilt in backward, not kept
 
     def describe(self) -> str:
         what = self.checkpointing + (f" {self.checkpoint_blocks}" if self.checkpointing == "partial" else "")
         streamed = f", weights streamed through {self.stream_slots} slots" if self.stream_slots else ""
         host = ", optimizer on the host" if self.optimizer == "host" else ""
         offload = ", inputs offloaded to the host" if self.offload else ""
+        rebuild = ", elementwise outputs rebuilt" if self.rebuild else ""
         return (f"checkpointing {what}{offload}, recompute {'on' if self.recompute else 'off'}"
-                f"{streamed}{host}")
+                f"{rebuild}{streamed}{host}")
 
 
 PROFILE_ENGINES: dict[str, MemoryEngines] = {
     "speed": MemoryEngines("none"),
-    "balanced": MemoryEngines("selective"),
+    "balanced": MemoryEngines("none", rebuild=True),
     "low": MemoryEngines("block", stream_slots=4, optimizer="host"),
     "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),
 }

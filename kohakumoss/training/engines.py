@@ -10,7 +10,8 @@ fixed order (``docs/engines.md``):
    backend step 2 chose), then activation checkpointing in the profile's mode wraps the
    repeated blocks or their halves (``kohakumoss.memory``; the profile is resolved by
    ``kohakumoss.training.estimate.resolve_profile``; with ``offload`` block or sub-block
-   checkpointing keeps its inputs in host memory instead);
+   checkpointing keeps its inputs in host memory instead), then with ``rebuild`` the
+   elementwise ops' outputs are left to be rebuilt in backward;
 4. placement, once the trainable set is made (``apply_placement``): weight streaming moves
    the frozen block weights to host memory behind a ring of device slots, and the rest of
    the model and the trained tensors to the device (a streamed run loads the model on the
@@ -47,6 +48,7 @@ from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.ops import REFERENCE, OpTable
 from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
 from kohakumoss.memory.offload import apply_activation_offload
+from kohakumoss.memory.rebuild import apply_rebuild
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.memory.streaming import apply_weight_streaming
 from kohakumoss.training.estimate import placed, profile_engines, size
@@ -103,6 +105,8 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngin
     else:
         checkpointed = apply_checkpointing(model, plan.memory.checkpointing,
                                            plan.memory.checkpoint_blocks)
+    if plan.memory.rebuild:  # what the blocks not checkpointed keep, less the elementwise outputs
+        apply_rebuild(model)
     return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed)
 
 

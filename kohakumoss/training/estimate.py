@@ -35,8 +35,9 @@ from collections.abc import Sequence
 import torch
 
 from kohakumoss.config import Params
-from kohakumoss.memory import apply_checkpointing, apply_recompute
+from kohakumoss.memory import apply_recompute
 from kohakumoss.memory.profiles import FASTEST_FIRST, PROFILE_ENGINES, MemoryEngines
+from kohakumoss.memory.rebuild import apply_rebuild
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
 from kohakumoss.precision import precision_policy
@@ -92,7 +93,7 @@ def profile_engines(params: Params) -> MemoryEngines:
     if params.profile == "manual":
         m = params.memory
         return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute, m.stream_slots,
-                             m.optimizer, m.offload)
+                             m.optimizer, m.offload, m.rebuild)
     if params.profile == "auto":
         raise ValueError("profile auto is resolved against the device's free memory "
                          "(resolve_profile)")
@@ -151,6 +152,7 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
     if engines.recompute:
         apply_recompute(model)
     model.ops.override("varlen_attention", lambda q, k, v, lengths: _FlashLike.apply(q, k, v))
+    apply_rebuild(model)  # counted apart (``_BlockBytes.rebuilt``), taken off with ``rebuild``
     if params.adapter.full:
         return model, 0, sum(p.numel() for p in model.parameters()), []
     frozen = sum(p.numel() * p.element_size() for p in model.parameters())  # held as computed
@@ -170,32 +172,40 @@ class _BlockBytes:
     inputs: int  # the block's input
     half_inputs: int  # the inputs of its halves (sub-block checkpointing)
     selective: int  # the input plus the matmul and attention outputs
+    rebuilt: int  # of ``kept``, the elementwise outputs ``rebuild`` does not keep
     widest: int  # the gradients of its widest intermediates (the backward's working set)
 
 
-def _block_bytes(block, args, mlp_width: int, shared: Sequence[torch.Tensor]) -> _BlockBytes:
+def _block_bytes(block, args, mlp_width: int, shared: Sequence[torch.Tensor], rebuilder) -> _BlockBytes:
     """What autograd keeps for ``block(*args)`` on the meta device, each storage once; the
     weights and the ``shared`` inputs every block gets (RoPE angles, sample ids, modulation)
     are not the block's own and are left out."""
     storages: dict[int, int] = {}
+    recipes: dict[int, int] = {}  # storages saved as a rebuild recipe
     weights = {t.untyped_storage()._cdata for t in [*block.parameters(), *block.buffers(), *shared]}
 
     def pack(t):
         s = t.untyped_storage()
         if s._cdata not in weights:  # the weights are counted once, as the model's
-            storages[s._cdata] = s.nbytes()
+            (recipes if rebuilder.recipe(t) is not None else storages)[s._cdata] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(*args)
+    rebuilder.active = True
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(*args)
+    finally:
+        rebuilder.active = False
+        rebuilder.made.clear()
     n, d = args[0].shape
     size = args[0].element_size()
     inputs = n * d * size
     attention = n * d * size + n * block.heads * 4  # its output and log-sum-exp
     # selective keeps each linear's output (an adapter's delta is added into it) and attention's
     linears = sum(m.out_features for m in block.modules() if isinstance(m, torch.nn.Linear))
-    return _BlockBytes(kept=sum(storages.values()), inputs=inputs, half_inputs=2 * inputs,
-                       selective=inputs + n * linears * size + attention,
+    rebuilt = sum(b for s, b in recipes.items() if s not in storages)
+    return _BlockBytes(kept=sum(storages.values()) + rebuilt, inputs=inputs, half_inputs=2 * inputs,
+                       selective=inputs + n * linears * size + attention, rebuilt=rebuilt,
                        widest=WORKING_SET * n * (2 * mlp_width + 2 * d) * size)
 
 
@@ -231,8 +241,9 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
             seg = torch.zeros(n, dtype=torch.long, device="meta")
             shared_bytes += n * 8 + (mod.numel() * 4 if params.adapter.full else 0)
             return _block_bytes(block, (x, mod, seg, rope, [n], model.ops), c.ffn_dim,
-                                (*rope, mod, seg, *adapter))
-        return _block_bytes(block, (x, rope, [n], model.ops), c.ffn_dim, (*rope, *adapter))
+                                (*rope, mod, seg, *adapter), model.rebuilder)
+        return _block_bytes(block, (x, rope, [n], model.ops), c.ffn_dim, (*rope, *adapter),
+                            model.rebuilder)
 
     with torch.autocast("cpu", enabled=False):
         joint = run(model.layers[0], n_joint, True)
@@ -241,13 +252,14 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     mode, k = engines.checkpointing, engines.checkpoint_blocks
     kept = shared_bytes  # once for every block
     for b, count in lists:
+        own = b.kept - (b.rebuilt if engines.rebuild else 0)  # a block not checkpointed
         if mode == "none":
-            kept += count * b.kept
+            kept += count * own
         elif engines.offload and mode in ("block", "sub-block"):  # the inputs around the
             kept += min(2, count) * b.inputs  # part backward is in
         elif mode in ("block", "partial"):
             ckpt = count if mode == "block" else min(k, count)
-            kept += ckpt * b.inputs + (count - ckpt) * b.kept
+            kept += ckpt * b.inputs + (count - ckpt) * own
         elif mode == "sub-block":
             kept += count * b.half_inputs
         elif mode == "selective":
@@ -316,15 +328,17 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
 # host update and activation offload a little more on top. Only the order matters: auto
 # tries the engines fastest first.
 RECOMPUTE_ALL, RECOMPUTE_ELEMENTWISE, PER_HOST_ENGINE = 0.33, 0.08, 0.01
+REBUILD = 0.03  # rebuilding the elementwise outputs of every block not checkpointed
 
 
 def slowdown(engines: MemoryEngines, depth: int) -> float:
     """The predicted step time of ``engines`` over ``speed``'s, minus one (``RECOMPUTE_ALL``)."""
     mode = engines.checkpointing
     if mode == "partial":
-        cost = RECOMPUTE_ALL * min(engines.checkpoint_blocks, depth) / depth
+        share = min(engines.checkpoint_blocks, depth) / depth
+        cost = RECOMPUTE_ALL * share + REBUILD * (1 - share) * engines.rebuild
     else:
-        cost = {"none": 0.0, "selective": RECOMPUTE_ELEMENTWISE}.get(mode, RECOMPUTE_ALL)
+        cost = {"none": REBUILD * engines.rebuild, "selective": RECOMPUTE_ELEMENTWISE}.get(mode, RECOMPUTE_ALL)
     host = (engines.stream_slots > 0) + (engines.optimizer == "host") + engines.offload
     # fewer slots wait more often for a block's copy
     return cost + PER_HOST_ENGINE * host + (PER_HOST_ENGINE / engines.stream_slots
@@ -370,7 +384,7 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
     depth = built[0].config.depth
     candidates = [("speed", PROFILE_ENGINES["speed"]), ("auto", MemoryEngines("block"))]
-    candidates += [("auto", MemoryEngines("partial", k)) for k in range(1, depth)]
+    candidates += [("auto", MemoryEngines("partial", k, rebuild=True)) for k in range(1, depth)]
     seen = set()
     for name in FASTEST_FIRST[1:]:  # those this run cannot place (streaming on the CPU) drop out
         engines = placed(PROFILE_ENGINES[name], params, device)[0]
