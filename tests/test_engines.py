@@ -109,12 +109,16 @@ def test_every_engine_together_keeps_the_math(test_backend):
 
 @pytest.mark.parametrize("memory", [MemoryEngines("block"), MemoryEngines("sub-block"),
                                     MemoryEngines("selective"), MemoryEngines("partial", 1),
+                                    MemoryEngines("none", rebuild=True),
+                                    MemoryEngines("partial", 1, rebuild=True),
+                                    MemoryEngines("none", stream_slots=1, rebuild=True),
                                     MemoryEngines("block", stream_slots=2),
                                     MemoryEngines("none", stream_slots=1),
                                     MemoryEngines("block", stream_slots=2, optimizer="host"),
                                     MemoryEngines("block", stream_slots=2, optimizer="host", offload=True),
                                     MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True)],
-                         ids=lambda m: m.checkpointing + (f"-stream{m.stream_slots}" if m.stream_slots else "")
+                         ids=lambda m: m.checkpointing + ("-rebuild" if m.rebuild else "")
+                         + (f"-stream{m.stream_slots}" if m.stream_slots else "")
                          + ("-host" if m.optimizer == "host" else "") + ("-offload" if m.offload else ""))
 def test_a_tiny_run_with_every_engine_gives_the_stored_curve(tmp_path, test_backend, memory):
     """Every checkpointing mode and weight streaming (what the profiles choose between)

@@ -73,6 +73,8 @@ REFUSED = {
                        ["memory.stream_slots", "an integer >= 0"]),
     "offload without block checkpointing": ({"profile": "manual", "memory": {"checkpointing": "selective", "offload": True}},
                                             ["memory.offload", "checkpointing: selective", "set checkpointing: block or sub-block"]),
+    "rebuild with block checkpointing": ({"profile": "manual", "memory": {"checkpointing": "block", "rebuild": True}},
+                                         ["memory.rebuild", "checkpointing: block", "checkpointing: none or partial"]),
     "unknown optimizer placement": ({"profile": "manual", "memory": {"optimizer": "gpu"}},
                                     ["memory.optimizer", "'gpu'", "device", "host"]),
 }
