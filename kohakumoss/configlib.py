@@ -70,6 +70,9 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
         for a in args:
             if value == a and type(value) is type(a):
                 return a
+        # YAML 1.1 (PyYAML) reads a bare on / off as a boolean: the choice it spells
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            return "on" if value else "off"
         fail(where, value, "one of " + ", ".join(repr(a) for a in args))
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:

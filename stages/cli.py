@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from stages import (cache_latents, cache_text, check, doctor, export, grid, plan, sample, scan, train,
-                    tune_kernels)
+from stages import (cache_latents, cache_text, check, config, doctor, export, grid, plan, sample, scan,
+                    train, tune_kernels)
 
 app = typer.Typer(
     name="kmoss",
@@ -24,6 +24,7 @@ app.command("sample")(sample.main)
 app.command("grid")(grid.main)
 app.add_typer(check.app, name="check")
 app.command("doctor")(doctor.main)
+app.command("config")(config.main)
 app.add_typer(export.app, name="export")
 
 

@@ -1,0 +1,1 @@
+"""Setting a run up: ``kmoss config`` (``configure``) and what it detects (``detect``)."""

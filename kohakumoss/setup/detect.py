@@ -1,0 +1,207 @@
+"""What ``kmoss config`` finds: the MOSS-Image weights in a Hugging Face pipeline folder or a
+ComfyUI ``models/`` folder, and the kind of a dataset path (``docs/config.md``).
+
+Everything is read from file headers and folder listings: nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from pathlib import Path
+
+from kohakumoss.configlib import ConfigError
+from kohakumoss.data.sources.base import is_image_name
+
+TINY = "tiny"
+WEIGHTS_HELP = ("give 'tiny', a MOSS-Image pipeline folder (model_index.json with transformer/, "
+                "text_encoder/, vae/ and tokenizer/) or a ComfyUI models/ folder (diffusion_models/, "
+                "text_encoders/, vae/)")
+# ComfyUI's folders for each component (the older names too)
+COMFY_FOLDERS = {"transformer": ("diffusion_models", "unet"), "text_encoder": ("text_encoders", "clip"),
+                 "vae": ("vae",)}
+HEADER_LIMIT = 100 * 2**20  # a safetensors header larger than this is not one
+
+
+@dataclasses.dataclass
+class Found:
+    """The weights found: the params' ``model`` values, and what was seen on the way."""
+
+    layout: str  # tiny | pipeline | comfy
+    transformer: str = TINY
+    text_encoder: str = TINY
+    vae: str = TINY
+    tokenizer: str = ""  # model.tokenizer
+    caption_tokenizer: str = TINY  # caption.tokenizer: exact token counts
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def tiny(self) -> bool:
+        return self.layout == TINY
+
+
+def header(path: Path) -> dict[str, dict]:
+    """A safetensors file's header: tensor name -> {dtype, shape, ...} (metadata dropped)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > HEADER_LIMIT:
+                raise ValueError(f"header of {n} bytes")
+            head = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise ConfigError(f"{path}: not a readable .safetensors file ({e})") from None
+    head.pop("__metadata__", None)
+    return head
+
+
+def quantization(head: dict[str, dict]) -> str:
+    """``int8``, ``fp8`` or ``""``: how a ComfyUI file stores its linear weights."""
+    dtypes = {v.get("dtype") for k, v in head.items() if k.endswith(".weight")}
+    if "I8" in dtypes:
+        return "int8"
+    if dtypes & {"F8_E4M3", "F8_E5M2"}:
+        return "fp8"
+    return ""
+
+
+def _is_transformer(path: Path) -> bool:
+    from kohakumoss.formats.model_files import read_config
+
+    try:
+        read_config(path)
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def _is_text_encoder(head: dict[str, dict]) -> bool:
+    names = list(head)
+    return (any(n.endswith("embed_tokens.weight") for n in names)
+            and any(".linear_attn." in n for n in names))  # Qwen3.5's Gated DeltaNet layers
+
+
+def _is_vae(head: dict[str, dict]) -> bool:
+    names = set(head)
+    return any(n.startswith(("encoder.", "vae.encoder.", "first_stage_model.encoder.")) for n in names) \
+        and any(".decoder." in "." + n for n in names)
+
+
+def _choose(kind: str, candidates: list[Path], found: Found) -> str:
+    """The file to use among a component's candidates: unquantized first (the quantized
+    ones are dequantized on load today), then by name; the rest are noted."""
+    if not candidates:
+        return ""
+    ranked = sorted(candidates, key=lambda p: (quantization(header(p)) != "", p.name))
+    for other in ranked[1:]:
+        q = quantization(header(other))
+        found.notes.append(f"{kind}: also found {other.name}{f' ({q})' if q else ''}")
+    q = quantization(header(ranked[0]))
+    if q:
+        found.notes.append(f"{kind}: {ranked[0].name} is {q}-quantized (ComfyUI's layout); it is "
+                           f"dequantized to the compute dtype on load")
+    return str(ranked[0])
+
+
+def _comfy_root(path: Path) -> Path | None:
+    """The ``models/`` folder under ``path`` (ComfyUI's root, or models/ itself)."""
+    for root in (path, path / "models"):
+        if any((root / f).is_dir() for names in COMFY_FOLDERS.values() for f in names):
+            return root
+    return None
+
+
+def find_weights(value: str) -> Found:
+    """The weights at ``value`` (``tiny``, a pipeline folder, a ComfyUI ``models/`` folder or
+    ComfyUI's root): the params' model paths, or a ConfigError naming what is missing."""
+    if value == TINY:
+        return Found(TINY)
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"--weights {value}: does not exist; {WEIGHTS_HELP}")
+    if not path.is_dir():
+        raise ConfigError(f"--weights {value}: is a file; {WEIGHTS_HELP} (a single file is set "
+                          f"with `dvc exp run -S model.transformer=...`)")
+    if (path / "model_index.json").is_file() or (path / "transformer").is_dir():
+        missing = [d for d in ("transformer", "text_encoder", "vae") if not (path / d).is_dir()]
+        if missing:
+            raise ConfigError(f"--weights {value}: a pipeline folder without {', '.join(f'{m}/' for m in missing)}; "
+                              f"{WEIGHTS_HELP}")
+        tok = path / "tokenizer"
+        found = Found("pipeline", str(path), str(path), str(path), "",
+                      str(tok) if tok.is_dir() else "")
+        if not tok.is_dir():
+            found.notes.append(f"no {tok}: caption token counts are estimated (set caption.tokenizer)")
+        return found
+    root = _comfy_root(path)
+    if root is None:
+        raise ConfigError(f"--weights {value}: neither a pipeline folder (no model_index.json or "
+                          f"transformer/) nor a ComfyUI models/ folder; {WEIGHTS_HELP}")
+    found = Found("comfy")
+    files = {kind: sorted(f for d in dirs for f in (root / d).glob("*.safetensors") if f.is_file())
+             for kind, dirs in COMFY_FOLDERS.items()}
+    found.transformer = _choose("transformer", [f for f in files["transformer"] if _is_transformer(f)], found)
+    found.text_encoder = _choose("text encoder", [f for f in files["text_encoder"]
+                                                  if _is_text_encoder(header(f))], found)
+    found.vae = _choose("vae", [f for f in files["vae"] if _is_vae(header(f))], found)
+    missing = [f"a MOSS-Image transformer in {'/'.join(COMFY_FOLDERS['transformer'])}/"
+               if not found.transformer else "",
+               f"a Qwen3.5 text encoder in {'/'.join(COMFY_FOLDERS['text_encoder'])}/"
+               if not found.text_encoder else "",
+               "a FLUX.2 VAE in vae/" if not found.vae else ""]
+    if any(missing):
+        raise ConfigError(f"--weights {value}: {root} has no {', no '.join(m for m in missing if m)} "
+                          f"(.safetensors files are read by their keys, whatever their names); "
+                          f"{WEIGHTS_HELP}")
+    return found
+
+
+# -- data --------------------------------------------------------------------------------------
+KOHYA_FOLDER = re.compile(r"^\d+_.+")
+
+
+def _images_under(path: Path, limit: int = 1) -> bool:
+    seen = 0
+    for p in path.rglob("*"):
+        if p.is_file() and is_image_name(p.name):
+            seen += 1
+            if seen >= limit:
+                return True
+    return False
+
+
+def find_data(value: str) -> tuple[dict, str]:
+    """A ``data.datasets`` entry for ``value`` and why that source kind: a kohya folder
+    (``N_name/`` subfolders), a folder of images with caption sidecars, webdataset tars (a
+    .tar, a glob, or a folder of them), a parquet or jsonl file, or a converted dataset
+    (``shards/``)."""
+    help_ = ("give a folder of images (with .txt/.json caption sidecars), a kohya folder (N_name/ "
+             "subfolders), .tar shards or a glob of them, a .parquet or .jsonl file, or a "
+             "converted dataset folder (shards/); docs/data.md lists every source")
+    if any(c in value for c in "*?["):
+        return {"source": "webdataset", "path": value}, "a glob of tar shards"
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"--data {value}: does not exist; {help_}")
+    if path.is_file():
+        kinds = {".tar": "webdataset", ".parquet": "parquet", ".jsonl": "jsonl"}
+        if path.suffix not in kinds:
+            raise ConfigError(f"--data {value}: a {path.suffix or 'suffix-less'} file; {help_}")
+        return {"source": kinds[path.suffix], "path": value}, f"a {path.suffix} file"
+    if (path / "shards").is_dir():
+        return {"source": "moss_shard", "path": value}, "a converted dataset (shards/)"
+    subdirs = [d for d in path.iterdir() if d.is_dir()]
+    if any(KOHYA_FOLDER.match(d.name) for d in subdirs):
+        return ({"source": "kohya", "path": value, "repeat_prefix": "first", "txt_as": "tags"},
+                "kohya folders (N_name: N repeats per epoch)")
+    tars = sorted(path.glob("*.tar"))
+    if tars:
+        return {"source": "webdataset", "path": str(path / "*.tar")}, f"{len(tars)} tar shards"
+    for suffix, kind in ((".parquet", "parquet"), (".jsonl", "jsonl")):
+        files = sorted(path.glob(f"*{suffix}"))
+        if len(files) == 1:
+            return {"source": kind, "path": str(files[0])}, f"one {suffix} file"
+    if _images_under(path):
+        return {"source": "folder", "path": value, "txt_as": "tags"}, "a folder of images"
+    raise ConfigError(f"--data {value}: no images, shards, parquet or jsonl file found there; {help_}")
