@@ -6,11 +6,10 @@ from pathlib import Path
 
 import typer
 
-from rich.console import Console
 
-from stages.common import stage
+from stages.common import stage, wide_console
 
-out = Console()
+out = wide_console()
 BATCH_KEYS = ("img", "text", "sigma", "hw", "text_len")  # what every comparison of a set reads
 
 

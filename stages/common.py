@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from pathlib import Path
 
 import typer
@@ -12,7 +13,16 @@ from rich.markup import escape
 
 from kohakumoss.errors import user_message
 
-console = Console(stderr=True)
+PIPE_WIDTH = 200  # columns when not a terminal (DVC logs, CI): rich's 80 cut tables and paths
+
+
+def wide_console(stderr: bool = False) -> Console:
+    """A console as wide as the terminal, or ``PIPE_WIDTH`` columns when the output is not one."""
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else PIPE_WIDTH)
+
+
+console = wide_console(stderr=True)
 
 PARAMS_OPTION = typer.Option(Path("params.yaml"), "--params", "-p",
                              help="The params file to read (see README: params.yaml).")

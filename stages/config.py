@@ -6,12 +6,11 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from stages.common import stage
+from stages.common import stage, wide_console
 
-out = Console()
+out = wide_console()
 
 
 def _ask(what: str, current: str | None) -> str | None:

@@ -7,7 +7,7 @@ import platform
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from stages.common import wide_console
 from rich.table import Table
 
 PACKAGES = ("torch", "transformers", "diffusers", "lycoris-lora", "safetensors", "pyarrow",
@@ -46,7 +46,7 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
     predicted peak. Exit code 1 if something the params need is missing."""
     import torch
 
-    out = Console()
+    out = wide_console()
     t = Table(title="kohakumoss doctor", show_header=False)
     t.add_row("python", platform.python_version())
     for name in PACKAGES:

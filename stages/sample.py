@@ -84,9 +84,8 @@ def main(
     """Sample images the way the official pipeline does (shifted schedule, Euler, CFG with the
     negative branch skipping the configured block). Writes one PNG per image with its
     settings in the metadata, and a contact sheet."""
-    from tqdm.auto import tqdm
-
     from kohakumoss.params import load_params
+    from kohakumoss.progress import progress
     from kohakumoss.generate import Generator, Settings, contact_sheet, save_png
     from kohakumoss.device import resolve_device
     from kohakumoss.precision import DTYPES
@@ -110,10 +109,18 @@ def main(
     jobs = [(pr, seed + i) for i, pr in enumerate(pr for pr in prompts for _ in range(count))]
     images, labels = [], []
     out.mkdir(parents=True, exist_ok=True)
-    for j, (pr, sd) in enumerate(tqdm(jobs, desc="images", unit="image", disable=None)):
+    console.print(f"sampling {len(jobs)} image(s) at {w}x{h}, {steps} steps, cfg {cfg} on {device} "
+                  f"({p.model.transformer} transformer) into {out}/", highlight=False)
+    if device.type == "cpu" and w * h * steps > 256 * 256 * 20:
+        console.print(f"[yellow]note:[/] on the CPU each image runs {steps} steps "
+                      f"{'twice ' if cfg != 1 else ''}at {w}x{h}: this takes minutes "
+                      f"(--size 256x256 --steps 20 takes seconds)", highlight=False)
+    every = progress(len(jobs), "images", "image")
+    for j, (pr, sd) in enumerate(jobs):
         t0 = time.perf_counter()
-        with tqdm(total=steps, desc=f"image {j + 1}", leave=False, disable=None) as bar:
+        with progress(steps, f"image {j + 1}", "step", leave=False) as bar:
             img = gen.images([pr], [sd], s, batch=batch, progress=lambda i, n: bar.update(1))[0]
+        every.update(1)
         meta = {"prompt": pr, "negative": negative, "seed": sd, "width": w, "height": h,
                 "steps": steps, "cfg": cfg, "shift": shift, "adapters": list(adapter),
                 "transformer": p.model.transformer, "dtype": dtype,
@@ -121,6 +128,7 @@ def main(
         save_png(img, out / f"{j:04d}-seed{sd}.png", meta)
         images.append(img)
         labels.append(f"{sd}: {pr}")
+    every.close()
     sheet = contact_sheet(images, labels)
     sheet.save(out / "contact_sheet.png")
     console.print(f"{len(images)} image(s) and a contact sheet in {out}")

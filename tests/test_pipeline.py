@@ -29,6 +29,33 @@ def test_help_explains_each_stage():
         assert res.exit_code == 0 and words in res.output and "--params" in res.output
 
 
+def test_help_texts_are_paragraphs_the_renderer_wraps_and_there_is_a_version():
+    """A docstring's source line breaks do not reach the help (they broke lines mid-sentence):
+    every command's help is paragraphs of one line."""
+    from stages.cli import reflow
+
+    def commands(group):
+        yield from group.registered_commands
+        for sub in group.registered_groups:
+            yield from commands(sub.typer_instance)
+
+    helps = [c.help for c in commands(app)]
+    assert len(helps) >= 12 and all(h and "\n" not in h.replace("\n\n", "") for h in helps), helps
+    assert reflow("""One line
+    and its rest.
+
+    A second
+    paragraph.""") == "One line and its rest.\n\nA second paragraph."
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.startswith("kmoss 0.1.0 (torch ")
+
+
+def test_tables_are_not_cut_at_80_columns_when_not_a_terminal():
+    from stages.common import PIPE_WIDTH, wide_console
+
+    assert wide_console().width == PIPE_WIDTH >= 160  # pytest's stdout is not a terminal
+
+
 def test_dvc_yaml_declares_what_the_code_reads():
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     assert stages["scan"]["params"] == scan.PARAMS

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
-from tqdm.auto import tqdm
+from kohakumoss.progress import progress
 
 from kohakumoss import faults
 from kohakumoss.cache.keys import background_name, content_identity, latent_key, text_key
@@ -79,7 +79,7 @@ def fill_text(store: TensorStore, items: dict[str, str], encoder: Callable[[], o
         step = chunk or batch
         todo = [c for c in (order[i:i + step] for i in range(0, len(order), step)) if missing.intersection(c)]
         enc = encoder()
-        with tqdm(total=len(missing), desc="cache_text", unit="caption", disable=None) as bar:
+        with progress(len(missing), "cache_text", "caption") as bar:
             for keys in todo:
                 embs = enc.encode([items[k] for k in keys], batch=batch, max_tokens=max_tokens)
                 new = [(k, e) for k, e in zip(keys, embs) if k in missing]
@@ -165,7 +165,7 @@ def _encode_groups(store: TensorStore, items: dict[str, LatentItem], missing: se
     vae = encoder()
     ahead = 2 * e.decode_workers  # groups decoded ahead of the encoder, bounded
     with ThreadPoolExecutor(e.decode_workers) as pool, \
-            tqdm(total=len(missing), desc="cache_latents", unit="image", disable=None) as bar:
+            progress(len(missing), "cache_latents", "image") as bar:
         futures = [pool.submit(stack, g) for g in groups[:ahead]]
         for i, group in enumerate(groups):
             keys, pixels = futures[i].result()

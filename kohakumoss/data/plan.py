@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
+from kohakumoss.progress import progress as progress_bar
 
 from kohakumoss.config import Params
 from kohakumoss.data.batching import fit_overlong, keep_seed, pack_count, pack_ffd, pack_greedy
@@ -197,7 +197,7 @@ class Planner:
             raise PlanError("the catalogs hold no live image; check the datasets and run `kmoss scan`")
         batches: list[list[Occurrence]] = []
         epochs: list[EpochResult] = []
-        with tqdm(total=total, desc="plan", unit="batch", leave=False, disable=None if progress else True) as bar:
+        with progress_bar(total, "plan", "batch", leave=False, enabled=progress) as bar:
             while len(batches) < total:
                 ep = self.plan_epoch(len(epochs))
                 if not ep.batches:

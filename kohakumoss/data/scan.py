@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
+from kohakumoss.progress import progress
 
 from kohakumoss.artifacts import (ArtifactError, Manifest, atomic_path, atomic_write_json,
                                   code_version, make_manifest, read_manifest, write_manifest)
@@ -89,8 +89,7 @@ def _scan_entry(i: int, entry: Any, out: Path, rescan: bool | str, workers: int,
     if rescan == "never" and path.is_file():
         return name, _table_stats(read_catalog(path))
     walk = source.walk(limits)
-    with tqdm(total=len(walk), desc=f"scan [{i}] {entry.source}", unit="item", leave=False,
-              disable=None) as bar:
+    with progress(len(walk), f"scan [{i}] {entry.source}", "item", leave=False) as bar:
         _, stats = update_catalog(path, entry.source, walk, rescan=rescan is True,
                                   workers=workers, progress=bar.update)
     return name, stats

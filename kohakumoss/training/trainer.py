@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+from kohakumoss.progress import progress as progress_bar
 
 from kohakumoss import faults
 from kohakumoss.artifacts import atomic_write_json, dir_lock, hash_json
@@ -190,8 +190,7 @@ class Trainer:
         if start < steps:
             loader = iter(make_loader(self.batches, start=start * acc, end=steps * acc,
                                       num_workers=p.data.num_workers, prefetch=p.data.prefetch))
-        bar = tqdm(total=steps, initial=start, desc="train", unit="step",
-                   disable=None if progress else True)
+        bar = progress_bar(steps, "train", "step", initial=start, enabled=progress)
         t0 = time.perf_counter()
         faults.point("train.start")
         for step in range(start, steps):
@@ -208,9 +207,9 @@ class Trainer:
                 self.log.log(step + 1, loss=loss, lr=self.scheduler.get_last_lr()[0],
                              grad_norm=grad_norm, samples_per_s=samples / max(dt, 1e-9),
                              skipped=int(not finite), memory_gib=_memory_gib(self.device))
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
-                            sps=f"{samples / max(dt, 1e-9):.1f}",
-                            mem=f"{_memory_gib(self.device):.1f}G")
+            bar.set_postfix({"loss": f"{loss:.4f}", "lr": f"{self.scheduler.get_last_lr()[0]:.2e}",
+                             "samples/s": f"{samples / max(dt, 1e-9):.1f}",
+                             "mem": f"{_memory_gib(self.device):.1f}G"})
             bar.update(1)
             if previews is not None and previews.due(step + 1):
                 previews.run(step + 1, self.log)
