@@ -119,6 +119,12 @@ def test_dvc_repro_then_override_with_exp_run(project):
     out = _dvc(project, "repro")
     assert "Running stage 'scan'" in out and "Running stage 'plan'" in out
     assert "Running stage 'tune_kernels'" in out  # a CPU table: the reference against compile
+    # DVC's log is not a terminal: the long stages print progress lines (count, rate, ETA)
+    assert "train: 200/200 step (100%)" in out and "samples/s=" in out and "ETA" in out
+    text = _dvc(project, "plots", "show", "--json")
+    shown = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]
+    images = [k for k in shown["data"] if k.endswith(".png")]
+    assert any(k.endswith("step-000200/grid.png") for k in images), list(shown["data"])  # beside the curves
     kernels = json.loads((project / "artifacts/kernels/table.json").read_text())["devices"]
     assert [s["signature"]["device"] for s in kernels.values()] == ["cpu"]
     m1 = json.loads((project / "artifacts/plan/manifest.json").read_text())

@@ -97,7 +97,31 @@ def test_kmoss_sample_writes_pngs_with_settings(tmp_path):
     meta = json.loads(Image.open(files[2]).text["kohakumoss"])
     assert meta["prompt"] == "blue stripes" and meta["seed"] == 7 and meta["steps"] == 3
     assert Image.open(files[0]).size == (48, 32)
-    assert Image.open(tmp_path / "s" / "contact_sheet.png").size[0] == 2 * 48
+    from kohakumoss.images import MIN_CELL
+
+    assert Image.open(tmp_path / "s" / "contact_sheet.png").size[0] == 2 * max(48, MIN_CELL)
+
+
+def test_contact_sheet_labels_are_whole_not_cut_to_a_word():
+    """A 64-pixel preview's label was cut to its first word: now it wraps over lines in a
+    cell at least MIN_CELL wide, and a label too long for four lines ends in "..."."""
+    from PIL import Image
+
+    from kohakumoss.images import CHAR, MAX_LINES, MIN_CELL, contact_sheet, label_lines
+
+    prompt = "0: kohaku, 2 red circles, blue background"
+    lines = label_lines(prompt, MIN_CELL)
+    assert " ".join(lines) == prompt and all(len(ln) * CHAR <= MIN_CELL for ln in lines)
+    long = label_lines("word " * 200, MIN_CELL)
+    assert len(long) == MAX_LINES and long[-1].endswith("...")
+    images = [Image.new("RGB", (64, 64), c) for c in ("red", "blue")]
+    sheet = contact_sheet(images, [prompt, "1: green"], columns=2)
+    assert sheet.size[0] == 2 * MIN_CELL and sheet.size[1] > 64 + 12 * len(lines)
+    # the label's pixels: dark text in the band above each image
+    band = sheet.crop((0, 0, MIN_CELL, 12 * len(lines)))
+    rows_with_ink = {y for y in range(band.size[1]) for x in range(band.size[0])
+                     if band.getpixel((x, y))[0] < 128}
+    assert max(rows_with_ink) > 12 * (len(lines) - 1)  # the last line is drawn too
 
 
 def test_grid_strength_zero_is_the_base_and_adapters_come_off(tmp_path):
@@ -126,10 +150,15 @@ def test_grid_strength_zero_is_the_base_and_adapters_come_off(tmp_path):
         "algo": "lora", "preset": "attn-mlp", "targets": [], "dim": 4, "alpha": 4.0, "dora": False,
         "algo_kwargs": {}, "train_norms": False}, "steps": 1})
     img = grid(gen, ["a red circle"], [[], [f"{ck}:1.0"]], ["base", "lora"], 0, s)
-    assert img.size == (64, 32 + 14)
-    left = np.asarray(img)[14:, :32]
+    from kohakumoss.images import MIN_CELL
+
+    band = img.size[1] - 32  # the labels above the images
+    x0 = (MIN_CELL - 32) // 2  # each image centred in its cell
+    assert img.size[0] == 2 * MIN_CELL and band > 0
+    left = np.asarray(img)[band:, x0:x0 + 32]
     assert np.array_equal(left, np.asarray(base))  # strength 0 / no adapter = the base
-    assert not np.array_equal(np.asarray(img)[14:, 32:], left)  # the adapter changes the image
+    right = np.asarray(img)[band:, MIN_CELL + x0:MIN_CELL + x0 + 32]
+    assert not np.array_equal(right, left)  # the adapter changes the image
     assert np.array_equal(np.asarray(gen.images(["a red circle"], [0], s)[0]), np.asarray(base))
 
 
