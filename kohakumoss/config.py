@@ -320,6 +320,14 @@ class MemoryConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     world_size: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (data-parallel ranks)")
+    nodes: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (machines; world_size / "
+                                                          "nodes ranks on each)")
+    backend: Literal["auto", "nccl", "gloo"] = knob(
+        "auto", help="the process group's backend: auto (nccl on CUDA, gloo on the CPU)")
+    rdzv_endpoint: str = knob("", help="host:port of the rendezvous when nodes > 1 (the same on "
+                                       "every node)")
+    timeout_s: int = knob(1800, check=lambda v: v >= 10, allowed="an integer >= 10 (seconds a "
+                                                                  "collective waits for a rank)")
 
 
 SECTIONS: dict[str, type] = {

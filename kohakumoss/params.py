@@ -111,11 +111,18 @@ def refuse_unhonoured(p: Params) -> None:
     """Knobs that parse but that no engine honours yet: accepting them would train something
     other than what params.yaml says, so they are refused until their issue lands
     (``docs/architecture.md#refused-knobs``)."""
-    if p.parallel.world_size > 1:
+    if p.parallel.world_size > 1 and p.adapter.full:
         raise ConfigError(
-            f"{p.path}: parallel.world_size = {p.parallel.world_size}: multi-GPU training is not "
-            f"implemented yet, so every rank's share of the plan would not be trained; set "
-            f"parallel.world_size: 1")
+            f"{p.path}: parallel.world_size = {p.parallel.world_size} with adapter.algo: full: a "
+            f"sharded full finetune (FSDP2) is not implemented yet; train adapters on several "
+            f"ranks, or a full finetune with parallel.world_size: 1")
+    if p.parallel.world_size > 1 and p.memory.optimizer == "host" or \
+            p.parallel.world_size > 1 and p.profile in ("low", "minimal"):
+        raise ConfigError(
+            f"{p.path}: parallel.world_size = {p.parallel.world_size} with the optimizer on the host "
+            f"(profile {p.profile}, memory.optimizer {p.memory.optimizer}): the host update does not "
+            f"reduce gradients across ranks yet; use profile speed, balanced or auto, or manual "
+            f"with memory.optimizer: device")
     if p.train.dtype == "fp16":
         raise ConfigError(
             f"{p.path}: train.dtype = 'fp16': fp16 training needs loss scaling, which is not "

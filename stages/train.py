@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import typer
@@ -34,9 +35,30 @@ def main(
     from kohakumoss.training.build import RunPaths, build_components
     from kohakumoss.training.trainer import Trainer
 
+    from kohakumoss.device import resolve_device
+    from kohakumoss.parallel import init_distributed, launch_command, shutdown, under_launcher
+
     p = load_params(params)
+    if p.parallel.world_size > 1 and not under_launcher():
+        # the ranks are processes of their own: torchrun starts them, each runs this command
+        args = ["--params", str(params), "--plan", str(plan), "--catalog", str(catalog),
+                "--text-cache", str(text_cache), "--latent-cache", str(latent_cache),
+                "--kernels", str(kernels), "--runs", str(runs)]
+        cmd = launch_command(p, args)
+        console.print(f"parallel.world_size {p.parallel.world_size}: {' '.join(cmd[1:])}", highlight=False)
+        code = subprocess.run(cmd).returncode
+        if code:
+            console.print(f"[bold red]error:[/] a rank failed (exit {code}); run kmoss train again "
+                          f"to resume from the newest checkpoint", highlight=False)
+        raise typer.Exit(code)
+    dist = init_distributed(p, resolve_device(p.train.device).type)
     paths = RunPaths(plan, catalog, text_cache, latent_cache, runs / p.run.name, kernels)
-    result = Trainer(p, paths, build_components(p, paths)).run()
+    try:
+        result = Trainer(p, paths, build_components(p, paths, dist=dist)).run()
+    finally:
+        shutdown(dist)
+    if not dist.main:
+        return
     if not result.losses:
         console.print(f"the run is complete at step {result.end_step}; its metrics and summary were "
                       f"rebuilt from {result.checkpoint}")

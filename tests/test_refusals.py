@@ -53,7 +53,10 @@ REFUSED = {
     "missing vae": ({"model": {"vae": "/nonexistent/vae"}}, ["model.vae", "does not exist"]),
     "caption tokenizer": ({"caption": {"tokenizer": "/nonexistent/tok"}},
                           ["caption.tokenizer", "not a folder"]),
-    "two ranks": ({"parallel": {"world_size": 2}}, ["parallel.world_size", "set parallel.world_size: 1"]),
+    "two ranks of a full finetune": ({"parallel": {"world_size": 2}, "adapter": {"algo": "full"}},
+                                     ["parallel.world_size", "FSDP2", "parallel.world_size: 1"]),
+    "two ranks with the host update": ({"parallel": {"world_size": 2}, "profile": "low"},
+                                       ["parallel.world_size", "host", "memory.optimizer: device"]),
     "fp16 training": ({"train": {"dtype": "fp16"}}, ["train.dtype", "loss scaling", "bf16"]),
     "renamed sampler": ({"objective": {"sampler": "uniform"}}, ["objective.timesteps"]),
     "unknown profile": ({"profile": "fast"}, ["profile", "'fast'", "speed, balanced, low, minimal, auto, manual"]),
@@ -92,7 +95,8 @@ def test_refused_when_params_load(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["oft input dropout", "dead target", "missing transformer",
-                                  "two ranks", "fp16 training", "memory knob beside a profile"])
+                                  "two ranks of a full finetune", "fp16 training",
+                                  "memory knob beside a profile"])
 def test_the_first_stage_refuses_before_any_work(tmp_path, case):
     """`kmoss scan` (the first stage of `dvc repro`) stops with one error line and exit 2,
     having written nothing: no catalog, no artifacts folder."""
@@ -121,7 +125,7 @@ def test_the_accepted_neighbours_still_load(tmp_path):
                      {"adapter": {"algo": "tlora", "mode": "bypass"}},
                      {"adapter": {"targets": ["layers\\.0\\.proj\\.q"]}},
                      {"adapter": {"algo": "full", "dropout": 0.5}},
-                     {"parallel": {"world_size": 1}},
+                     {"parallel": {"world_size": 1}}, {"parallel": {"world_size": 2}},
                      {"train": {"dtype": "fp32"}},
                      {"objective": {"timesteps": "uniform"}},
                      {"profile": "minimal"},

@@ -92,6 +92,7 @@ class HostBatch:
     crops: list[tuple[int, int, int, int]]
     flips: list[bool]
     skipped: list[tuple[int, str]]
+    global_index: int = -1  # the plan's global batch g (rank = g % the plan's world size)
 
     def select(self, keep: list[int]) -> HostBatch:
         """The batch restricted to the samples at positions ``keep``."""
@@ -106,16 +107,21 @@ class HostBatch:
 
 
 class PlanBatches:
-    """Random access to the plan's batches of one rank; picklable, opens files lazily."""
+    """Random access to the plan's batches of one process (one rank's, or with ``world`` 1
+    every rank's); picklable, opens files lazily."""
 
     def __init__(self, plan_dir: str | Path, datasets: tuple[DatasetEntry, ...],
                  resolution: ResolutionConfig, catalog_dir: str | Path, rank: int = 0,
-                 world: int = 1, pixels: bool = True, max_pixels: int = MAX_IMAGE_PIXELS):
+                 world: int = 1, pixels: bool = True, max_pixels: int = MAX_IMAGE_PIXELS,
+                 plan_world: int | None = None):
         self.plan_dir = Path(plan_dir)
         self.catalog_dir = Path(catalog_dir)
         self.datasets = datasets
         self.resolution = resolution
+        # this process takes global batches index * world + rank; the plan was made for
+        # plan_world ranks (a batch's rank is the plan's; one process may read them all)
         self.rank, self.world = rank, world
+        self.plan_world = world if plan_world is None else plan_world
         self.pixels = pixels  # False: the latents come from an offline cache, decode nothing
         self.max_pixels = max_pixels  # data.max_image_pixels: the scan's limit holds here too
         self._cols: dict[str, np.ndarray] | None = None
@@ -194,14 +200,14 @@ class PlanBatches:
             out["crops"].append(box)
             out["flips"].append(flip)
         return HostBatch(
-            index=index, rank=self.rank, step=int(cols["step"][lo]), micro=int(cols["micro"][lo]),
+            index=index, rank=g % self.plan_world, step=int(cols["step"][lo]), micro=int(cols["micro"][lo]),
             uids=torch.tensor(out["uids"], dtype=torch.int64),
             hw=torch.tensor(out["hw"], dtype=torch.int32).reshape(-1, 2),
             pixels=out["pixels"], captions=out["captions"],
             text_drop=torch.tensor(out["text_drop"], dtype=torch.bool),
             loss_weight=torch.tensor(out["loss_weight"], dtype=torch.float32),
             text_limit=out["text_limit"], img_keep=out["img_keep"], keep_seed=out["keep_seed"],
-            crops=out["crops"], flips=out["flips"], skipped=skipped)
+            crops=out["crops"], flips=out["flips"], skipped=skipped, global_index=g)
 
 
 class PlanStream(torch.utils.data.IterableDataset):

@@ -31,6 +31,7 @@ from kohakumoss.kernels.table import device_signature
 from kohakumoss.memory.host_update import HostUpdate
 from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.parallel import Dist
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
 from kohakumoss.training.estimate import resolve_profile, size
@@ -75,6 +76,7 @@ class Components:
     encoder: BatchEncoder
     batches: PlanBatches
     update: HostUpdate | None = None  # memory.optimizer host: the masters the optimizer steps
+    dist: Dist = Dist()  # this process among the data-parallel ones
 
     @property
     def stepped(self) -> list[tuple[str, torch.Tensor]]:
@@ -127,10 +129,11 @@ def run_memory(params: Params, batches: list[list[tuple[int, int]]],
 
 
 def build_components(params: Params, paths: RunPaths,
-                     engines: EnginePlan | None = None) -> Components:
+                     engines: EnginePlan | None = None, dist: Dist = Dist()) -> Components:
     """The run's components; ``engines`` defaults to ``engine_plan(params, device)``. With
     ``paths.kernels`` (and no tuned choices in ``engines``) the op table follows the tuning
-    table there, the shapes it lacks measured first (``tuned_kernels``)."""
+    table there, the shapes it lacks measured first (``tuned_kernels``). ``dist``: this
+    process among the data-parallel ones (``kohakumoss.parallel``): the batches it reads."""
     p = params
     device = resolve_device(p.train.device)
     plan_rows, plan = read_plan(paths.plan)
@@ -169,8 +172,9 @@ def build_components(params: Params, paths: RunPaths,
                          paths.latent_cache, text_identity(p), vae_identity(p))
     encoder = BatchEncoder(p, caches, device)
     batches = PlanBatches(paths.plan, p.data.datasets, p.resolution, paths.catalog,
+                          rank=dist.rank, world=dist.world, plan_world=p.parallel.world_size,
                           pixels=p.cache.latents != "offline", max_pixels=p.data.max_image_pixels)
     return Components(device=device, engines=engines, applied=applied, model=model,
                       trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
                       timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
-                      batches=batches, update=update)
+                      batches=batches, update=update, dist=dist)

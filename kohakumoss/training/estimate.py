@@ -390,6 +390,8 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     seen = set()
     for name in FASTEST_FIRST[1:]:  # those this run cannot place (streaming on the CPU) drop out
         engines = placed(PROFILE_ENGINES[name], params, device)[0]
+        if engines.optimizer == "host" and params.parallel.world_size > 1:
+            continue  # the host update does not reduce gradients across ranks yet
         if engines not in seen:
             seen.add(engines)
             candidates.append((name, engines))

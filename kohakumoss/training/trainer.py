@@ -26,6 +26,8 @@ from kohakumoss import faults
 from kohakumoss.artifacts import atomic_write_json, dir_lock, hash_json
 from kohakumoss.config import Params, stage_params
 from kohakumoss.data.loader import make_loader
+from kohakumoss.configlib import ConfigError
+from kohakumoss.parallel import barrier, reduce_gradients, reduce_sum
 from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
@@ -65,6 +67,13 @@ class Trainer:
         self.optimizer, self.scheduler, self.ema = c.optimizer, c.scheduler, c.ema
         self.timesteps, self.caches, self.encoder, self.batches = (c.timesteps, c.caches,
                                                                    c.encoder, c.batches)
+        # data parallel: this process's share of each step's micro-batches (kohakumoss.parallel)
+        self.dist = c.dist
+        ranks = params.parallel.world_size
+        if ranks % self.dist.world:
+            raise ConfigError(f"{params.path}: {self.dist.world} processes cannot share the plan's "
+                              f"{ranks} ranks evenly; start parallel.world_size processes")
+        self.micro_per_step = params.train.grad_accum * ranks // self.dist.world
         # what makes an old checkpoint of the run unusable: the data order, the training
         # params, what is trained, and what the caches encoded the data with
         self.identity = {"plan": c.plan.content_hash,
@@ -90,7 +99,8 @@ class Trainer:
         if self.update is not None:  # the masters, not a compute-dtype copy
             state = self.update.overlay(state)
         return save_checkpoint(self.paths.checkpoints, step, state, extra,
-                               {**self.identity, "steps": self.params.train.steps},
+                               {**self.identity, "steps": self.params.train.steps,
+                                "processes": self.dist.world},
                                ema=self.ema.shadow if self.ema else None,
                                keep=self.params.train.keep_checkpoints,
                                metadata={"kohakumoss_state": "1",
@@ -100,9 +110,16 @@ class Trainer:
     def resume(self) -> int:
         """Restore the newest good checkpoint (a damaged newer one is moved to
         ``runs/<name>/corrupt/`` with a warning) and return its step; 0 to start fresh."""
-        clean_partial(self.paths.checkpoints)
         self.resumed_rows: list[dict[str, Any]] = []  # the metric rows up to the resumed step
-        found = load_newest(self.paths.checkpoints, self.paths.run / "corrupt")
+        # rank 0 tidies the folder (partial writes, damaged or finished-elsewhere checkpoints)
+        # first; the others then read what it left
+        if self.dist.main:
+            clean_partial(self.paths.checkpoints)
+            found = load_newest(self.paths.checkpoints, self.paths.run / "corrupt")
+            barrier(self.dist)
+        else:
+            barrier(self.dist)
+            found = load_newest(self.paths.checkpoints, self.paths.run / "corrupt")
         if found is None:
             return 0
         ckpt, data = found
@@ -110,11 +127,19 @@ class Trainer:
                 ckpt.state.get(k) != v for k, v in self.identity.items()):
             # the newest checkpoint ended a run made with other params (a new experiment):
             # keep that run's checkpoints aside and start fresh
-            aside = archive_checkpoints(self.paths.checkpoints, self.paths.run / "history",
-                                        f"{ckpt.state.get('plan', '')[:12]}-{ckpt.state.get('params', '')[:8]}")
-            log.info("a finished run of other params was moved to %s; starting fresh", aside)
+            if self.dist.main:
+                aside = archive_checkpoints(self.paths.checkpoints, self.paths.run / "history",
+                                            f"{ckpt.state.get('plan', '')[:12]}-{ckpt.state.get('params', '')[:8]}")
+                log.info("a finished run of other params was moved to %s; starting fresh", aside)
             return 0
         check_resumable(ckpt, self.identity)
+        made = ckpt.state.get("processes", 1)
+        if made != self.dist.world:
+            raise ConfigError(
+                f"{ckpt.path} was written by a run of {made} process(es) and this one has "
+                f"{self.dist.world}: a run resumes on as many as it started on (gradients are "
+                f"summed in that order); start {made} (parallel.world_size: {made}), or move "
+                f"{self.paths.checkpoints} aside to start over")
         self.trainable.load_state_dict(data.trainable)
         if self.update is not None:
             self.update.load(data.trainable)
@@ -141,12 +166,14 @@ class Trainer:
                 batch = batch.select(keep)
             if not batch.captions:
                 continue
-            g = batch.index * p.parallel.world_size + batch.rank
+            # keyed by the plan's global batch and slot (micro-batch, rank): the draws a
+            # single device would make for these samples, on any number of processes
+            g, slot = batch.global_index, batch.micro * p.parallel.world_size + batch.rank
             inputs = build_inputs(batch, self.encoder.latents(batch), self.encoder.texts(batch), p,
                                   self.timesteps, g, step, self.device)
-            self.trainable.prepare_step(step, micro, inputs.sigma, inputs.layout)
+            self.trainable.prepare_step(step, slot, inputs.sigma, inputs.layout)
             # dropout draws from torch's global RNG: make them a pure function of the step too
-            torch.manual_seed(seed_of("dropout", p.run.seed, step, micro) & (2**63 - 1))
+            torch.manual_seed(seed_of("dropout", p.run.seed, step, slot) & (2**63 - 1))
             with self.precision.autocast(self.device):
                 pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
             loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
@@ -156,6 +183,10 @@ class Trainer:
                 self.update.finish_backward()
             total += float(loss.detach())
             samples += len(batch.captions)
+        # the losses are normalised by the whole step's tokens: the ranks' gradients sum
+        reduce_gradients(self.trained_tensors, self.dist)
+        total, samples = reduce_sum([total, samples], self.dist)
+        samples = int(samples)
         grad_norm, finite = clip_and_check(self.trained_tensors, p.optim.grad_clip)
         if finite:
             self.optimizer.step()
@@ -170,18 +201,22 @@ class Trainer:
         """Train from the newest good checkpoint to ``train.steps`` (nothing to do for a
         finished run), holding the run's lock; always leaves dvclive/ and summary.json
         rebuilt from what the checkpoints persist."""
+        if not self.dist.main:  # rank 0 holds the lock and writes everything
+            return self._run(False)
         with dir_lock(self.paths.run, "kmoss train", wait=False):
             return self._run(progress)
 
     def _run(self, progress: bool) -> TrainResult:
         p = self.params
         start = self.resume()
-        acc, steps = p.train.grad_accum, p.train.steps
+        acc, steps = self.micro_per_step, p.train.steps
+        main = self.dist.main
         self.model.train()
+        # rank 0 keeps the metrics, previews, checkpoints and summary; the others only train
         self.log = RunLog(self.paths.run / "dvclive", self.paths.run / "previews",
-                          self.resumed_rows, upto=start)
+                          self.resumed_rows, upto=start) if main else None
         previews = None
-        if p.preview.every > 0 and p.preview.prompts and start < steps:
+        if main and p.preview.every > 0 and p.preview.prompts and start < steps:
             from kohakumoss.training.previews import Previewer
 
             previews = Previewer(p, self.model, self.trainable, self.device,
@@ -203,7 +238,7 @@ class Trainer:
                             step + 1, grad_norm)
             dt = time.perf_counter() - t0
             t0 = time.perf_counter()
-            if (step + 1) % p.train.log_every == 0 or step + 1 == steps:
+            if main and ((step + 1) % p.train.log_every == 0 or step + 1 == steps):
                 self.log.log(step + 1, loss=loss, lr=self.scheduler.get_last_lr()[0],
                              grad_norm=grad_norm, samples_per_s=samples / max(dt, 1e-9),
                              skipped=int(not finite), memory_gib=_memory_gib(self.device))
@@ -213,12 +248,14 @@ class Trainer:
             bar.update(1)
             if previews is not None and previews.due(step + 1):
                 previews.run(step + 1, self.log)
-            if (step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps:
+            if main and ((step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps):
                 self.encoder.flush()
                 self.save(step + 1, self.log.state())
             faults.point("train.step")
         bar.close()
         faults.point("train.finish")
+        if not main:
+            return TrainResult(start, steps, losses, skipped, None)
         self.log.close()
         ckpts = list_checkpoints(self.paths.checkpoints)
         last = ckpts[-1].path if ckpts else None

@@ -1,0 +1,152 @@
+"""Data-parallel training over the plan's ranks (``docs/parallel.md``).
+
+The plan already holds ``world_size x grad_accum`` micro-batches per step; global batch
+``g`` is rank ``g % world_size``'s. A process of ``Dist(rank, world)`` takes the batches
+``g = index * world + rank``: with ``world == parallel.world_size`` one rank each (what
+torchrun starts), with one process all of them (the single-device reference the tests
+compare against). Sigmas, noise and adapter dropout are keyed by the global batch and the
+plan's rank, so every sample gets the draws a single device would give it.
+
+- ``init_distributed(params)``: the process group from torchrun's environment (``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, its rendezvous), checked against ``parallel.world_size``.
+- ``reduce_gradients(tensors, dist)``: one all-reduce (a sum, in flat buckets) of the trained
+  tensors' gradients after a step's last micro-batch, so accumulation never communicates.
+  The adapters live outside the model's modules and its forward, so torch's DDP module
+  wrapper (whose reducer hooks on its own forward) does not fit them: this is its
+  arithmetic, done once per step.
+- ``launch_command(...)``: the ``torch.distributed.run`` command ``kmoss train`` re-runs itself
+  under when ``parallel.world_size > 1`` and no process group is set up yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist_
+
+from kohakumoss.configlib import ConfigError
+
+BUCKET_BYTES = 64 * 2**20  # gradients all-reduced together, at most this many bytes at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class Dist:
+    """This process's place among the training processes."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that writes checkpoints, metrics and previews."""
+        return self.rank == 0
+
+    @property
+    def group(self) -> bool:
+        """Whether a process group connects this process to others."""
+        return self.world > 1
+
+
+def under_launcher() -> bool:
+    """Whether torchrun (or another launcher setting its variables) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(params, device_type: str) -> Dist:
+    """The process group of a torchrun-started run (nothing without one), checked against
+    ``parallel.world_size``; sets the CUDA device to the local rank's."""
+    if not under_launcher():
+        return Dist()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if world != params.parallel.world_size:
+        raise ConfigError(f"{params.path}: parallel.world_size = {params.parallel.world_size} but "
+                          f"{world} processes were started; the plan holds "
+                          f"{params.parallel.world_size} ranks' batches: start as many (kmoss train "
+                          f"launches them itself), or set parallel.world_size and re-plan")
+    backend = params.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+    if not dist_.is_initialized():
+        dist_.init_process_group(backend, rank=rank, world_size=world,
+                                 timeout=datetime.timedelta(seconds=params.parallel.timeout_s))
+    return Dist(rank, world, local)
+
+
+def reduce_gradients(tensors: Sequence[torch.Tensor], d: Dist) -> None:
+    """Sum every tensor's gradient over the processes (in place, bucketed)."""
+    if not d.group:
+        return
+    grads = [t.grad for t in tensors if t.grad is not None]
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads + [None]:
+        if g is not None and (not bucket or (g.dtype == bucket[0].dtype and g.device == bucket[0].device
+                                             and size + g.numel() * g.element_size() <= BUCKET_BYTES)):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            continue
+        if bucket:
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist_.all_reduce(flat, op=dist_.ReduceOp.SUM)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+        bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+
+
+def reduce_sum(values: Sequence[float], d: Dist) -> list[float]:
+    """``values`` summed over the processes (float64 on the host)."""
+    if not d.group:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if dist_.get_backend() == "nccl":
+        t = t.cuda()
+    dist_.all_reduce(t, op=dist_.ReduceOp.SUM)
+    return t.cpu().tolist()
+
+
+def agree(flag: bool, d: Dist) -> bool:
+    """Whether every process says ``flag`` (a gradient is finite everywhere)."""
+    return reduce_sum([0.0 if flag else 1.0], d)[0] == 0.0
+
+
+def barrier(d: Dist) -> None:
+    if d.group:
+        dist_.barrier()
+
+
+def shutdown(d: Dist) -> None:
+    if d.group and dist_.is_initialized():
+        dist_.destroy_process_group()
+
+
+def launch_command(params, train_args: Sequence[str]) -> list[str]:
+    """``python -m torch.distributed.run ... -m stages.cli train ARGS`` for the params'
+    ranks: one node standalone, several through the c10d rendezvous at
+    ``parallel.rdzv_endpoint`` (each node runs the same command)."""
+    par = params.parallel
+    if par.world_size % par.nodes:
+        raise ConfigError(f"{params.path}: parallel.world_size = {par.world_size} is not a multiple of "
+                          f"parallel.nodes = {par.nodes} (each node starts world_size / nodes ranks)")
+    per_node = par.world_size // par.nodes
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}",
+           f"--nnodes={par.nodes}"]
+    if par.nodes == 1:
+        cmd.append("--standalone")
+    else:
+        if not par.rdzv_endpoint:
+            raise ConfigError(f"{params.path}: parallel.nodes = {par.nodes} needs parallel.rdzv_endpoint "
+                              f"(host:port of one node, the same on every node)")
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={par.rdzv_endpoint}",
+                f"--rdzv-id={params.run.name}"]
+    return cmd + ["-m", "stages.cli", "train", *train_args]

@@ -1,0 +1,154 @@
+"""Data-parallel training on the CPU: torchrun, gloo, two processes (docs/parallel.md).
+
+Two ranks train what one process trains over the same plan (each global batch's draws are
+keyed by the batch, not by who runs it): the same checkpoints to fp32 round-off. A rank
+killed mid-run, then `kmoss train` again, ends bit-identical to an uninterrupted two-rank
+run, and a resume on another process count is refused with what it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kohakumoss.configlib import ConfigError
+from kohakumoss.params import load_params
+from kohakumoss.parallel import Dist, launch_command, reduce_gradients
+from kohakumoss.training import checkpoint as ckpt_mod
+from kohakumoss.training.build import RunPaths, build_components
+from kohakumoss.training.trainer import Trainer
+
+from conftest import make_kohya
+from test_train import _prepare, _same_checkpoints, _write_params
+
+KMOSS = Path(sys.executable).with_name("kmoss")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """A plan for two ranks (dropout and text drop on, so the draws matter), its caches."""
+    tmp = tmp_path_factory.mktemp("parallel")
+    ds = make_kohya(tmp / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32), (32, 32)]})
+    params = _write_params(tmp, ds, train={"steps": 4, "checkpoint_every": 2, "keep_checkpoints": 3},
+                           adapter={"algo": "lora", "dim": 4, "alpha": 4, "dropout": 0.1},
+                           parallel={"world_size": 2}, kernels={"table": "off"},
+                           data={"num_workers": 0})
+    paths = _prepare(tmp, params)
+    return tmp, params, paths
+
+
+def _torchrun(tmp: Path, params: Path, paths: RunPaths, runs: str, kill: str | None = None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.pop("KMOSS_KILL_AT", None)
+    if kill:
+        env["KMOSS_KILL_AT"] = kill
+    return subprocess.run([str(KMOSS), "train", "--params", str(params), "--plan", str(paths.plan),
+                           "--catalog", str(paths.catalog), "--text-cache", str(paths.text_cache),
+                           "--latent-cache", str(paths.latent_cache), "--kernels", str(tmp / "nokernels"),
+                           "--runs", str(tmp / runs)], capture_output=True, text=True, env=env, cwd=tmp)
+
+
+def _one_process(tmp: Path, params: Path, paths: RunPaths, runs: str) -> Path:
+    p = load_params(params)
+    here = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp / runs / p.run.name)
+    Trainer(p, here, build_components(p, here)).run(progress=False)
+    return here.checkpoints
+
+
+def test_two_ranks_train_what_one_process_trains(two_ranks):
+    tmp, params, paths = two_ranks
+    res = _torchrun(tmp, params, paths, "two")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "torch.distributed.run" in res.stderr and "--nproc-per-node=2" in res.stderr
+    name = load_params(params).run.name
+    two = tmp / "two" / name / "checkpoints"
+    one = _one_process(tmp, params, paths, "one")
+    for step in ("step-000002", "step-000004"):
+        a, b = ckpt_mod.open_checkpoint(two / step), ckpt_mod.open_checkpoint(one / step)
+        ta, tb = a.trainable(), b.trainable()
+        assert ta.keys() == tb.keys()
+        for k in ta:  # the ranks' gradients summed by an all-reduce: fp32 round-off
+            torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-7)
+        assert a.state["processes"] == 2 and b.state["processes"] == 1
+    # and a resume on another count is refused, naming what it needs
+    p = load_params(params)
+    moved = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp / "two" / name)
+    trainer = Trainer(p, moved, build_components(p, moved))
+    with pytest.raises(ConfigError, match="written by a run of 2 process\\(es\\) and this one has 1"):
+        trainer.resume()
+
+
+def test_a_rank_killed_mid_run_resumes_to_the_uninterrupted_run(two_ranks):
+    tmp, params, paths = two_ranks
+    name = load_params(params).run.name
+    if not (tmp / "two" / name / "checkpoints" / "step-000004").is_dir():
+        assert _torchrun(tmp, params, paths, "two").returncode == 0
+    killed = _torchrun(tmp, params, paths, "killed", kill="train.step:3@1")  # rank 1, after step 3
+    assert killed.returncode != 0 and "a rank failed" in killed.stdout + killed.stderr
+    ckpts = tmp / "killed" / name / "checkpoints"
+    assert [c.path.name for c in ckpt_mod.list_checkpoints(ckpts)][-1] == "step-000002"
+    again = _torchrun(tmp, params, paths, "killed")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resuming from" in again.stderr
+    _same_checkpoints(ckpts / "step-000004", tmp / "two" / name / "checkpoints" / "step-000004")
+
+
+def test_reduce_gradients_sums_over_ranks_in_buckets(tmp_path, monkeypatch):
+    """Gradients of mixed sizes, over two gloo processes, with buckets smaller than the
+    tensors: each rank ends with the sum."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_reduce_worker, args=(str(out),), nprocs=2, join=True)
+    got = [torch.load(out / f"{r}.pt") for r in (0, 1)]
+    want = [sum(_grads(r)[i] for r in (0, 1)) for i in range(3)]
+    for g in got:
+        assert all(torch.equal(a, b) for a, b in zip(g, want))
+
+
+def _grads(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(s, generator=g) for s in ((5, 3), (7,), (2, 2, 2))]
+
+
+def _reduce_worker(rank: int, out: str) -> None:
+    import torch.distributed as dist
+
+    import kohakumoss.parallel as par
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    par.BUCKET_BYTES = 40  # smaller than every tensor: one bucket each
+    ts = [torch.zeros_like(g, requires_grad=True) for g in _grads(rank)]
+    for t, g in zip(ts, _grads(rank)):
+        t.grad = g.clone()
+    reduce_gradients(ts, Dist(rank, 2))
+    torch.save([t.grad for t in ts], Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_launch_command(tmp_path):
+    from kohakumoss.params import parse_params
+
+    p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "x"}]},
+                      "parallel": {"world_size": 4}}, "params.yaml")
+    cmd = launch_command(p, ["--params", "params.yaml"])
+    assert cmd[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=1", "--standalone"]
+    assert cmd[-4:] == ["stages.cli", "train", "--params", "params.yaml"]
+    p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "x"}]},
+                      "parallel": {"world_size": 4, "nodes": 2, "rdzv_endpoint": "node0:29400"}}, "params.yaml")
+    cmd = launch_command(p, [])
+    assert "--nproc-per-node=2" in cmd and "--rdzv-endpoint=node0:29400" in cmd and "--standalone" not in cmd
+    p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "x"}]},
+                      "parallel": {"world_size": 4, "nodes": 2}}, "params.yaml")
+    with pytest.raises(ConfigError, match="parallel.rdzv_endpoint"):
+        launch_command(p, [])
+    shutil.rmtree(tmp_path, ignore_errors=True)
