@@ -9,6 +9,7 @@ the value and what is allowed. Stages read only the sections (and keys) they dec
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 from kohakumoss.configlib import knob, to_plain
@@ -318,6 +319,21 @@ class MemoryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """How fp16 trains (``docs/precision.md``); bf16 and fp32 need none of it."""
+
+    loss_scale: Literal["auto", "dynamic", "off"] = knob(
+        "auto", help="auto: dynamic loss scaling with train.dtype fp16, none otherwise")
+    init_scale: float = knob(65536.0, check=lambda v: v > 0, allowed="a number > 0 (2^16)")
+    growth_interval: int = knob(2000, check=lambda v: v >= 1,
+                                allowed="an integer >= 1 (finite steps before the scale doubles)")
+    stream_scale: float | None = knob(
+        None, check=lambda v: v is None or (v > 0 and math.log2(v) == int(math.log2(v))),
+        allowed="null (auto: 2^-8 with fp16, 1 otherwise) or a power of two (the joint residual "
+                "stream is carried times this, exactly undone by the norms)")
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     world_size: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (data-parallel ranks)")
     nodes: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (machines; world_size / "
@@ -348,6 +364,7 @@ SECTIONS: dict[str, type] = {
     "kernels": KernelsConfig,
     "parallel": ParallelConfig,
     "memory": MemoryConfig,
+    "precision": PrecisionConfig,
 }
 TOP_LEVEL = {"profile": PROFILES}  # scalar keys of params.yaml beside the sections
 
@@ -371,6 +388,7 @@ class Params:
     kernels: KernelsConfig
     parallel: ParallelConfig
     memory: MemoryConfig = MemoryConfig()
+    precision: PrecisionConfig = PrecisionConfig()
     profile: str = "auto"
     path: str = "params.yaml"
 

@@ -123,10 +123,10 @@ def refuse_unhonoured(p: Params) -> None:
             f"(profile {p.profile}, memory.optimizer {p.memory.optimizer}): the host update does not "
             f"reduce gradients across ranks yet; use profile speed, balanced or auto, or manual "
             f"with memory.optimizer: device")
-    if p.train.dtype == "fp16":
+    if p.train.dtype == "fp16" and p.precision.loss_scale == "off":
         raise ConfigError(
-            f"{p.path}: train.dtype = 'fp16': fp16 training needs loss scaling, which is not "
-            f"implemented yet (its gradients would underflow silently); use bf16 (any GPU from "
+            f"{p.path}: train.dtype = 'fp16' with precision.loss_scale: off: fp16 gradients "
+            f"underflow silently without loss scaling; set precision.loss_scale: auto, or use bf16 (any GPU from "
             f"Ampere on, and the CPU) or fp32")
 
 

@@ -15,9 +15,9 @@ PACKAGE = ROOT / "kohakumoss"
 
 # low -> high; a unit may import units of strictly lower layers only (docs/architecture.md)
 LAYERS: list[set[str]] = [
-    {"kohakumoss", "errors", "faults", "seeding", "device"},
+    {"kohakumoss", "errors", "faults", "seeding", "device", "progress"},
     {"configlib", "artifacts", "precision", "images"},
-    {"config", "tokenizer", "model"},
+    {"config", "tokenizer", "model", "parallel"},
     {"kernels", "memory", "diffusion", "adapters"},
     {"formats"},
     {"encoders", "data"},  # neither imports the other: tokenizer/ is below both
@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"checks"},
     {"params"},
     {"training"},
-    {"export", "generate"},
+    {"export", "generate", "setup"},
 ]
 LAYER = {unit: n for n, units in enumerate(LAYERS) for unit in units}
 # what model/ may import: the model is math over explicit tensors (no engines, no formats)

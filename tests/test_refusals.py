@@ -57,7 +57,10 @@ REFUSED = {
                                      ["parallel.world_size", "FSDP2", "parallel.world_size: 1"]),
     "two ranks with the host update": ({"parallel": {"world_size": 2}, "profile": "low"},
                                        ["parallel.world_size", "host", "memory.optimizer: device"]),
-    "fp16 training": ({"train": {"dtype": "fp16"}}, ["train.dtype", "loss scaling", "bf16"]),
+    "fp16 training without loss scaling": ({"train": {"dtype": "fp16"}, "precision": {"loss_scale": "off"}},
+                                           ["train.dtype", "loss scaling", "precision.loss_scale: auto", "bf16"]),
+    "a stream scale not a power of two": ({"precision": {"stream_scale": 0.3}},
+                                          ["precision.stream_scale", "power of two"]),
     "renamed sampler": ({"objective": {"sampler": "uniform"}}, ["objective.timesteps"]),
     "unknown profile": ({"profile": "fast"}, ["profile", "'fast'", "speed, balanced, low, minimal, auto, manual"]),
     "memory knob beside a profile": ({"profile": "speed", "memory": {"checkpointing": "block"}},
@@ -95,7 +98,7 @@ def test_refused_when_params_load(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["oft input dropout", "dead target", "missing transformer",
-                                  "two ranks of a full finetune", "fp16 training",
+                                  "two ranks of a full finetune", "fp16 training without loss scaling",
                                   "memory knob beside a profile"])
 def test_the_first_stage_refuses_before_any_work(tmp_path, case):
     """`kmoss scan` (the first stage of `dvc repro`) stops with one error line and exit 2,
@@ -126,7 +129,7 @@ def test_the_accepted_neighbours_still_load(tmp_path):
                      {"adapter": {"targets": ["layers\\.0\\.proj\\.q"]}},
                      {"adapter": {"algo": "full", "dropout": 0.5}},
                      {"parallel": {"world_size": 1}}, {"parallel": {"world_size": 2}},
-                     {"train": {"dtype": "fp32"}},
+                     {"train": {"dtype": "fp32"}}, {"train": {"dtype": "fp16"}},
                      {"objective": {"timesteps": "uniform"}},
                      {"profile": "minimal"},
                      {"profile": "manual", "memory": {"checkpointing": "partial", "checkpoint_blocks": 2}},

@@ -10,6 +10,7 @@ checkpointing, streaming and sharding engines can find them from outside
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -100,6 +101,7 @@ class JointBlock(nn.Module):
         super().__init__()
         D, F = c.dim, c.ffn_dim
         self.heads, self.eps, self.ffn_dim = c.heads, c.eps, F
+        self.stream_scale = 1.0  # set by set_stream_scale (fp16): not a weight
         self.norm1, self.norm2 = RMSNormWeight(D), RMSNormWeight(D)
         self.q_norm, self.k_norm = RMSNormWeight(c.head_dim), RMSNormWeight(c.head_dim)
         self.proj = nn.ModuleDict({
@@ -112,13 +114,21 @@ class JointBlock(nn.Module):
     def forward(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
         return self.mlp(self.attention(x_ND, mod_B6D, seg_N, rope, lengths, ops), mod_B6D, seg_N, ops)
 
+    def _stream(self, gate):
+        """The norm's eps and the gate for a stream carried times ``stream_scale`` (s, a power
+        of two): ``norm(s x; s^2 eps) = norm(x; eps)`` and ``s x + (s g) y = s (x + g y)``,
+        exactly in floating point; with s = 1 the plain values."""
+        s = self.stream_scale
+        return (self.eps, gate) if s == 1.0 else (self.eps * s * s, gate * s)
+
     def attention(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
         """The attention half: ``x + gate_a * o(attn(norm1(x)))``."""
         N, D = x_ND.shape
         Dh = D // self.heads
         p = self.proj
-        shift_a, scale_a, gate_a = mod_B6D[:, 0], mod_B6D[:, 1], mod_B6D[:, 2]
-        y = ops.modulated_rms_norm(x_ND, self.norm1.weight, shift_a, scale_a, seg_N, self.eps)
+        shift_a, scale_a = mod_B6D[:, 0], mod_B6D[:, 1]
+        eps, gate_a = self._stream(mod_B6D[:, 2])
+        y = ops.modulated_rms_norm(x_ND, self.norm1.weight, shift_a, scale_a, seg_N, eps)
         q = ops.qk_norm_rope(p["q"](y).view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
         k = ops.qk_norm_rope(p["k"](y).view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
         v = p["v"](y).view(N, self.heads, Dh)
@@ -128,8 +138,9 @@ class JointBlock(nn.Module):
     def mlp(self, x_ND, mod_B6D, seg_N, ops: OpTable):
         """The MLP half: ``x + gate_f * down(situ(up_gate(norm2(x))))``."""
         p = self.proj
-        shift_f, scale_f, gate_f = mod_B6D[:, 3], mod_B6D[:, 4], mod_B6D[:, 5]
-        y = ops.modulated_rms_norm(x_ND, self.norm2.weight, shift_f, scale_f, seg_N, self.eps)
+        shift_f, scale_f = mod_B6D[:, 3], mod_B6D[:, 4]
+        eps, gate_f = self._stream(mod_B6D[:, 5])
+        y = ops.modulated_rms_norm(x_ND, self.norm2.weight, shift_f, scale_f, seg_N, eps)
         u, g = p["ffn_up_gate"](y).split(self.ffn_dim, dim=-1)
         return ops.gated_residual(x_ND, p["ffn_down"](ops.situ(u, g)), gate_f, seg_N)
 
@@ -151,6 +162,19 @@ class MOSSImageTransformer(nn.Module):
         self.final_norm_video = RMSNormWeight(D)
         self.final_linear_video = nn.Linear(D, c.latent_channels, bias=False)
         self.video_head_modulation = nn.Linear(D, 2 * D)
+
+    @property
+    def stream_scale(self) -> float:
+        """The factor the joint residual stream is carried at (1: as the reference)."""
+        return self.layers[0].stream_scale if len(self.layers) else 1.0
+
+    def set_stream_scale(self, s: float) -> None:
+        """Carry the joint stream times ``s``, a power of two (fp16: its sum over 42 blocks
+        stays in range); outputs are unchanged, exactly, barring subnormals."""
+        if s <= 0 or 2.0 ** round(math.log2(s)) != s:
+            raise ValueError(f"stream scale {s!r}: a power of two")
+        for block in self.layers:
+            block.stream_scale = float(s)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -186,6 +210,9 @@ class MOSSImageTransformer(nn.Module):
         img = self.video_embedder(img_NC.to(self.dtype))
         x = img.new_empty(layout.n_joint, c.dim)
         x = x.index_copy(0, layout.img_in_joint, img).index_copy(0, layout.txt_in_joint, txt)
+        s = self.stream_scale
+        if s != 1.0:  # the joint stream carried times s (fp16's range), undone by the norms
+            x = x * s
         rope = ops.rope_angles(layout.pos_joint, self.rope.bands, c.rope_axes, x.dtype)
         skip = set(skip_layers)
         keep_tok = None if skip_samples is None else skip_samples.to(x.device)[layout.seg_joint][:, None]
@@ -195,7 +222,7 @@ class MOSSImageTransformer(nn.Module):
             elif keep_tok is not None:  # attention stays within a sample: exact for the others
                 x = torch.where(keep_tok, x, block(x, mod, layout.seg_joint, rope, layout.joint_len, ops))
         y = ops.modulated_rms_norm(x[layout.img_in_joint], self.final_norm_video.weight,
-                                   head[:, 0], head[:, 1], layout.seg_img, c.eps)
+                                   head[:, 0], head[:, 1], layout.seg_img, c.eps * s * s)
         return self.final_linear_video(y)
 
 

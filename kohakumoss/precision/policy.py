@@ -25,6 +25,7 @@ from kohakumoss.precision.dtypes import DTYPES, dtype_name
 class PrecisionPolicy:
     compute: torch.dtype  # what the forward computes in (``train.dtype``)
     weights: torch.dtype  # what the model's weights are held in (and loaded in)
+    stream_scale: float = 1.0  # the joint residual stream carried times this (fp16's range)
 
     def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager:
         """The context a training forward runs in on ``device``."""
@@ -33,14 +34,19 @@ class PrecisionPolicy:
         return torch.autocast(torch.device(device).type, dtype=self.compute)
 
     def describe(self) -> dict[str, str]:
-        return {"compute": dtype_name(self.compute), "weights": dtype_name(self.weights)}
+        out = {"compute": dtype_name(self.compute), "weights": dtype_name(self.weights)}
+        if self.stream_scale != 1.0:
+            out["stream_scale"] = f"{self.stream_scale:g}"
+        return out
 
 
-def precision_policy(dtype: str, full: bool) -> PrecisionPolicy:
+def precision_policy(dtype: str, full: bool, stream_scale: float = 1.0) -> PrecisionPolicy:
     """The policy for ``train.dtype`` = ``dtype`` (a plan name: bf16 / fp16 / fp32) and a
-    full finetune (``full``, from ``adapter.full``) or an adapter run."""
+    full finetune (``full``, from ``adapter.full``) or an adapter run; ``stream_scale``:
+    ``kohakumoss.precision.scaler.stream_scale``'s for the params."""
     if dtype not in DTYPES:
         raise ValueError(f"train dtype {dtype!r} is not one of {', '.join(DTYPES)}; set "
                          f"train.dtype to one of them")
     compute = DTYPES[dtype]
-    return PrecisionPolicy(compute=compute, weights=torch.float32 if full else compute)
+    return PrecisionPolicy(compute=compute, weights=torch.float32 if full else compute,
+                           stream_scale=stream_scale)

@@ -32,6 +32,7 @@ from kohakumoss.memory.host_update import HostUpdate
 from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.parallel import Dist
+from kohakumoss.precision.scaler import LossScaler, loss_scaler
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
 from kohakumoss.training.estimate import resolve_profile, size
@@ -77,6 +78,7 @@ class Components:
     batches: PlanBatches
     update: HostUpdate | None = None  # memory.optimizer host: the masters the optimizer steps
     dist: Dist = Dist()  # this process among the data-parallel ones
+    scaler: LossScaler | None = None  # fp16: dynamic loss scaling
 
     @property
     def stepped(self) -> list[tuple[str, torch.Tensor]]:
@@ -177,4 +179,5 @@ def build_components(params: Params, paths: RunPaths,
     return Components(device=device, engines=engines, applied=applied, model=model,
                       trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
                       timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
-                      batches=batches, update=update, dist=dist)
+                      batches=batches, update=update, dist=dist,
+                      scaler=loss_scaler(p.precision, engines.precision.compute))

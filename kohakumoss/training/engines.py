@@ -87,14 +87,19 @@ def engine_plan(params: Params, device: torch.device,
     if memory is None:
         memory = PROFILE_ENGINES["speed"] if params.profile == "auto" else \
             placed(profile_engines(params), params, device)[0]
-    return EnginePlan(device=device, precision=precision_policy(params.train.dtype,
-                                                                full=params.adapter.full),
-                      tuned=dict(tuned or {}), memory=memory)
+    from kohakumoss.precision.scaler import stream_scale
+
+    compute = precision_policy(params.train.dtype, full=params.adapter.full).compute
+    policy = precision_policy(params.train.dtype, full=params.adapter.full,
+                              stream_scale=stream_scale(params.precision, compute))
+    return EnginePlan(device=device, precision=policy, tuned=dict(tuned or {}), memory=memory)
 
 
 def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngines:
     """Apply precision, kernels and memory to ``model`` in that order (see the module)."""
     cast_model(model, plan.precision.weights)
+    if plan.precision.stream_scale != 1.0:
+        model.set_stream_scale(plan.precision.stream_scale)
     model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
     recomputed = apply_recompute(model) if plan.memory.recompute else []
     if plan.memory.offload:  # block or sub-block checkpointing with the kept inputs on the host

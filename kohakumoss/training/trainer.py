@@ -40,7 +40,7 @@ from kohakumoss.training.optim import clip_and_check
 log = logging.getLogger(__name__)
 
 # the params whose change makes an old checkpoint of the run unusable
-RESUME_KEYS = ["model.transformer", "adapter", "optim", "objective", "train.dtype"]
+RESUME_KEYS = ["model.transformer", "adapter", "optim", "objective", "train.dtype", "precision"]
 
 
 @dataclasses.dataclass
@@ -64,6 +64,7 @@ class Trainer:
         # the tensors the optimiser steps (clipped together)
         self.trained_tensors = [t for _, t in c.stepped]
         self.update = c.update  # memory.optimizer host: gradients gathered on the host
+        self.scaler = c.scaler  # fp16: the loss scaled before backward, the gradients after
         self.optimizer, self.scheduler, self.ema = c.optimizer, c.scheduler, c.ema
         self.timesteps, self.caches, self.encoder, self.batches = (c.timesteps, c.caches,
                                                                    c.encoder, c.batches)
@@ -95,6 +96,8 @@ class Trainer:
         ema = {k: v for k, v in self.ema.state_dict().items() if k != "shadow"} if self.ema else None
         extra = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "ema": ema, "rng": self._rng_state()}
+        if self.scaler is not None:
+            extra["scaler"] = self.scaler.state_dict()
         state = self.trainable.state_dict()
         if self.update is not None:  # the masters, not a compute-dtype copy
             state = self.update.overlay(state)
@@ -148,6 +151,8 @@ class Trainer:
         self.scheduler.load_state_dict(extra["scheduler"])
         if self.ema is not None and extra.get("ema") is not None and data.ema is not None:
             self.ema.load_state_dict({**extra["ema"], "shadow": data.ema})
+        if self.scaler is not None and extra.get("scaler") is not None:
+            self.scaler.load_state_dict(extra["scaler"])
         torch.set_rng_state(extra["rng"]["torch"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
@@ -178,7 +183,7 @@ class Trainer:
                 pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
             loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
                              p.objective.loss, p.objective.huber_delta, ops=self.model.ops)
-            loss.backward()
+            (self.scaler.scaled(loss) if self.scaler is not None else loss).backward()
             if self.update is not None:
                 self.update.finish_backward()
             total += float(loss.detach())
@@ -187,7 +192,11 @@ class Trainer:
         reduce_gradients(self.trained_tensors, self.dist)
         total, samples = reduce_sum([total, samples], self.dist)
         samples = int(samples)
+        if self.scaler is not None:  # the gradients at their true size before the norm
+            self.scaler.unscale(self.trained_tensors)
         grad_norm, finite = clip_and_check(self.trained_tensors, p.optim.grad_clip)
+        if self.scaler is not None:  # an overflow: this step is skipped and the scale halves
+            self.scaler.update(finite)
         if finite:
             self.optimizer.step()
             if self.ema is not None:
@@ -239,9 +248,10 @@ class Trainer:
             dt = time.perf_counter() - t0
             t0 = time.perf_counter()
             if main and ((step + 1) % p.train.log_every == 0 or step + 1 == steps):
+                scale = {"loss_scale": self.scaler.scale} if self.scaler is not None else {}
                 self.log.log(step + 1, loss=loss, lr=self.scheduler.get_last_lr()[0],
                              grad_norm=grad_norm, samples_per_s=samples / max(dt, 1e-9),
-                             skipped=int(not finite), memory_gib=_memory_gib(self.device))
+                             skipped=int(not finite), memory_gib=_memory_gib(self.device), **scale)
             bar.set_postfix({"loss": f"{loss:.4f}", "lr": f"{self.scheduler.get_last_lr()[0]:.2e}",
                              "samples/s": f"{samples / max(dt, 1e-9):.1f}",
                              "mem": f"{_memory_gib(self.device):.1f}G"})
