@@ -551,10 +551,17 @@ def test_flex_attention_forward(case, dtype):
 @pytest.mark.parametrize("backend", ["flash_varlen", "flex"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("case", ATTENTION_SHAPES.values(), ids=ATTENTION_SHAPES.keys())
-def test_attention_forward_and_gradients(case, dtype, backend):
+def test_attention_forward_and_gradients(case, dtype, backend, request):
     lengths, heads, head_dim = case
     b = KERNELS.backend("varlen_attention", backend)
-    if not b.available(DEVICE, dtype):
+    if backend == "flex":
+        from kohakumoss.kernels.attention import FLEX_OFFERED
+
+        assert not b.available(DEVICE, dtype) or FLEX_OFFERED  # not offered while this fails
+        if not FLEX_OFFERED:
+            request.applymarker(pytest.mark.xfail(reason="flex disagrees with the reference on the "
+                                                         "H200 (2026-12-02): not offered", strict=False))
+    elif not b.available(DEVICE, dtype):
         pytest.skip(f"{backend} cannot run on {DEVICE} in {dtype}")
     q, k, v = _attention_inputs(lengths, heads, head_dim, dtype, grad=True)
     compare(b.fn, ops.varlen_attention, (q, k, v, lengths), {"q": q, "k": k, "v": v},

@@ -113,8 +113,15 @@ def flex_fits(dims) -> bool:
     return dims["Dh"] >= 16 and dims["Dh"] & (dims["Dh"] - 1) == 0
 
 
+# flex's forward and gradients disagreed with the reference on the H200 (torch 2.11; six
+# cases of tests/test_kernel_backends.py::test_attention_forward_and_gradients, 2026-12-02):
+# until they agree it is offered to no op table, so neither the tuner nor the sampler can
+# pick it; the function stays for that test
+FLEX_OFFERED = False
+
+
 def flex_available(device: torch.device, dtype: torch.dtype) -> bool:
-    if dtype not in FLEX_DTYPES or not _cuda_sm80(device):
+    if not FLEX_OFFERED or dtype not in FLEX_DTYPES or not _cuda_sm80(device):
         return False
     try:
         importlib.import_module("torch.nn.attention.flex_attention")
