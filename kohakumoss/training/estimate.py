@@ -20,9 +20,9 @@ start of backward:
   checkpointed, one block (or half) recomputed.
 
 ``resolve_profile`` picks ``profile: auto``'s engines: the fastest whose estimate fits the
-memory the device has free, in the order ``slowdown`` predicts (``speed``; ``partial``
-checkpointing of a few blocks; ``balanced``'s selective checkpointing; ``partial`` of more
-blocks; ``block``; ``low``; ``minimal``), and says which and why.
+memory the device has free, in the order ``kohakumoss.memory.profiles.slowdown`` predicts
+(``speed``; ``balanced``'s rebuilt outputs; ``partial`` checkpointing of 1, 2, ... blocks;
+``block``; ``low``; ``minimal``), and says which and why.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from kohakumoss.config import Params
 from kohakumoss.memory import apply_recompute
-from kohakumoss.memory.profiles import FASTEST_FIRST, PROFILE_ENGINES, MemoryEngines
+from kohakumoss.memory.profiles import FASTEST_FIRST, PROFILE_ENGINES, MemoryEngines, slowdown
 from kohakumoss.memory.rebuild import apply_rebuild
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
@@ -321,30 +321,6 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
                         resident * master * states, kept, transient, host)
     return Estimate(engines, n_joint, frozen, trained_count * master, trained_count * grads,
                     trained_count * master * states, kept, transient, host)
-
-
-# what each engine adds to the step time of ``speed`` (nothing checkpointed, resident), as
-# measured on the H200 (rank-32 LoRA at 1 MP, four samples per step, commit a3fde35,
-# docs/performance.md#memory-profiles): recomputing every block's forward (block or
-# sub-block checkpointing) +33%, selective's elementwise recomputation +8%; streaming, the
-# host update and activation offload a little more on top. Only the order matters: auto
-# tries the engines fastest first.
-RECOMPUTE_ALL, RECOMPUTE_ELEMENTWISE, PER_HOST_ENGINE = 0.33, 0.08, 0.01
-REBUILD = 0.03  # rebuilding the elementwise outputs of every block not checkpointed
-
-
-def slowdown(engines: MemoryEngines, depth: int) -> float:
-    """The predicted step time of ``engines`` over ``speed``'s, minus one (``RECOMPUTE_ALL``)."""
-    mode = engines.checkpointing
-    if mode == "partial":
-        share = min(engines.checkpoint_blocks, depth) / depth
-        cost = RECOMPUTE_ALL * share + REBUILD * (1 - share) * engines.rebuild
-    else:
-        cost = {"none": REBUILD * engines.rebuild, "selective": RECOMPUTE_ELEMENTWISE}.get(mode, RECOMPUTE_ALL)
-    host = (engines.stream_slots > 0) + (engines.optimizer == "host") + engines.offload
-    # fewer slots wait more often for a block's copy
-    return cost + PER_HOST_ENGINE * host + (PER_HOST_ENGINE / engines.stream_slots
-                                            if engines.stream_slots else 0)
 
 
 def free_memory(device: torch.device) -> int:
