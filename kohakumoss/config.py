@@ -311,39 +311,28 @@ class MemoryConfig:
     optimizer: Literal["device", "host"] = knob(
         "device", help="host: gradients leave the device as backward makes them; the optimizer's "
                        "states and update live on the CPU (docs/memory.md)")
-    offload: bool = knob(False, help="with checkpointing: block or sub-block, the kept inputs "
-                                     "wait in host memory until backward needs them")
-    rebuild: bool = knob(False, help="with checkpointing: none or partial, the norms', RoPE's "
-                                     "and SiTU's outputs are not kept: backward runs those ops "
-                                     "again on their kept inputs (docs/memory.md)")
+    offload: bool = False  # checkpointing block/sub-block: the kept inputs wait in host memory
+    rebuild: bool = False  # checkpointing none/partial: the elementwise outputs rebuilt in backward
 
 
 @dataclasses.dataclass(frozen=True)
-class PrecisionConfig:
-    """How fp16 trains (``docs/precision.md``); bf16 and fp32 need none of it."""
-
-    loss_scale: Literal["auto", "dynamic", "off"] = knob(
-        "auto", help="auto: dynamic loss scaling with train.dtype fp16, none otherwise")
+class PrecisionConfig:  # how fp16 trains (docs/precision.md); bf16 and fp32 need none of it
+    loss_scale: Literal["auto", "dynamic", "off"] = "auto"  # auto: dynamic with train.dtype fp16
     init_scale: float = knob(65536.0, check=lambda v: v > 0, allowed="a number > 0 (2^16)")
-    growth_interval: int = knob(2000, check=lambda v: v >= 1,
-                                allowed="an integer >= 1 (finite steps before the scale doubles)")
+    growth_interval: int = knob(2000, check=lambda v: v >= 1, allowed="an integer >= 1 (steps)")
     stream_scale: float | None = knob(
         None, check=lambda v: v is None or (v > 0 and math.log2(v) == int(math.log2(v))),
-        allowed="null (auto: 2^-8 with fp16, 1 otherwise) or a power of two (the joint residual "
-                "stream is carried times this, exactly undone by the norms)")
+        allowed="null (2^-8 with fp16, 1 otherwise) or a power of two (the joint residual stream "
+                "is carried times this, exactly undone by the norms)")
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig:  # docs/parallel.md
     world_size: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (data-parallel ranks)")
-    nodes: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (machines; world_size / "
-                                                          "nodes ranks on each)")
-    backend: Literal["auto", "nccl", "gloo"] = knob(
-        "auto", help="the process group's backend: auto (nccl on CUDA, gloo on the CPU)")
-    rdzv_endpoint: str = knob("", help="host:port of the rendezvous when nodes > 1 (the same on "
-                                       "every node)")
-    timeout_s: int = knob(1800, check=lambda v: v >= 10, allowed="an integer >= 10 (seconds a "
-                                                                  "collective waits for a rank)")
+    nodes: int = knob(1, check=lambda v: v >= 1, allowed="an integer >= 1 (world_size / nodes each)")
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on the CPU
+    rdzv_endpoint: str = ""  # host:port of the rendezvous when nodes > 1
+    timeout_s: int = knob(1800, check=lambda v: v >= 10, allowed="an integer >= 10 (seconds)")
 
 
 SECTIONS: dict[str, type] = {
