@@ -62,14 +62,22 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
                       f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
     else:
         t.add_row("cuda", "no CUDA device (CPU only: the tiny default runs, real weights need a GPU)")
-    problems = 0
-    if params.is_file():
-        from rich.markup import escape
+    from rich.markup import escape
 
-        from kohakumoss.checks.params import weight_problems
-        from kohakumoss.params import read_params
+    from kohakumoss.checks.params import weight_problems
+    from kohakumoss.errors import KohakuError
+    from kohakumoss.params import read_params
 
-        p = read_params(params)
+    problems, p = 0, None
+    if not params.is_file():
+        t.add_row("params", f"[yellow]{params} not found[/]")
+    else:
+        try:
+            p = read_params(params)
+        except KohakuError as e:  # what every stage would refuse: said in the table, not a traceback
+            problems += 1
+            t.add_row("params", f"[red]{escape(str(e))}[/]")
+    if p is not None:
         for key, problem in weight_problems(p).items():
             section, _, name = key.partition(".")
             value = getattr(getattr(p, section), name)
@@ -81,10 +89,18 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
             ok = "*" in where or Path(where).exists()
             problems += not ok
             t.add_row(f"dataset {i} ({d.source})", where if ok else f"[red]{where}: not found[/]")
+        if p.parallel.world_size > 1:
+            from kohakumoss.device import resolve_device
+            from kohakumoss.parallel import device_problem
+
+            kind = resolve_device(p.train.device).type
+            problem = device_problem(p, kind, torch.cuda.device_count() if kind == "cuda" else 0)
+            problems += problem is not None
+            t.add_row("parallel", f"[red]{escape(problem)}[/]" if problem else
+                      f"{p.parallel.world_size} ranks on {p.parallel.nodes} node(s), {kind}, "
+                      f"launched by kmoss train through torchrun")
         if not any(v is not None for v in weight_problems(p).values()):
             t.add_row("memory", escape(memory_line(p, plan)))
-    else:
-        t.add_row("params", f"[yellow]{params} not found[/]")
     out.print(t)
     if problems:
         raise typer.Exit(1)

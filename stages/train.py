@@ -36,9 +36,16 @@ def main(
     from kohakumoss.training.trainer import Trainer
 
     from kohakumoss.device import resolve_device
-    from kohakumoss.parallel import init_distributed, launch_command, shutdown, under_launcher
+    import torch
+
+    from kohakumoss.configlib import ConfigError
+    from kohakumoss.parallel import device_problem, init_distributed, launch_command, shutdown, under_launcher
 
     p = load_params(params)
+    device = resolve_device(p.train.device)
+    if p.parallel.world_size > 1 and (problem := device_problem(
+            p, device.type, torch.cuda.device_count() if device.type == "cuda" else 0)):
+        raise ConfigError(f"{params}: {problem}")
     if p.parallel.world_size > 1 and not under_launcher():
         # the ranks are processes of their own: torchrun starts them, each runs this command
         args = ["--params", str(params), "--plan", str(plan), "--catalog", str(catalog),
@@ -51,7 +58,7 @@ def main(
             console.print(f"[bold red]error:[/] a rank failed (exit {code}); run kmoss train again "
                           f"to resume from the newest checkpoint", highlight=False)
         raise typer.Exit(code)
-    dist = init_distributed(p, resolve_device(p.train.device).type)
+    dist = init_distributed(p, device.type)
     paths = RunPaths(plan, catalog, text_cache, latent_cache, runs / p.run.name, kernels)
     try:
         result = Trainer(p, paths, build_components(p, paths, dist=dist)).run()

@@ -135,6 +135,18 @@ def _reduce_worker(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def test_more_ranks_than_this_machine_has_devices_is_a_clear_error():
+    from kohakumoss.params import parse_params
+    from kohakumoss.parallel import device_problem
+
+    p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "x"}]},
+                      "parallel": {"world_size": 4, "nodes": 2}}, "params.yaml")
+    assert device_problem(p, "cuda", 2) is None and device_problem(p, "cpu", 0) is None
+    problem = device_problem(p, "cuda", 1)
+    assert "puts 2 ranks on this machine, which has 1 CUDA device(s)" in problem
+    assert "at most 2" in problem
+
+
 def test_the_launch_command(tmp_path):
     from kohakumoss.params import parse_params
 

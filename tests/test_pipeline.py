@@ -175,4 +175,17 @@ def test_doctor_reports_missing_weights(tmp_path):
     assert good.exit_code == 0, good.output
     text = " ".join(good.output.replace("│", " ").split())  # the table's wrapped cells, read on
     assert "memory profile auto: speed is the fastest" in text and "predicted peak" in text
+    # params every stage would refuse: a row of the table, exit 1, no traceback
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
+    raw["parallel"]["world_size"], raw["profile"] = 2, "low"
+    bad.write_text(yaml.safe_dump(raw))
+    res = runner.invoke(app, ["doctor", "--params", str(bad)])
+    out = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 1 and "parallel.world_size = 2" in out and res.exception.__class__ is SystemExit
+    raw["profile"] = "auto"
+    bad.write_text(yaml.safe_dump(raw))
+    res = runner.invoke(app, ["doctor", "--params", str(bad)])
+    out = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 0 and "2 ranks on 1 node(s), cpu" in out, out
     assert "for a full 1024-token micro-batch" in text

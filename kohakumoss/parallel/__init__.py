@@ -130,6 +130,18 @@ def shutdown(d: Dist) -> None:
         dist_.destroy_process_group()
 
 
+def device_problem(params, device_type: str, count: int) -> str | None:
+    """Why this machine cannot host its share of the ranks (``count`` CUDA devices), or
+    None: on CUDA each rank of a node takes one device."""
+    par = params.parallel
+    per_node = max(1, par.world_size // par.nodes)
+    if device_type != "cuda" or par.world_size == 1 or per_node <= count:
+        return None
+    return (f"parallel.world_size = {par.world_size} on {par.nodes} node(s) puts {per_node} ranks "
+            f"on this machine, which has {count} CUDA device(s): set parallel.world_size to at "
+            f"most {count * par.nodes}, or train.device: cpu")
+
+
 def launch_command(params, train_args: Sequence[str]) -> list[str]:
     """``python -m torch.distributed.run ... -m stages.cli train ARGS`` for the params'
     ranks: one node standalone, several through the c10d rendezvous at
