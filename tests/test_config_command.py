@@ -146,6 +146,12 @@ def test_vram_auto_reads_the_card(tmp_path, models):
     assert "vram: auto read 11.6 GiB on cuda:0: preset 12" in report.lines
     report = configure(proj / "p2.yaml", vram="auto", card=lambda: None)
     assert any("found no CUDA device" in line for line in report.lines)
+    # a card without bf16 (a T4, 15 GiB) trains in fp16
+    report = configure(proj / "p3.yaml", weights=str(models), vram="auto", card=lambda: 14.6,
+                       bf16=lambda: False)
+    p = load_params(proj / "p3.yaml")
+    assert (p.profile, p.train.dtype) == (PRESETS["12"].profile, "fp16")
+    assert any("the card has no bf16: fp16 with loss scaling" in line for line in report.lines)
 
 
 def test_an_existing_file_is_replaced_only_with_force_and_kept(tmp_path):

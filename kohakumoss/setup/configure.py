@@ -83,6 +83,13 @@ def card_vram_gib() -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
+def card_has_bf16() -> bool:
+    """Whether the first CUDA device computes in bf16 (Ampere on; V100, T4, RTX 20xx do not)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def preset_for(vram: str, report: Report, card: Callable[[], float | None] = card_vram_gib,
                full: bool = False) -> Preset | None:
     """The preset ``vram`` names; ``auto``: the largest whose size the card reaches (the
@@ -161,7 +168,8 @@ def _dump(doc) -> str:
 def configure(params: Path, *, weights: str | None = None, data: str | None = None,
               name: str | None = None, algo: str | None = None, vram: str | None = None,
               recipe: str | None = None, tokenizer: str | None = None, force: bool = False,
-              card: Callable[[], float | None] = card_vram_gib) -> Report:
+              card: Callable[[], float | None] = card_vram_gib,
+              bf16: Callable[[], bool] = card_has_bf16) -> Report:
     """Write (or, with ``force``, update) ``params`` (see the module). Raises ConfigError
     for bad input or a refused overwrite, before writing anything."""
     report = Report()
@@ -204,11 +212,13 @@ def configure(params: Path, *, weights: str | None = None, data: str | None = No
     tiny = (doc.get("model") or {}).get("transformer", TINY) == TINY
     preset = preset_for(vram, report, card, full) if vram is not None else None
     if preset is not None:
-        _apply_preset(doc, preset, tiny, report)
+        # a card read without bf16 (sm70/sm75) trains in fp16, with loss scaling
+        dtype = "fp16" if vram == "auto" and card() is not None and not bf16() else "bf16"
+        _apply_preset(doc, preset, tiny, report, dtype)
     return _finish(params, doc, report, force)
 
 
-def _apply_preset(doc, preset: Preset, tiny: bool, report: Report) -> None:
+def _apply_preset(doc, preset: Preset, tiny: bool, report: Report, dtype: str = "bf16") -> None:
     from kohakumoss.config import MemoryConfig
 
     set_key(doc, "profile", preset.profile)
@@ -227,10 +237,12 @@ def _apply_preset(doc, preset: Preset, tiny: bool, report: Report) -> None:
     set_key(doc, "resolution.target_area", MP_TOKENS * 256)
     set_key(doc, "encoders.text_stream", preset.text_stream)
     set_key(doc, "encoders.device", "auto")
-    set_key(doc, "train.dtype", "bf16")
+    set_key(doc, "train.dtype", dtype)
     report.say(f"preset {preset.vram_gib} GiB{' full finetune' if preset.full else ''}: profile "
                f"{preset.profile}, {preset.samples} x 1 MP per step (batching.max_tokens "
-               f"{preset.max_tokens}), text encoder streaming {preset.text_stream}")
+               f"{preset.max_tokens}), text encoder streaming {preset.text_stream}, {dtype}"
+               + (" (the card has no bf16: fp16 with loss scaling, docs/precision.md)"
+                  if dtype == "fp16" else ""))
     report.preset = preset
 
 
