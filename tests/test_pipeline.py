@@ -125,6 +125,7 @@ def test_dvc_repro_then_override_with_exp_run(project):
     shown = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]
     images = [k for k in shown["data"] if k.endswith(".png")]
     assert any(k.endswith("step-000200/grid.png") for k in images), list(shown["data"])  # beside the curves
+    assert any(k.endswith("step-000000/grid.png") for k in images)  # the untrained model's, to compare
     kernels = json.loads((project / "artifacts/kernels/table.json").read_text())["devices"]
     assert [s["signature"]["device"] for s in kernels.values()] == ["cpu"]
     m1 = json.loads((project / "artifacts/plan/manifest.json").read_text())

@@ -223,7 +223,7 @@ def test_previews_at_planned_steps_do_not_change_training(small):
     with_previews = Trainer(load_params(shown), other).run(progress=False)
     assert with_previews.losses == plain.losses
     images = sorted(p.relative_to(other.run / "dvclive") for p in (other.run / "dvclive").rglob("*.png"))
-    assert [str(p.parent.name) for p in images] == ["step-000003"] * 3 + ["step-000006"] * 3
+    assert [str(p.parent.name) for p in images] == ["step-000000"] * 3 + ["step-000003"] * 3 + ["step-000006"] * 3
     a = load_file(str(paths.checkpoints / "step-000006" / "trainable.safetensors"))
     b = load_file(str(other.checkpoints / "step-000006" / "trainable.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -230,6 +230,8 @@ class Trainer:
 
             previews = Previewer(p, self.model, self.trainable, self.device,
                                  self.precision.compute)
+            if start == 0:  # the untrained model's images: what the trained ones compare with
+                previews.run(0, self.log)
         losses, skipped = [], []
         if start < steps:
             loader = iter(make_loader(self.batches, start=start * acc, end=steps * acc,
