@@ -111,11 +111,11 @@ def refuse_unhonoured(p: Params) -> None:
     """Knobs that parse but that no engine honours yet: accepting them would train something
     other than what params.yaml says, so they are refused until their issue lands
     (``docs/architecture.md#refused-knobs``)."""
-    if p.parallel.world_size > 1 and p.adapter.full:
+    if p.parallel.world_size > 1 and p.adapter.full and p.optim.name == "muon":
         raise ConfigError(
-            f"{p.path}: parallel.world_size = {p.parallel.world_size} with adapter.algo: full: a "
-            f"sharded full finetune (FSDP2) is not implemented yet; train adapters on several "
-            f"ranks, or a full finetune with parallel.world_size: 1")
+            f"{p.path}: parallel.world_size = {p.parallel.world_size} with adapter.algo: full and "
+            f"optim.name: muon: Muon's Newton-Schulz step needs whole matrices and the sharded "
+            f"full finetune holds 1/world of each; use optim.name: adamw")
     if p.parallel.world_size > 1 and p.memory.optimizer == "host" or \
             p.parallel.world_size > 1 and p.profile in ("low", "minimal"):
         raise ConfigError(

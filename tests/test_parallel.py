@@ -99,6 +99,44 @@ def test_a_rank_killed_mid_run_resumes_to_the_uninterrupted_run(two_ranks):
     _same_checkpoints(ckpts / "step-000004", tmp / "two" / name / "checkpoints" / "step-000004")
 
 
+@pytest.fixture(scope="module")
+def two_ranks_full(tmp_path_factory):
+    """A full finetune planned for two ranks (AdamW, an EMA), its caches."""
+    tmp = tmp_path_factory.mktemp("parallel_full")
+    ds = make_kohya(tmp / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32), (32, 32)]})
+    params = _write_params(tmp, ds, train={"steps": 4, "checkpoint_every": 2, "keep_checkpoints": 3},
+                           adapter={"algo": "full"}, optim={"lr": 1e-3, "ema": 0.9},
+                           parallel={"world_size": 2}, kernels={"table": "off"}, data={"num_workers": 0})
+    return tmp, params, _prepare(tmp, params)
+
+
+def test_a_sharded_full_finetune_trains_what_one_process_trains(two_ranks_full):
+    """FSDP2 over two ranks: the whole-model checkpoints rank 0 writes equal one process's
+    to fp32 round-off (weights and EMA), load in one process like any full finetune's, and a
+    rank killed mid-run resumes to the uninterrupted run bit for bit."""
+    tmp, params, paths = two_ranks_full
+    res = _torchrun(tmp, params, paths, "two")
+    assert res.returncode == 0, res.stdout + res.stderr
+    name = load_params(params).run.name
+    two = tmp / "two" / name / "checkpoints"
+    one = _one_process(tmp, params, paths, "one")
+    for step in ("step-000002", "step-000004"):
+        a, b = ckpt_mod.open_checkpoint(two / step), ckpt_mod.open_checkpoint(one / step)
+        a.verify()
+        ta, tb = a.trainable(), b.trainable()
+        assert ta.keys() == tb.keys() and len(ta) > 20  # every weight, whole
+        for k in ta:
+            torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-6)
+        ea, eb = a.ema(), b.ema()
+        for k in ea:
+            torch.testing.assert_close(ea[k], eb[k], rtol=1e-5, atol=1e-6)
+    killed = _torchrun(tmp, params, paths, "killed", kill="train.step:3@1")
+    assert killed.returncode != 0
+    again = _torchrun(tmp, params, paths, "killed")
+    assert again.returncode == 0, again.stdout + again.stderr
+    _same_checkpoints(tmp / "killed" / name / "checkpoints" / "step-000004", two / "step-000004")
+
+
 def test_reduce_gradients_sums_over_ranks_in_buckets(tmp_path, monkeypatch):
     """Gradients of mixed sizes, over two gloo processes, with buckets smaller than the
     tensors: each rank ends with the sum."""

@@ -53,8 +53,10 @@ REFUSED = {
     "missing vae": ({"model": {"vae": "/nonexistent/vae"}}, ["model.vae", "does not exist"]),
     "caption tokenizer": ({"caption": {"tokenizer": "/nonexistent/tok"}},
                           ["caption.tokenizer", "not a folder"]),
-    "two ranks of a full finetune": ({"parallel": {"world_size": 2}, "adapter": {"algo": "full"}},
-                                     ["parallel.world_size", "FSDP2", "parallel.world_size: 1"]),
+    "two ranks of a Muon full finetune": ({"parallel": {"world_size": 2}, "adapter": {"algo": "full"},
+                                           "optim": {"name": "muon"}},
+                                          ["parallel.world_size", "optim.name: muon", "whole matrices",
+                                           "optim.name: adamw"]),
     "two ranks with the host update": ({"parallel": {"world_size": 2}, "profile": "low"},
                                        ["parallel.world_size", "host", "memory.optimizer: device"]),
     "fp16 training without loss scaling": ({"train": {"dtype": "fp16"}, "precision": {"loss_scale": "off"}},
@@ -98,7 +100,7 @@ def test_refused_when_params_load(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["oft input dropout", "dead target", "missing transformer",
-                                  "two ranks of a full finetune", "fp16 training without loss scaling",
+                                  "two ranks of a Muon full finetune", "fp16 training without loss scaling",
                                   "memory knob beside a profile"])
 def test_the_first_stage_refuses_before_any_work(tmp_path, case):
     """`kmoss scan` (the first stage of `dvc repro`) stops with one error line and exit 2,
@@ -129,6 +131,7 @@ def test_the_accepted_neighbours_still_load(tmp_path):
                      {"adapter": {"targets": ["layers\\.0\\.proj\\.q"]}},
                      {"adapter": {"algo": "full", "dropout": 0.5}},
                      {"parallel": {"world_size": 1}}, {"parallel": {"world_size": 2}},
+                     {"parallel": {"world_size": 2}, "adapter": {"algo": "full"}},
                      {"train": {"dtype": "fp32"}}, {"train": {"dtype": "fp16"}},
                      {"objective": {"timesteps": "uniform"}},
                      {"profile": "minimal"},

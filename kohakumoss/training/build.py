@@ -79,6 +79,7 @@ class Components:
     update: HostUpdate | None = None  # memory.optimizer host: the masters the optimizer steps
     dist: Dist = Dist()  # this process among the data-parallel ones
     scaler: LossScaler | None = None  # fp16: dynamic loss scaling
+    sharded: bool = False  # a full finetune over several ranks (FSDP2)
 
     @property
     def stepped(self) -> list[tuple[str, torch.Tensor]]:
@@ -151,6 +152,12 @@ def build_components(params: Params, paths: RunPaths,
             lambda: tuned_kernels(p, engines, paths.kernels, model.config,
                                   plan_token_batches(plan_rows))))
     applied = apply_engines(model, engines)
+    sharded = dist.group and p.adapter.full
+    if sharded:  # before the trainable set: sharding replaces the parameters
+        from kohakumoss.memory import repeated_blocks
+        from kohakumoss.parallel.fsdp import shard_model
+
+        shard_model(model, [b for _, b in repeated_blocks(model)], device.type, dist.world)
     trainable = make_trainable(model, p)
     named = trainable.named_parameters()
     update = None
@@ -180,4 +187,4 @@ def build_components(params: Params, paths: RunPaths,
                       trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
                       timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
                       batches=batches, update=update, dist=dist,
-                      scaler=loss_scaler(p.precision, engines.precision.compute))
+                      scaler=loss_scaler(p.precision, engines.precision.compute), sharded=sharded)

@@ -76,7 +76,12 @@ class EMA:
             if shadow[name].shape != s.shape:
                 raise ValueError(f"EMA state for {name!r} has shape {tuple(shadow[name].shape)}, "
                                  f"the parameter has {tuple(s.shape)}")
-            s.copy_(shadow[name])
+            if type(s) is torch.Tensor:
+                s.copy_(shadow[name])
+            else:  # a sharded full finetune's: this rank's shard of the whole average
+                from kohakumoss.parallel.fsdp import shard_like
+
+                s.copy_(shard_like(shadow[name], s))
         self.num_updates = int(state["num_updates"])
 
     @torch.no_grad()

@@ -262,6 +262,8 @@ def clip_and_check(params: Iterable[torch.Tensor], max_norm: float) -> tuple[flo
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return 0.0, True
+    if any(_sharded(p.grad) for p in with_grad):
+        return _clip_sharded(with_grad, max_norm)
     device = with_grad[0].grad.device
     norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32).to(device) for p in with_grad]
     total = torch.linalg.vector_norm(torch.stack(norms))
@@ -270,3 +272,27 @@ def clip_and_check(params: Iterable[torch.Tensor], max_norm: float) -> tuple[flo
     if finite and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
     return value, finite
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _clip_sharded(with_grad: list[torch.Tensor], max_norm: float) -> tuple[float, bool]:
+    """``clip_and_check`` over FSDP2's sharded gradients: each rank's squares summed, one
+    all-reduce, the same coefficient on every shard."""
+    import torch.distributed as dist
+
+    local = [p.grad.to_local() if _sharded(p.grad) else p.grad for p in with_grad]
+    sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in local]).sum()
+    dist.all_reduce(sq)
+    total = float(sq.sqrt())
+    finite = math.isfinite(total)
+    if finite and max_norm > 0:
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for p in with_grad:
+                p.grad.mul_(coef)
+    return total, finite

@@ -73,6 +73,8 @@ class Previewer:
 
         images = [Image.fromarray(((px.permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255)
                                   .to(torch.uint8).numpy(), "RGB") for px in pixels]
+        if metrics is None:  # a sharded run's other ranks: they only took part in the forward
+            return images
         labels = [f"{seed}: {c.prompts[i]}" for i, seed in self.jobs]
         for (i, seed), img in zip(self.jobs, images):
             metrics.image(f"previews/step-{step:06d}/p{i}-s{seed}.png", img)

@@ -70,6 +70,7 @@ class Trainer:
                                                                    c.encoder, c.batches)
         # data parallel: this process's share of each step's micro-batches (kohakumoss.parallel)
         self.dist = c.dist
+        self.sharded = c.sharded  # FSDP2: checkpoints are gathered by every rank, written by rank 0
         ranks = params.parallel.world_size
         if ranks % self.dist.world:
             raise ConfigError(f"{params.path}: {self.dist.world} processes cannot share the plan's "
@@ -90,21 +91,31 @@ class Trainer:
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
-    def save(self, step: int, log: dict[str, Any] | None = None) -> Path:
-        """Write the checkpoint of ``step``; ``log`` (the metrics so far) goes with it."""
+    def save(self, step: int, log: dict[str, Any] | None = None) -> Path | None:
+        """Write the checkpoint of ``step``; ``log`` (the metrics so far) goes with it. A
+        sharded run's ranks all gather the state; rank 0 writes it."""
         # the EMA's averages go to ema.safetensors only, its counters with the optimiser
         ema = {k: v for k, v in self.ema.state_dict().items() if k != "shadow"} if self.ema else None
-        extra = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        shadow = self.ema.shadow if self.ema else None
+        if self.sharded:
+            from kohakumoss.parallel import fsdp
+
+            optimizer, state = fsdp.optimizer_state(self.model, self.optimizer), fsdp.model_state(self.model)
+            shadow = fsdp.gathered(shadow) if shadow is not None else None
+            if not self.dist.main:
+                return None
+        else:
+            optimizer, state = self.optimizer.state_dict(), self.trainable.state_dict()
+        extra = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                  "ema": ema, "rng": self._rng_state()}
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
-        state = self.trainable.state_dict()
         if self.update is not None:  # the masters, not a compute-dtype copy
             state = self.update.overlay(state)
         return save_checkpoint(self.paths.checkpoints, step, state, extra,
                                {**self.identity, "steps": self.params.train.steps,
                                 "processes": self.dist.world},
-                               ema=self.ema.shadow if self.ema else None,
+                               ema=shadow,
                                keep=self.params.train.keep_checkpoints,
                                metadata={"kohakumoss_state": "1",
                                          "kohakumoss_trained": str(self.identity["trained"])},
@@ -143,11 +154,17 @@ class Trainer:
                 f"{self.dist.world}: a run resumes on as many as it started on (gradients are "
                 f"summed in that order); start {made} (parallel.world_size: {made}), or move "
                 f"{self.paths.checkpoints} aside to start over")
-        self.trainable.load_state_dict(data.trainable)
+        extra = data.extra
+        if self.sharded:  # each rank takes its shard of the whole state
+            from kohakumoss.parallel import fsdp
+
+            fsdp.load_model_state(self.model, data.trainable)
+            fsdp.load_optimizer_state(self.model, self.optimizer, extra["optimizer"])
+        else:
+            self.trainable.load_state_dict(data.trainable)
+            self.optimizer.load_state_dict(extra["optimizer"])
         if self.update is not None:
             self.update.load(data.trainable)
-        extra = data.extra
-        self.optimizer.load_state_dict(extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
         if self.ema is not None and extra.get("ema") is not None and data.ema is not None:
             self.ema.load_state_dict({**extra["ema"], "shadow": data.ema})
@@ -183,13 +200,16 @@ class Trainer:
                 pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
             loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
                              p.objective.loss, p.objective.huber_delta, ops=self.model.ops)
-            (self.scaler.scaled(loss) if self.scaler is not None else loss).backward()
+            back = loss * self.dist.world if self.sharded else loss  # FSDP2 averages: make it the sum
+            (self.scaler.scaled(back) if self.scaler is not None else back).backward()
             if self.update is not None:
                 self.update.finish_backward()
             total += float(loss.detach())
             samples += len(batch.captions)
         # the losses are normalised by the whole step's tokens: the ranks' gradients sum
-        reduce_gradients(self.trained_tensors, self.dist)
+        # (FSDP2 reduce-scatters a sharded run's itself, as sums)
+        if not self.sharded:
+            reduce_gradients(self.trained_tensors, self.dist)
         total, samples = reduce_sum([total, samples], self.dist)
         samples = int(samples)
         if self.scaler is not None:  # the gradients at their true size before the norm
@@ -225,7 +245,8 @@ class Trainer:
         self.log = RunLog(self.paths.run / "dvclive", self.paths.run / "previews",
                           self.resumed_rows, upto=start) if main else None
         previews = None
-        if main and p.preview.every > 0 and p.preview.prompts and start < steps:
+        # a sharded model's forward needs every rank: all preview, rank 0 keeps the images
+        if (main or self.sharded) and p.preview.every > 0 and p.preview.prompts and start < steps:
             from kohakumoss.training.previews import Previewer
 
             previews = Previewer(p, self.model, self.trainable, self.device,
@@ -260,9 +281,9 @@ class Trainer:
             bar.update(1)
             if previews is not None and previews.due(step + 1):
                 previews.run(step + 1, self.log)
-            if main and ((step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps):
+            if (main or self.sharded) and ((step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps):
                 self.encoder.flush()
-                self.save(step + 1, self.log.state())
+                self.save(step + 1, self.log.state() if main else None)
             faults.point("train.step")
         bar.close()
         faults.point("train.finish")
