@@ -7,10 +7,10 @@ Everything is read from file headers and folder listings: nothing is loaded.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import struct
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 from kohakumoss.configlib import ConfigError
 from kohakumoss.data.sources.base import is_image_name
@@ -22,7 +22,6 @@ WEIGHTS_HELP = ("give 'tiny', a MOSS-Image pipeline folder (model_index.json wit
 # ComfyUI's folders for each component (the older names too)
 COMFY_FOLDERS = {"transformer": ("diffusion_models", "unet"), "text_encoder": ("text_encoders", "clip"),
                  "vae": ("vae",)}
-HEADER_LIMIT = 100 * 2**20  # a safetensors header larger than this is not one
 
 
 @dataclasses.dataclass
@@ -42,23 +41,19 @@ class Found:
         return self.layout == TINY
 
 
-def header(path: Path) -> dict[str, dict]:
-    """A safetensors file's header: tensor name -> {dtype, shape, ...} (metadata dropped)."""
+def header(path: Path) -> dict[str, str]:
+    """A safetensors file's tensor names and their dtypes (``BF16``, ``I8``, ``F8_E4M3``...),
+    read from its header only."""
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > HEADER_LIMIT:
-                raise ValueError(f"header of {n} bytes")
-            head = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    except (SafetensorError, OSError) as e:
         raise ConfigError(f"{path}: not a readable .safetensors file ({e})") from None
-    head.pop("__metadata__", None)
-    return head
 
 
-def quantization(head: dict[str, dict]) -> str:
+def quantization(head: dict[str, str]) -> str:
     """``int8``, ``fp8`` or ``""``: how a ComfyUI file stores its linear weights."""
-    dtypes = {v.get("dtype") for k, v in head.items() if k.endswith(".weight")}
+    dtypes = {dtype for k, dtype in head.items() if k.endswith(".weight")}
     if "I8" in dtypes:
         return "int8"
     if dtypes & {"F8_E4M3", "F8_E5M2"}:
@@ -76,13 +71,13 @@ def _is_transformer(path: Path) -> bool:
     return True
 
 
-def _is_text_encoder(head: dict[str, dict]) -> bool:
+def _is_text_encoder(head: dict[str, str]) -> bool:
     names = list(head)
     return (any(n.endswith("embed_tokens.weight") for n in names)
             and any(".linear_attn." in n for n in names))  # Qwen3.5's Gated DeltaNet layers
 
 
-def _is_vae(head: dict[str, dict]) -> bool:
+def _is_vae(head: dict[str, str]) -> bool:
     names = set(head)
     return any(n.startswith(("encoder.", "vae.encoder.", "first_stage_model.encoder.")) for n in names) \
         and any(".decoder." in "." + n for n in names)
@@ -93,11 +88,11 @@ def _choose(kind: str, candidates: list[Path], found: Found) -> str:
     ones are dequantized on load today), then by name; the rest are noted."""
     if not candidates:
         return ""
-    ranked = sorted(candidates, key=lambda p: (quantization(header(p)) != "", p.name))
+    quant = {p: quantization(header(p)) for p in candidates}
+    ranked = sorted(candidates, key=lambda p: (quant[p] != "", p.name))
     for other in ranked[1:]:
-        q = quantization(header(other))
-        found.notes.append(f"{kind}: also found {other.name}{f' ({q})' if q else ''}")
-    q = quantization(header(ranked[0]))
+        found.notes.append(f"{kind}: also found {other.name}{f' ({quant[other]})' if quant[other] else ''}")
+    q = quant[ranked[0]]
     if q:
         found.notes.append(f"{kind}: {ranked[0].name} is {q}-quantized (ComfyUI's layout); it is "
                            f"dequantized to the compute dtype on load")
