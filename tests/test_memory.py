@@ -143,18 +143,31 @@ def test_the_checkpointing_modes_order_by_memory():
     assert partial[-1] == block
 
 
-def _backward_ops(*engines) -> dict[str, int]:
-    """How many matmuls and other aten ops the backward runs (recomputation included)."""
+def _backward_ops(*engines, lora: bool = False) -> dict:
+    """What the backward runs (recomputation included): ``mm``, how many matmuls;
+    ``shapes``, each one's (contraction, output width); ``other``, how many other aten ops.
+    ``lora``: with a rank-4 LoRA on the tiny model."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    counts = {"mm": 0, "other": 0}
+    from kohakumoss.adapters import apply_adapters
+    from kohakumoss.config import AdapterConfig
+
+    counts = {"mm": 0, "other": 0, "shapes": []}
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counts["mm" if func.__name__.split(".")[0] in ("mm", "addmm") else "other"] += 1
+            name = func.__name__.split(".")[0]
+            if name in ("mm", "addmm"):
+                a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+                counts["mm"] += 1
+                counts["shapes"].append((a.shape[-1], b.shape[-1]))
+            else:
+                counts["other"] += 1
             return func(*args, **(kwargs or {}))
 
     model = _tiny(torch.float32, [apply_recompute, *engines])
+    if lora:
+        apply_adapters(model, AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
     hw, lens = [(3, 4), (2, 5)], [4, 6]
     c = FLAVORS["tiny"]
     layout = build_layout(hw, lens)
@@ -180,37 +193,10 @@ def test_selective_recomputes_a_lora_fold_from_the_kept_base_output():
     """A LoRA's delta is added into its base output by a narrow matmul (rank r into the
     layer's width): selective keeps the base output and reruns that narrow product in
     backward, instead of keeping a second full-width output per adapted linear."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from kohakumoss.adapters import apply_adapters
-    from kohakumoss.config import AdapterConfig
     from kohakumoss.memory.checkpointing import NARROW
 
-    def backward_matmuls(selective: bool) -> list[tuple[int, int]]:
-        model = _tiny(torch.float32)
-        apply_adapters(model, AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
-        if selective:
-            apply_checkpointing(model, "selective")
-        seen = []
-
-        class Count(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.__name__.split(".")[0]
-                if name in ("mm", "addmm"):
-                    a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
-                    seen.append((a.shape[-1], b.shape[-1]))
-                return func(*args, **(kwargs or {}))
-
-        layout = build_layout([(3, 4), (2, 5)], [4, 6])
-        c = FLAVORS["tiny"]
-        g = torch.Generator().manual_seed(0)
-        out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
-                    torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
-        with Count():
-            out.square().mean().backward()
-        return seen
-
-    plain, selective = backward_matmuls(False), backward_matmuls(True)
+    plain = _backward_ops(lora=True)["shapes"]
+    selective = _backward_ops(lambda m: apply_checkpointing(m, "selective"), lora=True)["shapes"]
     rerun = list(selective)
     for km in plain:
         rerun.remove(km)
@@ -253,6 +239,7 @@ def test_rebuild_keeps_no_elementwise_output_and_trains_the_same(dtype):
     kept, before = sum(keeping.storages.values()), sum(plain.values())
     assert rebuilder.rebuilt_bytes > 0 and kept < 0.8 * before, (kept, before)
     assert not rebuilder.made  # nothing of the forward is held after it
+    assert model.ops.names()["rms_norm"].startswith("rebuilt(")  # which kernel still shows
     model.weight_ring = None
     _, again = _forward_backward(model)  # no ring: the same
     assert all(torch.equal(grads[n], again[n]) for n in grads)

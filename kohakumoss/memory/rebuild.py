@@ -71,7 +71,7 @@ class Rebuilder:
                     _autocast(out.device.type))
             return out
 
-        run.rebuilds = fn
+        run.__qualname__ = f"rebuilt({getattr(fn, '__qualname__', repr(fn))})"  # the op table's names
         for name in ("keeps_inputs_only", "keeps_inputs_only_for"):
             if hasattr(fn, name):
                 setattr(run, name, getattr(fn, name))
