@@ -94,7 +94,7 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
             from kohakumoss.parallel import device_problem
 
             kind = resolve_device(p.train.device).type
-            problem = device_problem(p, kind, torch.cuda.device_count() if kind == "cuda" else 0)
+            problem = device_problem(p, kind)
             problems += problem is not None
             t.add_row("parallel", f"[red]{escape(problem)}[/]" if problem else
                       f"{p.parallel.world_size} ranks on {p.parallel.nodes} node(s), {kind}, "

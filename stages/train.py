@@ -31,27 +31,20 @@ def main(
     The op table follows the kernel tuning table when it matches this device (shapes it
     lacks are measured first, within kernels.retune_seconds).
     """
+    from kohakumoss.device import resolve_device
+    from kohakumoss.parallel import init_distributed, launch_command, shutdown, under_launcher
     from kohakumoss.params import load_params
     from kohakumoss.training.build import RunPaths, build_components
     from kohakumoss.training.trainer import Trainer
 
-    from kohakumoss.device import resolve_device
-    import torch
-
-    from kohakumoss.configlib import ConfigError
-    from kohakumoss.parallel import device_problem, init_distributed, launch_command, shutdown, under_launcher
-
     p = load_params(params)
     device = resolve_device(p.train.device)
-    if p.parallel.world_size > 1 and (problem := device_problem(
-            p, device.type, torch.cuda.device_count() if device.type == "cuda" else 0)):
-        raise ConfigError(f"{params}: {problem}")
     if p.parallel.world_size > 1 and not under_launcher():
         # the ranks are processes of their own: torchrun starts them, each runs this command
         args = ["--params", str(params), "--plan", str(plan), "--catalog", str(catalog),
                 "--text-cache", str(text_cache), "--latent-cache", str(latent_cache),
                 "--kernels", str(kernels), "--runs", str(runs)]
-        cmd = launch_command(p, args)
+        cmd = launch_command(p, args, device.type)
         console.print(f"parallel.world_size {p.parallel.world_size}: {' '.join(cmd[1:])}", highlight=False)
         code = subprocess.run(cmd).returncode
         if code:

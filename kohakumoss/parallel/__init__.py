@@ -85,23 +85,21 @@ def reduce_gradients(tensors: Sequence[torch.Tensor], d: Dist) -> None:
     """Sum every tensor's gradient over the processes (in place, bucketed)."""
     if not d.group:
         return
-    grads = [t.grad for t in tensors if t.grad is not None]
-    bucket: list[torch.Tensor] = []
+    buckets: list[list[torch.Tensor]] = [[]]
     size = 0
-    for g in grads + [None]:
-        if g is not None and (not bucket or (g.dtype == bucket[0].dtype and g.device == bucket[0].device
-                                             and size + g.numel() * g.element_size() <= BUCKET_BYTES)):
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-            continue
-        if bucket:
-            flat = torch.cat([b.reshape(-1) for b in bucket])
-            dist_.all_reduce(flat, op=dist_.ReduceOp.SUM)
-            offset = 0
-            for b in bucket:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
-        bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+    for g in (t.grad for t in tensors if t.grad is not None):
+        last, nbytes = buckets[-1], g.numel() * g.element_size()
+        if last and (g.dtype != last[0].dtype or g.device != last[0].device
+                     or size + nbytes > BUCKET_BYTES):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    for bucket in filter(None, buckets):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist_.all_reduce(flat, op=dist_.ReduceOp.SUM)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
 
 
 def reduce_sum(values: Sequence[float], d: Dist) -> list[float]:
@@ -115,11 +113,6 @@ def reduce_sum(values: Sequence[float], d: Dist) -> list[float]:
     return t.cpu().tolist()
 
 
-def agree(flag: bool, d: Dist) -> bool:
-    """Whether every process says ``flag`` (a gradient is finite everywhere)."""
-    return reduce_sum([0.0 if flag else 1.0], d)[0] == 0.0
-
-
 def barrier(d: Dist) -> None:
     if d.group:
         dist_.barrier()
@@ -130,10 +123,12 @@ def shutdown(d: Dist) -> None:
         dist_.destroy_process_group()
 
 
-def device_problem(params, device_type: str, count: int) -> str | None:
-    """Why this machine cannot host its share of the ranks (``count`` CUDA devices), or
-    None: on CUDA each rank of a node takes one device."""
+def device_problem(params, device_type: str, count: int | None = None) -> str | None:
+    """Why this machine cannot host its share of the ranks (``count`` CUDA devices, default
+    the ones it has), or None: on CUDA each rank of a node takes one device."""
     par = params.parallel
+    if count is None:
+        count = torch.cuda.device_count() if device_type == "cuda" else 0
     per_node = max(1, par.world_size // par.nodes)
     if device_type != "cuda" or par.world_size == 1 or per_node <= count:
         return None
@@ -142,11 +137,14 @@ def device_problem(params, device_type: str, count: int) -> str | None:
             f"most {count * par.nodes}, or train.device: cpu")
 
 
-def launch_command(params, train_args: Sequence[str]) -> list[str]:
+def launch_command(params, train_args: Sequence[str], device_type: str = "cpu") -> list[str]:
     """``python -m torch.distributed.run ... -m stages.cli train ARGS`` for the params'
     ranks: one node standalone, several through the c10d rendezvous at
-    ``parallel.rdzv_endpoint`` (each node runs the same command)."""
+    ``parallel.rdzv_endpoint`` (each node runs the same command). Refused when this machine
+    has fewer devices than its ranks (``device_problem``)."""
     par = params.parallel
+    if problem := device_problem(params, device_type):
+        raise ConfigError(f"{params.path}: {problem}")
     if par.world_size % par.nodes:
         raise ConfigError(f"{params.path}: parallel.world_size = {par.world_size} is not a multiple of "
                           f"parallel.nodes = {par.nodes} (each node starts world_size / nodes ranks)")

@@ -250,7 +250,6 @@ def _finish(params: Path, doc, report: Report, force: bool) -> Report:
     from kohakumoss.params import load_params
 
     text = _dump(doc)
-    raw = yaml.safe_load(text)
     with tempfile.TemporaryDirectory() as tmp:  # checked as a stage checks it, before writing
         trial = Path(tmp) / params.name
         trial.write_text(text, encoding="utf-8")
@@ -258,7 +257,7 @@ def _finish(params: Path, doc, report: Report, force: bool) -> Report:
             checked = load_params(trial)
         except ConfigError as e:
             raise ConfigError(str(e).replace(str(trial), str(params))) from None
-    _estimate(checked, raw, report)
+    _estimate(checked, report)
     report.text = text
     if params.is_file():
         old = params.read_text(encoding="utf-8")
@@ -278,7 +277,7 @@ def _finish(params: Path, doc, report: Report, force: bool) -> Report:
     return report
 
 
-def _estimate(params, raw: dict, report: Report) -> None:
+def _estimate(params, report: Report) -> None:
     """The estimator's word on the run: the profile it resolves to on the preset's card."""
     import torch
 
