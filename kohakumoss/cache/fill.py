@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
-from kohakumoss.progress import progress
 
 from kohakumoss import faults
 from kohakumoss.cache.keys import background_name, content_identity, latent_key, text_key
@@ -36,6 +35,7 @@ from kohakumoss.config import Params
 from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.loader import decode_image, to_model_range
 from kohakumoss.encoders.vae import batch_groups, to_tokens
+from kohakumoss.progress import progress
 
 log = logging.getLogger(__name__)
 

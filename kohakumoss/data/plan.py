@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from kohakumoss.progress import progress as progress_bar
 
 from kohakumoss.config import Params
 from kohakumoss.data.batching import fit_overlong, keep_seed, pack_count, pack_ffd, pack_greedy
@@ -34,6 +33,7 @@ from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.resolution import Resolver
 from kohakumoss.seeding import rng_of
 from kohakumoss.errors import KohakuError
+from kohakumoss.progress import progress as progress_bar
 
 
 class PlanError(KohakuError, RuntimeError):

@@ -25,8 +25,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kohakumoss.progress import progress
-
 from kohakumoss.artifacts import (ArtifactError, Manifest, atomic_path, atomic_write_json,
                                   code_version, make_manifest, read_manifest, write_manifest)
 from kohakumoss.config import DataConfig, Params, stage_params
@@ -35,6 +33,7 @@ from kohakumoss.data.catalog import (ScanStats, catalog_name, limit_catalog, rea
                                      rejected_rows, update_catalog, write_catalog)
 from kohakumoss.data.rows import ScanLimits
 from kohakumoss.errors import KohakuError
+from kohakumoss.progress import progress
 
 log = logging.getLogger(__name__)
 

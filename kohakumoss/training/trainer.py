@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kohakumoss.progress import progress as progress_bar
 
 from kohakumoss import faults
 from kohakumoss.artifacts import atomic_write_json, dir_lock, hash_json
@@ -28,6 +27,7 @@ from kohakumoss.config import Params, stage_params
 from kohakumoss.data.loader import make_loader
 from kohakumoss.configlib import ConfigError
 from kohakumoss.parallel import barrier, reduce_gradients, reduce_sum
+from kohakumoss.progress import progress as progress_bar
 from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
