@@ -61,6 +61,8 @@ def test_weights_are_found_by_their_keys_in_a_comfy_models_folder(models):
         assert Path(found.transformer).name == "a.safetensors"  # unquantized first
         assert Path(found.text_encoder).name == "te.safetensors" and Path(found.vae).name == "ae.safetensors"
         assert any("b_fp8.safetensors (fp8)" in n for n in found.notes)
+        # the tokenizer beside the text encoder counts caption tokens (not the tiny one)
+        assert found.caption_tokenizer == str(models / "text_encoders" / "tokenizer")
 
 
 def test_a_quantized_transformer_alone_is_taken_and_said(tmp_path):

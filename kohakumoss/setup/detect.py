@@ -149,6 +149,13 @@ def find_weights(value: str) -> Found:
         raise ConfigError(f"--weights {value}: {root} has no {', no '.join(m for m in missing if m)} "
                           f"(.safetensors files are read by their keys, whatever their names); "
                           f"{WEIGHTS_HELP}")
+    # the tokenizer the text encoder's loader finds beside it also counts caption tokens
+    te = Path(found.text_encoder).parent
+    tok = next((d for d in (te / "tokenizer", te.parent / "tokenizer") if d.is_dir()), None)
+    found.caption_tokenizer = str(tok) if tok else ""
+    if tok is None:
+        found.notes.append(f"no tokenizer/ beside {te}: pass --tokenizer (the text encoder needs "
+                           f"one); caption token counts are estimated")
     return found
 
 
