@@ -354,7 +354,6 @@ def main() -> None:
 
         ENGINES["memory"] = PROFILE_ENGINES[a.memory_profile]
     caps = a.cap or [0.0]
-    CAP[0] = caps[0]
     COMPILE_BLOCKS[0] = a.compile_blocks
     rate = matmul_rate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,

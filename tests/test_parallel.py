@@ -9,7 +9,6 @@ run, and a resume on another process count is refused with what it needs.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -185,7 +184,7 @@ def test_more_ranks_than_this_machine_has_devices_is_a_clear_error():
     assert "at most 2" in problem
 
 
-def test_the_launch_command(tmp_path):
+def test_the_launch_command():
     from kohakumoss.params import parse_params
 
     p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "x"}]},
@@ -201,4 +200,3 @@ def test_the_launch_command(tmp_path):
                       "parallel": {"world_size": 4, "nodes": 2}}, "params.yaml")
     with pytest.raises(ConfigError, match="parallel.rdzv_endpoint"):
         launch_command(p, [])
-    shutil.rmtree(tmp_path, ignore_errors=True)
