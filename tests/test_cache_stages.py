@@ -171,3 +171,60 @@ def test_manifest_records_content_not_the_fill(tmp_path, kohya_dataset):
     assert json.loads(first)["info"]["entries"] == ts.wanted
     _, again = build_text_cache(p, tmp_path / "plan", tmp_path / "text")
     assert again.encoded == 0 and (tmp_path / "text" / "manifest.json").read_bytes() == first
+
+
+def _vae_folder(root, seed: int):
+    from kohakumoss.encoders.vae import build_tiny
+
+    vae = build_tiny()
+    with torch.no_grad():
+        for t in vae.parameters():
+            t.add_(0.01 * torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)))
+    vae.save_pretrained(root / "vae")
+    return root
+
+
+def test_other_weights_under_the_same_id_are_never_read(tmp_path, kohya_dataset, caplog):
+    """Keys name the VAE by id (flux2-vae/fp32) only; the folder records which files filled
+    it. Other weights at the same path: the fill starts the folder again, and training
+    refuses a cache filled from other weights."""
+    from kohakumoss.cache.build import check_sources
+    from kohakumoss.errors import IntegrityError
+
+    weights = _vae_folder(tmp_path / "pipe", seed=1)
+    p = _params(kohya_dataset, model={"vae": str(weights)})
+    _, (m1, s1) = _pipeline(tmp_path, p)
+    check_sources(p, tmp_path / "text", tmp_path / "lat")  # the same weights: reads go ahead
+    key = sorted(TensorStore(tmp_path / "lat", "fp32").index["entries"])[0]
+    first = TensorStore(tmp_path / "lat", "fp32").get(key, torch.float32)
+    _vae_folder(tmp_path / "pipe", seed=2)  # retrained in place: same path, same id
+    with pytest.raises(IntegrityError, match=r"lat was filled from other flux2-vae weights .*"
+                                             r"dvc repro -f cache_latents"):
+        check_sources(p, tmp_path / "text", tmp_path / "lat")
+    with caplog.at_level("WARNING"):
+        m2, s2 = build_latent_cache(p, tmp_path / "plan", tmp_path / "catalog", tmp_path / "lat")
+    assert "filled from other flux2-vae weights" in caplog.text
+    assert s2.encoded == s1.encoded == s2.wanted  # everything again, nothing stale kept
+    again = TensorStore(tmp_path / "lat", "fp32").get(key, torch.float32)
+    assert not torch.equal(first, again) and m2.content_hash != m1.content_hash
+    check_sources(p, tmp_path / "text", tmp_path / "lat")
+
+
+def test_the_fingerprint_reads_samples_of_every_file(tmp_path):
+    from kohakumoss.encoders.fingerprint import EDGE, fingerprint
+
+    big = tmp_path / "a.safetensors"
+    data = bytearray(torch.randint(0, 256, (4 * EDGE,), dtype=torch.uint8).numpy().tobytes())
+    big.write_bytes(data)
+    small = tmp_path / "b.json"
+    small.write_text("{}")
+    base = fingerprint([big, small])
+    assert fingerprint([big, small]) == base and fingerprint([small, big]) != base
+    for offset in (0, 4 * EDGE - 1, EDGE + (2 * EDGE) // 17):  # first MiB, last MiB, a block
+        changed = bytearray(data)
+        changed[offset] ^= 1
+        big.write_bytes(changed)
+        assert fingerprint([big, small]) != base, offset
+    big.write_bytes(data)
+    small.write_text("{} ")
+    assert fingerprint([big, small]) != base  # a small file is read whole

@@ -26,6 +26,7 @@ from kohakumoss import faults
 from kohakumoss.artifacts import Manifest, atomic_write_json, hash_json, make_manifest, write_manifest
 from kohakumoss.cache.fill import FillStats, fill_latents, fill_text, latent_items, record_build, text_items
 from kohakumoss.cache.store import TensorStore
+from kohakumoss.cache.weights import Source, claim, require
 from kohakumoss.config import Params
 from kohakumoss.data.catalogset import load_catalogs
 from kohakumoss.data.planfile import read_plan
@@ -50,6 +51,31 @@ def vae_identity(p: Params) -> str:
     from kohakumoss.encoders.vae import VAE
 
     return VAE.identity(p.model.vae, p.encoders.vae_dtype, p.encoders.device)
+
+
+def text_source(p: Params) -> Source:
+    from kohakumoss.encoders.text import TextEncoder
+
+    return Source.of(text_identity(p), TextEncoder.weight_files(p.model.text_encoder, p.model.tokenizer))
+
+
+def vae_source(p: Params) -> Source:
+    from kohakumoss.encoders.vae import VAE
+
+    return Source.of(vae_identity(p), VAE.weight_files(p.model.vae))
+
+
+def check_sources(p: Params, text_dir: str | Path, latent_dir: str | Path) -> None:
+    """Before training reads the caches: an offline cache must have been filled from the
+    weights the params name; an online one (written while training) is claimed for them."""
+    for mode, directory, source, stage in ((p.cache.text, text_dir, text_source, "cache_text"),
+                                           (p.cache.latents, latent_dir, vae_source, "cache_latents")):
+        if mode == "offline":
+            require(Path(directory), source(p), stage)
+        elif mode == "online":
+            store = TensorStore(directory, p.cache.dtype, stage=stage)
+            with store.writing():
+                claim(store, source(p))
 
 
 def _checked(encoder, expected: str):
@@ -95,6 +121,7 @@ def build_text_cache(p: Params, plan_dir: str | Path, out: str | Path) -> tuple[
                                          stream=p.encoders.text_stream), identity)
 
     with store.writing():
+        claim(store, text_source(p))
         stats = fill_text(store, items, encoder, p.encoders.text_batch, p.encoders.text_batch_tokens)
         manifest = _finish("text_cache", p, out, store, items, stats, identity)
     return manifest, stats
@@ -116,6 +143,7 @@ def build_latent_cache(p: Params, plan_dir: str | Path, catalog_dir: str | Path,
                         identity)
 
     with store.writing():
+        claim(store, vae_source(p))
         stats = fill_latents(store, items, p, encoder)
         manifest = _finish("latent_cache", p, out, store, items, stats, identity)
     return manifest, stats

@@ -256,6 +256,18 @@ class TensorStore:
         return True
 
     # -- writing -------------------------------------------------------------------------
+    def clear(self) -> int:
+        """Drop every entry and shard; the index goes first, so a kill in between leaves
+        orphans the next writer removes. Returns how many entries there were."""
+        with self.writing():
+            count, shards = len(self.index["entries"]), list(self.index["shards"])
+            self.index, self._problem = {"schema": SCHEMA, "shards": {}, "entries": {}}, None
+            self._write_index()
+            self._handles.clear()
+            for name in shards:
+                (self.dir / name).unlink(missing_ok=True)
+            return count
+
     def add(self, key: str, tensor: torch.Tensor) -> None:
         if key in self:
             return

@@ -37,8 +37,9 @@ from kohakumoss.device import resolve_device
 from kohakumoss.precision.dtypes import dtype_name, resolve_dtype
 from kohakumoss.tokenizer import render_caption, templated_ids
 from kohakumoss.tokenizer.tiny import tiny_tokenizer
-from kohakumoss.encoders.text_files import (TextEncoderError, Weights, infer_config,
-                                            load_tokenizer, locate, text_config)
+from kohakumoss.encoders.text_files import (TOKENIZER_FILES, TextEncoderError, Weights,
+                                            infer_config, load_tokenizer, locate, text_config,
+                                            tokenizer_folder)
 
 
 ENCODER_ID = "qwen3.5-9b"
@@ -204,6 +205,16 @@ class TextEncoder:
         loading anything (cache keys are computed before the encoder is needed)."""
         dt = resolve_dtype(dtype, resolve_device(device), DTYPE_NAMES)
         return f"{TINY_ID if path == 'tiny' else ENCODER_ID}/{dtype_name(dt)}/compute"
+
+    @staticmethod
+    def weight_files(path: str, tokenizer: str = "") -> list[Path]:
+        """The weight files ``load(path, tokenizer)`` reads and its tokenizer's files (none
+        for ``tiny``), for ``fingerprint``: another tokenizer gives other embeddings too."""
+        if path == "tiny":
+            return []
+        files, model_dir, _ = locate(Path(path), tokenizer)
+        folder = tokenizer_folder(model_dir, tokenizer)
+        return files + [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
 
     @property
     def dtype(self) -> torch.dtype:

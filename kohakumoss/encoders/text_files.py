@@ -147,16 +147,20 @@ class Weights:
         return q.dequantize(torch.float32)
 
 
-def load_tokenizer(model_dir: Path, explicit: str):
-    """From an explicit folder (or its ``tokenizer/``) if given, else the first of the model
-    dir, ``<dir>/tokenizer`` and ``<dir>/../tokenizer`` that holds tokenizer files."""
+def tokenizer_folder(model_dir: Path, explicit: str) -> Path:
+    """An explicit folder (or its ``tokenizer/``) if given, else the first of the model dir,
+    ``<dir>/tokenizer`` and ``<dir>/../tokenizer`` that holds tokenizer files."""
     tried = [Path(explicit), Path(explicit) / "tokenizer"] if explicit else [
         model_dir, model_dir / "tokenizer", model_dir.parent / "tokenizer"]
     folder = next((d for d in tried if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
     if folder is None:
         raise TextEncoderError(f"no tokenizer found (looked in {', '.join(map(str, tried))}); "
                                f"{TOKENIZER_HELP}; pass that folder as tokenizer=")
-    return open_tokenizer(folder, TextEncoderError, TOKENIZER_HELP)
+    return folder
+
+
+def load_tokenizer(model_dir: Path, explicit: str):
+    return open_tokenizer(tokenizer_folder(model_dir, explicit), TextEncoderError, TOKENIZER_HELP)
 
 
 def locate(path: Path, tokenizer: str) -> tuple[list[Path], Path, Qwen3_5TextConfig | None]:

@@ -146,6 +146,18 @@ class VAE:
         dt = resolve_dtype(dtype, resolve_device(device), allowed=VAE_DTYPES, cpu_auto="fp32")
         return f"{TINY_ID if str(path) == 'tiny' else LATENT_ID}/{dtype_name(dt)}"
 
+    @staticmethod
+    def weight_files(path: str) -> list[Path]:
+        """The files ``load(path)`` reads the weights from (none for ``tiny``), for
+        ``fingerprint``."""
+        if str(path) == "tiny":
+            return []
+        p = Path(path)
+        if p.is_file():
+            return [p]
+        folder = p / "vae" if (p / "vae").is_dir() else p
+        return sorted(f for f in folder.iterdir() if f.suffix in FILE_SUFFIXES) if folder.is_dir() else []
+
     @property
     def config(self):
         return self.model.config

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kohakumoss.artifacts import Manifest, atomic_write_json
-from kohakumoss.cache.build import text_identity, vae_identity
+from kohakumoss.cache.build import check_sources, text_identity, vae_identity
 from kohakumoss.cache.lookup import BatchCaches
 from kohakumoss.config import Params
 from kohakumoss.data.catalogset import load_catalogs
@@ -177,6 +177,7 @@ def build_components(params: Params, paths: RunPaths,
     scheduler = build_scheduler(optimizer, p.optim, p.train.steps)
     ema = EMA(named, p.optim.ema, device=None if update else device) if p.optim.ema > 0 else None
     timesteps = make_timesteps(p)
+    check_sources(p, paths.text_cache, paths.latent_cache)
     caches = BatchCaches(p, load_catalogs(paths.catalog, p.data.datasets), paths.text_cache,
                          paths.latent_cache, text_identity(p), vae_identity(p))
     encoder = BatchEncoder(p, caches, device)
