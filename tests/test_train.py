@@ -137,6 +137,21 @@ def test_checkpoint_of_another_plan_is_refused(small):
     assert len(list((paths.run / "history").glob("*/step-000008"))) == 1
 
 
+def test_new_pixels_in_the_same_files_retrain_a_finished_run(small):
+    """The plan names files, not their pixels: the caches' content enters the run's identity,
+    so a finished run on other pictures is set aside, not taken for this one."""
+    from conftest import write_image
+
+    tmp, ds = small
+    params = _write_params(tmp, ds, train={"steps": 4})
+    paths = _prepare(tmp, params)
+    Trainer(load_params(params), paths).run(progress=False)
+    write_image(ds / "2_a" / "img_000.png", 48, 32, seed=99)  # same name, size and caption
+    _prepare(tmp, params)
+    assert Trainer(load_params(params), paths).run(progress=False).start_step == 0
+    assert len(list((paths.run / "history").glob("*/step-000004"))) == 1
+
+
 def _run_cli(params: Path, paths: RunPaths) -> subprocess.Popen:
     kmoss = Path(sys.executable).with_name("kmoss")
     return subprocess.Popen([str(kmoss), "train", "--params", str(params), "--plan", str(paths.plan),

@@ -101,6 +101,17 @@ class BatchCaches:
         return self.latents.read(keys, lambda k: f"image uid {batch.uids[keys.index(k)].item()} of "
                                  f"batch {batch.index}")
 
+    def contents(self) -> list[str]:
+        """The content hashes of the offline caches (their manifests): what the data was
+        encoded to, so that a run's identity changes with the pictures or the weights even
+        where the plan does not (the same files, new pixels)."""
+        from kohakumoss.artifacts import read_manifest
+
+        return [read_manifest(view.store.dir, kind, made_by=stage).content_hash
+                for view, kind, stage in ((self.text, "text_cache", "cache_text"),
+                                          (self.latents, "latent_cache", "cache_latents"))
+                if view.mode == "offline" and view.store is not None]
+
     def flush(self) -> None:
         for view in (self.text, self.latents):
             if view.store is not None and view.mode == "online":

@@ -77,11 +77,12 @@ class Trainer:
                               f"{ranks} ranks evenly; start parallel.world_size processes")
         self.micro_per_step = params.train.grad_accum * ranks // self.dist.world
         # what makes an old checkpoint of the run unusable: the data order, the training
-        # params, what is trained, and what the caches encoded the data with
+        # params, what is trained, and what the caches encoded the data with (and to)
         self.identity = {"plan": c.plan.content_hash,
                          "params": hash_json(stage_params(params, RESUME_KEYS)),
                          "encoders": hash_json([c.caches.text_id, c.caches.vae_id,
-                                                params.cache.dtype, params.encoders.draw]),
+                                                params.cache.dtype, params.encoders.draw,
+                                                *c.caches.contents()]),
                          "trained": c.trainable.describe()}
 
     # -- state -------------------------------------------------------------------------------
