@@ -243,8 +243,10 @@ def load_model(path: Path) -> AutoencoderKLFlux2:
     if config is None:
         raise VAEError(f"{folder} has no config.json; {WHAT}")
     try:
+        # low_cpu_mem_usage=False: the same load without accelerate, and without diffusers'
+        # advice to install it (the VAE is small)
         return _flux2_class().from_pretrained(folder, torch_dtype=torch.float32,
-                                              local_files_only=True)
+                                              local_files_only=True, low_cpu_mem_usage=False)
     except OSError as e:
         raise VAEError(f"{folder}: cannot load the diffusers VAE ({e}); {WHAT}") from None
 
