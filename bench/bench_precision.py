@@ -1,0 +1,125 @@
+"""Velocity error of each forward precision against fp32, at MOSS-Image's published size.
+
+    python bench/bench_precision.py [--side 1024] [--massive 30000] [--seed 0]
+
+Random weights (the reference's init, N(0, 0.02)), one 1 MP sample with a 128-token caption,
+sigma 0.5. At that init the blocks' gates are ~0 and the blocks barely touch the output, so
+``--gate`` (default 1) is added to the gates' modulation bias: every block then writes into
+the stream as a trained one does. Each row casts (and for the weight-only rows first
+quantizes, per output row, the blocks' linear weights) a copy of the fp32 model and runs the
+same batch; the error is ``||v - v_fp32|| / ||v_fp32||`` over the velocity.
+
+``--massive X``: every block also adds X to four channels of the stream, as the few
+"massive activation" channels of real DiTs grow down the 42 blocks (random weights alone
+keep the stream small); the sum passes fp16's 65504 when X > 1560. The largest magnitude the
+stream reaches is printed per run (docs/precision.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import torch
+
+from kohakumoss.model.build import random_transformer
+from kohakumoss.model.config import FLAVORS
+from kohakumoss.model.dit import cast_model
+from kohakumoss.model.layout import build_layout
+
+FP8_MAX = 448.0
+
+
+def quantize_rows(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """``w`` through per-row int8 or fp8 e4m3 codes and back (fp32)."""
+    amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    if kind == "int8":
+        scale = amax / 127.0
+        return (w / scale).round().clamp(-127, 127) * scale
+    scale = amax / FP8_MAX
+    return (w / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def stream_hooks(model, massive: float) -> list[float]:
+    """Hooks adding ``massive`` to four channels of every block's output (times the stream's
+    scale) and recording the largest |value| the stream reaches."""
+    peak = [0.0]
+
+    def hook(block, _i, out):
+        if massive:
+            out = out.clone()
+            out[:, :4] += massive * block.stream_scale
+        peak[0] = max(peak[0], float(out.detach().abs().float().max()))
+        return out
+
+    for block in model.layers:
+        block._forward_hooks.clear()
+        block.register_forward_hook(hook)
+    return peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--side", type=int, default=1024)
+    ap.add_argument("--text", type=int, default=128)
+    ap.add_argument("--massive", type=float, default=0.0)
+    ap.add_argument("--gate", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flavor", default="base", help="tiny: a quick check of the script on the CPU")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    config = FLAVORS[a.flavor]
+    ref = random_transformer(config, dev, seed=a.seed).eval()
+    D = config.dim
+    with torch.no_grad():
+        for chunk in (2, 5):  # gate_a, gate_f of the [6, D] block modulation
+            ref.shared_block_modulation.bias[chunk * D:(chunk + 1) * D] += a.gate
+    g = torch.Generator(device=dev).manual_seed(a.seed + 1)
+    h = w = a.side // 16
+    img = torch.randn(h * w, config.latent_channels, device=dev, generator=g)
+    txt = torch.randn(a.text, config.text_dim, device=dev, generator=g)
+    sigma = torch.tensor([0.5], device=dev)
+    layout = build_layout([(h, w)], [a.text]).to(dev)
+
+    def run(model, scale: float = 1.0):
+        model.set_stream_scale(scale)
+        peak = stream_hooks(model, a.massive)
+        with torch.no_grad():
+            v = model(img, txt, sigma, layout).float()
+        return v, peak[0] / scale
+
+    v32, peak32 = run(ref)
+    rows = [{"precision": "fp32", "rel_error": 0.0, "finite": True, "stream_peak": peak32}]
+    variants = [("bf16", torch.bfloat16, None, 1.0), ("fp16 + stream scale 2^-8", torch.float16, None, 2.0 ** -8),
+                ("fp16, no stream scale", torch.float16, None, 1.0),
+                ("int8 weight-only (per row) + bf16", torch.bfloat16, "int8", 1.0),
+                ("fp8 e4m3 weight-only (per row) + bf16", torch.bfloat16, "fp8", 1.0)]
+    for name, dtype, quant, scale in variants:
+        m = copy.deepcopy(ref)
+        if quant:
+            with torch.no_grad():
+                for block in m.layers:
+                    for lin in block.modules():
+                        if isinstance(lin, torch.nn.Linear) and lin.weight.ndim == 2:
+                            lin.weight.copy_(quantize_rows(lin.weight.float(), quant))
+        cast_model(m, dtype)
+        v, peak = run(m, scale)
+        finite = bool(torch.isfinite(v).all())
+        err = float((v - v32).norm() / v32.norm()) if finite else float("nan")
+        rows.append({"precision": name, "rel_error": err, "finite": finite, "stream_peak": peak})
+        del m
+        torch.cuda.empty_cache()
+    bf16 = rows[1]["rel_error"]
+    for r in rows:
+        ratio = r["rel_error"] / bf16 if bf16 and r["finite"] else float("nan")
+        print(f"{r['precision']:40s} rel. error {r['rel_error']:.3e}  x bf16 {ratio:6.2f}  "
+              f"finite {r['finite']!s:5s}  stream peak {r['stream_peak']:.3g}")
+    print(json.dumps({"side": a.side, "gate": a.gate, "massive": a.massive, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
