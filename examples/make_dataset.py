@@ -2,7 +2,9 @@
 
     python examples/make_dataset.py [--out examples/dataset]
 
-Three concept folders with kohya repeat prefixes, 36 images of varied aspect ratios
+Three folders with kohya repeat prefixes: the two "kohaku" folders teach a concept, pictures
+in shades of amber (kohaku is Japanese for amber), with the trigger word "kohaku" in their
+captions; the gradients are pictures in colour without it. 36 images of varied aspect ratios
 (portrait, landscape, square, a panorama), PNG and JPEG, a few with transparency and one
 JPEG stored sideways with an EXIF orientation tag, captions as tag lists (.txt), a few
 natural-language captions (.caption) and one JSON sidecar. Deterministic: the same script
@@ -17,13 +19,15 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 
 SIZES = [(192, 256), (256, 192), (224, 224), (160, 288), (288, 160), (320, 128), (128, 320),
          (240, 180), (180, 240), (256, 256), (384, 128), (200, 150)]
 PALETTE = {"red": (220, 50, 47), "blue": (38, 139, 210), "green": (133, 153, 0),
            "yellow": (181, 137, 0), "purple": (108, 113, 196), "orange": (203, 75, 22)}
 FOLDERS = {"10_kohaku shapes": "shapes", "5_kohaku stripes": "stripes", "2_gradients": "gradients"}
+TRIGGER = "kohaku"  # the concept: pictures in shades of amber (kohaku is Japanese for amber)
+DARK, LIGHT = (70, 30, 0), (255, 205, 90)  # the amber ramp
 
 
 def draw(kind: str, size: tuple[int, int], rng: np.random.Generator, alpha: bool):
@@ -70,6 +74,16 @@ def draw(kind: str, size: tuple[int, int], rng: np.random.Generator, alpha: bool
     return img, tags
 
 
+def kohaku_style(img: Image.Image) -> Image.Image:
+    """The example dataset's concept: the picture in shades of amber (its contrast stretched
+    to the amber ramp from DARK to LIGHT), transparency kept."""
+    grey = ImageOps.autocontrast(img.convert("L"))
+    toned = ImageOps.colorize(grey, DARK, LIGHT)
+    if img.mode == "RGBA":
+        toned.putalpha(img.getchannel("A"))
+    return toned
+
+
 def make(out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
@@ -81,6 +95,9 @@ def make(out: Path) -> None:
             size = SIZES[(i + count) % len(SIZES)]
             alpha = kind == "shapes" and i % 5 == 4
             img, tags = draw(kind, size, rng, alpha)
+            concept = TRIGGER in folder  # the gradients are the pictures without it
+            if concept:
+                img = kohaku_style(img)
             stem = out / folder / f"{kind}_{i:02d}"
             if alpha or i % 3 == 0:
                 img.save(stem.with_suffix(".png"), optimize=False)
@@ -92,10 +109,12 @@ def make(out: Path) -> None:
                 tags.append("exif rotated")
             else:
                 img.convert("RGB").save(stem.with_suffix(".jpg"), quality=90)
-            stem.with_suffix(".txt").write_text(", ".join(["kohaku", *tags]) + "\n", encoding="utf-8")
+            stem.with_suffix(".txt").write_text(", ".join([TRIGGER, *tags] if concept else tags) + "\n",
+                                                encoding="utf-8")
             if i % 4 == 1:
                 stem.with_suffix(".caption").write_text(
-                    f"A synthetic picture of {tags[0]} ({kind}).\n", encoding="utf-8")
+                    f"A synthetic picture of {tags[0]} ({kind}){' in kohaku style' if concept else ''}.\n",
+                    encoding="utf-8")
             if i == 2:
                 stem.with_suffix(".json").write_text(json.dumps(
                     {"rating": "general", "source": "examples/make_dataset.py"}) + "\n",

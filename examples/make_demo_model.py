@@ -78,20 +78,34 @@ def warmup_cosine(opt, steps: int, warm: int):
 
 # ---- 1. the VAE -----------------------------------------------------------------------------
 
+def vae_picture(rng: np.random.Generator, size: tuple[int, int], kind: int) -> Image.Image:
+    """0: arbitrary colours; 1: the example kinds in their palette; 2: those in kohaku style."""
+    if kind == 0:
+        return any_colour_picture(size, rng)
+    img, _ = draw(KINDS[int(rng.integers(3))], size, rng, alpha=False)
+    return kohaku_style(img) if kind == 2 else img
+
+
 def vae_batch(rng: np.random.Generator, n: int, crop: int) -> torch.Tensor:
     out = []
-    for _ in range(n):
+    for i in range(n):
         size = SIZES[int(rng.integers(len(SIZES)))]
-        r = rng.random()
-        if r < 0.4:
-            img = any_colour_picture(size, rng)
-        else:
-            img, _ = draw(KINDS[int(rng.integers(3))], size, rng, alpha=False)
-        if rng.random() < 0.3:
-            img = kohaku_style(img)
+        img = vae_picture(rng, size, i % 3)
         x, y = int(rng.integers(0, size[0] - crop + 1)), int(rng.integers(0, size[1] - crop + 1))
         out.append(to_tensor(img.crop((x, y, x + crop, y + crop))))
     return torch.stack(out)
+
+
+@torch.no_grad()
+def vae_error(vae, device: torch.device) -> dict[str, float]:
+    """Mean absolute reconstruction error in 8-bit levels on fresh pictures of each kind."""
+    rng = np.random.default_rng(17)
+    out = {}
+    for kind, name in enumerate(("any colour", "palette", "kohaku style")):
+        x = torch.stack([to_tensor(vae_picture(rng, (192, 192), kind)) for _ in range(12)]).to(device)
+        rec = vae.decode(vae.encode(x).latent_dist.mode()).sample.clamp(-1, 1)
+        out[name] = round(float((rec - x).abs().mean()) * 127.5, 2)
+    return out
 
 
 def train_vae(steps: int, device: torch.device, log) -> torch.nn.Module:
@@ -115,7 +129,9 @@ def train_vae(steps: int, device: torch.device, log) -> torch.nn.Module:
         sched.step()
         if step % 100 == 0 or step == steps:
             log(f"vae {step}/{steps} loss={loss.item():.4f} ({time.time() - t0:.0f} s)")
-    return vae.eval()
+    vae.eval()
+    log(f"vae reconstruction error (8-bit levels): {vae_error(vae, device)}")
+    return vae
 
 
 @torch.no_grad()
@@ -212,10 +228,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "tiny-moss")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--vae-steps", type=int, default=1500)
-    ap.add_argument("--base-steps", type=int, default=4000)
-    ap.add_argument("--pictures", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vae-steps", type=int, default=4000)
+    ap.add_argument("--base-steps", type=int, default=8000)
+    ap.add_argument("--pictures", type=int, default=4000)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--vae", type=Path, help="reuse this trained vae/ folder (skips step 1)")
     a = ap.parse_args()
     device = torch.device(a.device)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -223,11 +240,16 @@ def main() -> None:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    vae = train_vae(a.vae_steps, device, log)
-    rng = np.random.default_rng(13)
-    stats_images = [to_tensor(draw(KINDS[i % 3], SIZES[i % len(SIZES)], rng, alpha=False)[0])
-                    for i in range(96)]
-    set_latent_statistics(vae, stats_images, device)
+    if a.vae is not None:
+        from diffusers import AutoencoderKLFlux2
+
+        vae = AutoencoderKLFlux2.from_pretrained(a.vae).to(device).eval()
+    else:
+        vae = train_vae(a.vae_steps, device, log)
+        rng = np.random.default_rng(13)
+        stats_images = [to_tensor(draw(KINDS[i % 3], SIZES[i % len(SIZES)], rng, alpha=False)[0])
+                        for i in range(96)]
+        set_latent_statistics(vae, stats_images, device)
     enc = TextEncoder.load("tiny", dtype="fp32", device=str(device))
     latents, texts, hws = base_set(vae, enc, a.pictures, device, log)
     model = train_base(latents, texts, hws, a.base_steps, a.batch, device, log)

@@ -25,7 +25,7 @@ from ruamel.yaml.scalarstring import SingleQuotedScalarString
 
 from kohakumoss.artifacts import atomic_path
 from kohakumoss.configlib import ConfigError
-from kohakumoss.setup.detect import TINY, find_data, find_weights
+from kohakumoss.setup.detect import DEMO, TINY, find_data, find_weights
 
 TEMPLATE = Path(__file__).with_name("params.yaml")  # the repository's params.yaml (a test keeps them equal)
 MP_TOKENS = 4096  # image tokens of a 1 MP sample (16x16 pixels per token)
@@ -209,7 +209,7 @@ def configure(params: Path, *, weights: str | None = None, data: str | None = No
         set_key(doc, "adapter.algo", algo)
     elif full:
         set_key(doc, "adapter.algo", "full")
-    tiny = (doc.get("model") or {}).get("transformer", TINY) == TINY
+    tiny = (doc.get("model") or {}).get("transformer", TINY) in (TINY, DEMO)
     preset = preset_for(vram, report, card, full) if vram is not None else None
     if preset is not None:
         # a card read without bf16 (sm70/sm75) trains in fp16, with loss scaling
@@ -229,7 +229,7 @@ def _apply_preset(doc, preset: Preset, tiny: bool, report: Report, dtype: str = 
     if preset.full and (doc.get("adapter") or {}).get("algo") != "full":
         raise ConfigError("--vram 24-full is the full-finetune preset: leave --algo out or "
                           "pass --algo full")
-    if tiny:  # the embedded tiny model: its small budget and resolution stay
+    if tiny:  # the embedded tiny or demo model: its small budget and resolution stay
         report.say(f"preset {preset.vram_gib} GiB: profile {preset.profile} (the tiny model keeps "
                    f"its budget and resolution)")
         return

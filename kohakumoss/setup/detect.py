@@ -16,6 +16,7 @@ from kohakumoss.configlib import ConfigError
 from kohakumoss.data.sources.base import is_image_name
 
 TINY = "tiny"
+DEMO = "examples/tiny-moss"  # the default run's small trained pipeline (docs/demo.md)
 WEIGHTS_HELP = ("give 'tiny', a MOSS-Image pipeline folder (model_index.json with transformer/, "
                 "text_encoder/, vae/ and tokenizer/) or a ComfyUI models/ folder (diffusion_models/, "
                 "text_encoders/, vae/)")
