@@ -18,6 +18,7 @@ from kohakumoss.formats import load_dit
 from kohakumoss.formats.comfy import load_adapter_file
 from kohakumoss.images import contact_sheet
 from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.precision import sampling_policy
 from kohakumoss.training.checkpoint import is_checkpoint
 from kohakumoss.training.engines import sampling_ops
 from kohakumoss.training.trained import load_trained
@@ -64,7 +65,8 @@ def attach(model: MOSSImageTransformer, spec: str, seed: int = 0):
 
 class Generator:
     """The DiT (its op table from the kernel tuning table in ``kernels``, see
-    ``sampling_ops``), the adapters in use, the text encoder and the VAE."""
+    ``sampling_ops``; its precision from ``sampling_policy``), the adapters in use, the text
+    encoder and the VAE."""
 
     def __init__(self, p: Params, device: torch.device, dtype: torch.dtype,
                  adapters: Sequence[str] = (), kernels: Path | None = None):
@@ -72,6 +74,7 @@ class Generator:
         from kohakumoss.encoders.vae import VAE
 
         self.p, self.device, self.dtype = p, device, dtype
+        self.policy = sampling_policy(dtype, p.precision)
         self.ops = sampling_ops(p, device, dtype, kernels)
         self.model = self._base()
         self.handles: list = []
@@ -82,8 +85,9 @@ class Generator:
         self.vae = VAE.load(p.model.vae, dtype=p.encoders.vae_dtype, device=str(device))
 
     def _base(self) -> MOSSImageTransformer:
-        model = load_dit(self.p.model.transformer, self.dtype, self.device).eval()
+        model = load_dit(self.p.model.transformer, self.policy.weights, self.device).eval()
         model.ops = self.ops
+        model.set_stream_scale(self.policy.stream_scale)
         return model
 
     def use(self, adapters: Sequence[str]) -> None:

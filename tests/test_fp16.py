@@ -139,3 +139,25 @@ def test_an_injected_overflow_is_skipped_and_the_scale_recovers(data, monkeypatc
     scales = [r["loss_scale"] for r in trainer.log.rows]
     assert scales == [256.0, 512.0, 256.0, 256.0, 512.0, 512.0], scales
     assert [r["skipped"] for r in trainer.log.rows] == [0, 0, 1, 0, 0, 0]
+
+
+def test_sampling_in_fp16_carries_the_stream_scaled_and_matches_fp32(tmp_path):
+    """The sampler takes the precision policy too: an fp16 sample is carried at 2^-8 (the
+    params' precision.stream_scale), as an fp16 training step is, and stays near fp32's."""
+    import numpy as np
+
+    from kohakumoss.generate import Generator, Settings
+    from conftest import make_params
+
+    p = make_params([{"source": "kohya", "path": str(tmp_path)}],
+                    encoders={"device": "cpu", "text_dtype": "fp32", "vae_dtype": "fp32"})
+    half, full = (Generator(p, torch.device("cpu"), dt) for dt in (torch.float16, torch.float32))
+    assert half.model.stream_scale == 2.0 ** -8 and full.model.stream_scale == 1.0
+    assert half.policy.describe() == {"compute": "fp16", "weights": "fp16", "stream_scale": "0.00390625"}
+    s = Settings(width=32, height=32, steps=4)
+    a, b = (np.asarray(g.images(["kohaku, 2 red circles"], [0], s)[0], dtype=np.float64)
+            for g in (half, full))
+    assert np.abs(a - b).mean() < 2.0  # 8-bit levels
+    q = make_params([{"source": "kohya", "path": str(tmp_path)}], precision={"stream_scale": 1},
+                    encoders={"device": "cpu", "text_dtype": "fp32", "vae_dtype": "fp32"})
+    assert Generator(q, torch.device("cpu"), torch.float16).model.stream_scale == 1.0

@@ -50,3 +50,12 @@ def precision_policy(dtype: str, full: bool, stream_scale: float = 1.0) -> Preci
     compute = DTYPES[dtype]
     return PrecisionPolicy(compute=compute, weights=torch.float32 if full else compute,
                            stream_scale=stream_scale)
+
+
+def sampling_policy(dtype: torch.dtype, precision) -> PrecisionPolicy:
+    """Sampling (``kmoss sample`` / ``grid``): weights held and computed in ``dtype``, the
+    joint stream carried at the ``precision`` section's scale (2^-8 under fp16, so an fp16
+    sample does not overflow where an fp16 training step would not)."""
+    from kohakumoss.precision.scaler import stream_scale
+
+    return PrecisionPolicy(compute=dtype, weights=dtype, stream_scale=stream_scale(precision, dtype))
