@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from kohakumoss.config import Params
@@ -36,6 +37,15 @@ def make_kohya(root: Path, folders: dict[str, list[tuple[int, int]]], tags: bool
                 p.with_suffix(".txt").write_text(f"tag{n}, shared, colour {n % 3}, extra_{i}")
             n += 1
     return root
+
+
+def repo_params_raw() -> dict[str, Any]:
+    """The repository's params.yaml as a mapping, on the random ``tiny`` components (the tests'
+    reference vectors are of those, not of the demo pipeline the default run trains)."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["model"] = {**raw["model"], "transformer": "tiny", "text_encoder": "tiny", "vae": "tiny"}
+    raw["caption"] = {**raw["caption"], "tokenizer": "tiny"}
+    return raw
 
 
 BASE: dict[str, Any] = {

@@ -3,12 +3,15 @@ full finetunes (and EMA), atomic replacement."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from kohakumoss.adapters import apply_adapters
 from kohakumoss.config import AdapterConfig
-from kohakumoss.params import load_params
+from kohakumoss.params import parse_params
 from kohakumoss.export.formats import ExportError, load_source, merged_state, write_export
 from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
@@ -17,9 +20,9 @@ from kohakumoss.formats.model_files import load_transformer
 from kohakumoss.checks.parity import rel_error
 from kohakumoss.training.checkpoint import save_checkpoint
 
-from conftest import ROOT
+from conftest import ROOT, repo_params_raw
 
-P = load_params(ROOT / "params.yaml")
+P = parse_params(repo_params_raw(), str(ROOT / "params.yaml"))
 
 
 def _inputs():
@@ -113,7 +116,6 @@ def test_existing_output_replaced_only_when_the_new_one_is_complete(tmp_path, mo
 def test_vector_lycoris_file_converts_to_the_fused_comfy_layout(tmp_path):
     """`kmoss export checkpoint` on the vectors' LyCORIS file gives the weight deltas of the
     reference's fused ComfyUI file; `kmoss check export` passes on ours and fails on a broken one."""
-    import yaml
     from safetensors.torch import load_file, save_file
     from typer.testing import CliRunner
 
@@ -122,7 +124,7 @@ def test_vector_lycoris_file_converts_to_the_fused_comfy_layout(tmp_path):
     from stages.cli import app
 
     vec = ROOT / "tests" / "data" / "vectors"
-    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw = repo_params_raw()
     raw["model"]["transformer"] = str(vec / "weights_official.safetensors")
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(raw))
@@ -151,11 +153,8 @@ def test_vector_lycoris_file_converts_to_the_fused_comfy_layout(tmp_path):
 
 
 def _run_params(tmp_path, name):
-    import yaml
 
-    from kohakumoss.params import parse_params
-
-    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw = repo_params_raw()
     raw["run"]["name"] = name
     return parse_params(raw, str(tmp_path / "params.yaml"))
 
@@ -211,7 +210,8 @@ def test_export_checkpoint_writes_outside_the_stage_outputs(tmp_path, monkeypatc
     before = sorted(p.relative_to(ckpts) for p in ckpts.rglob("*"))
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
-    params = str(ROOT / "params.yaml")
+    params = str(tmp_path / "params.yaml")
+    Path(params).write_text(yaml.safe_dump(repo_params_raw()))
     res = runner.invoke(app, ["export", "checkpoint", str(step.relative_to(tmp_path)), "--params", params])
     assert res.exit_code == 0, res.output
     made = runs / "mine" / "exports" / "mine-lora-s5-comfy.safetensors"

@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from PIL import Image
 from typer.testing import CliRunner
 
 from kohakumoss.cache import build
@@ -114,6 +116,13 @@ def _dvc(cwd, *args):
     return res.stdout + res.stderr
 
 
+def _warmth(png: Path) -> float:
+    """Mean red minus blue in 8-bit levels: the demo concept's amber ramp is warm everywhere
+    (70 to 165), a blue background cold (-172)."""
+    rgb = np.asarray(Image.open(png).convert("RGB"), dtype=np.float64)
+    return float((rgb[..., 0] - rgb[..., 2]).mean())
+
+
 @pytest.mark.slow
 def test_dvc_repro_then_override_with_exp_run(project):
     out = _dvc(project, "repro")
@@ -126,6 +135,12 @@ def test_dvc_repro_then_override_with_exp_run(project):
     images = [k for k in shown["data"] if k.endswith(".png")]
     assert any(k.endswith("step-000200/grid.png") for k in images), list(shown["data"])  # beside the curves
     assert any(k.endswith("step-000000/grid.png") for k in images)  # the untrained model's, to compare
+    # the demo visibly learns (docs/demo.md): with the trigger word the preview turns amber,
+    # without it, and before training, it stays a blue picture
+    previews = project / "runs/default/previews"
+    trigger, other, before = (_warmth(previews / f"step-{step:06d}/p{i}-s0.png")
+                              for step, i in ((200, 0), (200, 1), (0, 0)))
+    assert trigger > 60 and other < -20 and before < -20, (trigger, other, before)
     kernels = json.loads((project / "artifacts/kernels/table.json").read_text())["devices"]
     assert [s["signature"]["device"] for s in kernels.values()] == ["cpu"]
     m1 = json.loads((project / "artifacts/plan/manifest.json").read_text())
