@@ -113,11 +113,8 @@ def flex_fits(dims) -> bool:
     return dims["Dh"] >= 16 and dims["Dh"] & (dims["Dh"] - 1) == 0
 
 
-# flex's forward and gradients disagreed with the reference on the H200 (torch 2.11; six
-# cases of tests/test_kernel_backends.py::test_attention_forward_and_gradients, 2026-12-02):
-# until they agree it is offered to no op table, so neither the tuner nor the sampler can
-# pick it; the function stays for that test
-FLEX_OFFERED = False
+# flex is offered to the op tables (the tuner may pick it); set False to take it out
+FLEX_OFFERED = True
 
 
 def flex_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -175,5 +172,8 @@ def flex_varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch
         fn = flex_attention
     else:
         fn = _compiled_flex()
+    # compiled flex donates its saved buffers to the backward: its graph is differentiated
+    # once (as a training step does), not with retain_graph=True (H200, torch 2.11: the
+    # failures once blamed on flex's numbers were a test retaining the graph)
     out = fn(q, k, v, block_mask=_document_mask(segs, q_NHd.device), scale=1.0 / math.sqrt(Dh))
     return out[0].transpose(0, 1)
