@@ -224,3 +224,16 @@ def test_a_bare_on_or_off_in_params_is_the_choice_it_spells(tmp_path):
     assert "text_stream: on " in text
     (tmp_path / "params.yaml").write_text(text)
     assert load_params(tmp_path / "params.yaml").encoders.text_stream == "on"
+
+
+def test_the_demo_pipeline_keeps_its_small_budget(tmp_path):
+    """`--weights examples/tiny-moss` is a pipeline folder the command recognises as the demo
+    (its model_index.json): no 1 MP recipe, a preset sets only the profile."""
+    proj = _project(tmp_path)
+    report = configure(proj / "params.yaml", weights=str(ROOT / "examples" / "tiny-moss"),
+                       data=str(EXAMPLES), vram="8", force=True)
+    p = load_params(proj / "params.yaml")
+    assert p.model.transformer == str(ROOT / "examples" / "tiny-moss")
+    assert p.resolution.target_area == 36864 and p.profile == "minimal"
+    said = "\n".join(report.lines)
+    assert "weights: demo at" in said and "keeps its budget and resolution" in said, said

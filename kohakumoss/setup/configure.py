@@ -25,7 +25,7 @@ from ruamel.yaml.scalarstring import SingleQuotedScalarString
 
 from kohakumoss.artifacts import atomic_path
 from kohakumoss.configlib import ConfigError
-from kohakumoss.setup.detect import DEMO, TINY, find_data, find_weights
+from kohakumoss.setup.detect import TINY, find_data, find_weights, is_demo
 
 TEMPLATE = Path(__file__).with_name("params.yaml")  # the repository's params.yaml (a test keeps them equal)
 MP_TOKENS = 4096  # image tokens of a 1 MP sample (16x16 pixels per token)
@@ -209,7 +209,8 @@ def configure(params: Path, *, weights: str | None = None, data: str | None = No
         set_key(doc, "adapter.algo", algo)
     elif full:
         set_key(doc, "adapter.algo", "full")
-    tiny = (doc.get("model") or {}).get("transformer", TINY) in (TINY, DEMO)
+    transformer = str((doc.get("model") or {}).get("transformer", TINY))
+    tiny = transformer == TINY or is_demo(transformer)
     preset = preset_for(vram, report, card, full) if vram is not None else None
     if preset is not None:
         # a card read without bf16 (sm70/sm75) trains in fp16, with loss scaling

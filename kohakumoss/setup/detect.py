@@ -7,6 +7,7 @@ Everything is read from file headers and folder listings: nothing is loaded.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from kohakumoss.configlib import ConfigError
 from kohakumoss.data.sources.base import is_image_name
 
 TINY = "tiny"
-DEMO = "examples/tiny-moss"  # the default run's small trained pipeline (docs/demo.md)
+DEMO_SCRIPT = "examples/make_demo_model.py"  # the demo pipeline's maker, in its model_index.json (docs/demo.md)
 WEIGHTS_HELP = ("give 'tiny', a MOSS-Image pipeline folder (model_index.json with transformer/, "
                 "text_encoder/, vae/ and tokenizer/) or a ComfyUI models/ folder (diffusion_models/, "
                 "text_encoders/, vae/)")
@@ -39,7 +40,19 @@ class Found:
 
     @property
     def tiny(self) -> bool:
-        return self.layout == TINY
+        """The random tiny components or the demo pipeline: small models a CPU trains."""
+        return self.layout in (TINY, "demo")
+
+
+def is_demo(value: str) -> bool:
+    """``value`` is the demo pipeline (its ``model_index.json`` names the script that made it)."""
+    if value == TINY:
+        return False
+    index = Path(value).expanduser() / "model_index.json"
+    try:
+        return json.loads(index.read_text(encoding="utf-8")).get("_made_by") == DEMO_SCRIPT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def header(path: Path) -> dict[str, str]:
@@ -125,7 +138,7 @@ def find_weights(value: str) -> Found:
             raise ConfigError(f"--weights {value}: a pipeline folder without {', '.join(f'{m}/' for m in missing)}; "
                               f"{WEIGHTS_HELP}")
         tok = path / "tokenizer"
-        found = Found("pipeline", str(path), str(path), str(path), "",
+        found = Found("demo" if is_demo(value) else "pipeline", str(path), str(path), str(path), "",
                       str(tok) if tok.is_dir() else "")
         if not tok.is_dir():
             found.notes.append(f"no {tok}: caption token counts are estimated (set caption.tokenizer)")
