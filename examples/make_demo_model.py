@@ -8,17 +8,19 @@ makes both, in the real file layouts, so the default run loads them with the sam
 MOSS-Image's own weights (docs/demo.md):
 
 1. ``vae/``: the FLUX.2 VAE architecture at the tiny widths (``kohakumoss.encoders.vae.
-   TINY_CONFIG``), trained to reconstruct synthetic pictures of flat shapes, stripes and
-   gradients in any colour; its BatchNorm statistics are measured on the latents.
+   TINY_CONFIG``), trained to reconstruct synthetic pictures (arbitrary colours, the example
+   kinds in their palette and in kohaku style); its BatchNorm statistics are measured on the
+   latents.
 2. ``text_encoder/`` and ``tokenizer/``: the tiny Qwen3.5 (fixed random weights, the same
    as ``model.text_encoder: tiny``). A random encoder already gives every caption its own
    features; the base learns to read them.
 3. ``transformer/``: the tiny DiT flavor, trained with the MOSS objective on pictures made by
-   ``make_dataset.draw`` (shapes, stripes, gradients, captioned as tags) with no frame and
-   without the word "kohaku": the concept the example dataset teaches (an amber frame,
-   kohaku being Japanese for amber) is new to it.
+   ``make_dataset.draw`` (shapes, stripes, gradients, captioned as tags) in colour, never in
+   kohaku style and never with the word "kohaku": the concept the example dataset teaches
+   (pictures in shades of amber, kohaku being Japanese for amber) is new to it.
 
-Deterministic on one device and thread count; about 15 minutes on 2 CPU cores.
+The shipped weights are this script's defaults, run on 2 CPU cores (about 30 minutes;
+deterministic on one device and thread count).
 """
 
 from __future__ import annotations
@@ -228,8 +230,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "tiny-moss")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--vae-steps", type=int, default=4000)
-    ap.add_argument("--base-steps", type=int, default=8000)
+    ap.add_argument("--vae-steps", type=int, default=3000)
+    ap.add_argument("--base-steps", type=int, default=6000)
     ap.add_argument("--pictures", type=int, default=4000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--vae", type=Path, help="reuse this trained vae/ folder (skips step 1)")
