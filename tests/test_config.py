@@ -125,7 +125,7 @@ def test_non_numeric_strings_still_refused(text):
 def test_params_file_with_lr_in_scientific_notation(tmp_path):
     """What `dvc exp run -S optim.lr=1e-4` writes into params.yaml loads as 0.0001."""
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    text = yaml.safe_dump(raw).replace("lr: 0.002", "lr: 1e-4")
+    text = yaml.safe_dump(raw).replace(f"lr: {raw['optim']['lr']}", "lr: 1e-4")
     assert "lr: 1e-4" in text
     path = tmp_path / "params.yaml"
     path.write_text(text)
