@@ -197,7 +197,7 @@ def test_dvc_repro_runs_what_config_wrote(tmp_path):
     from test_pipeline import _dvc, _git
 
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
+                           capture_output=True, text=True).stdout.splitlines()
     proj = tmp_path / "proj"
     for f in files:
         if (ROOT / f).is_file():

@@ -98,7 +98,7 @@ def project(tmp_path):
     """A fresh clone-like copy of the repository (tracked files only) with git + dvc."""
     dst = tmp_path / "proj"
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
+                           capture_output=True, text=True).stdout.splitlines()
     for f in files:
         if (ROOT / f).is_file():
             (dst / f).parent.mkdir(parents=True, exist_ok=True)

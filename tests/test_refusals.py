@@ -21,9 +21,13 @@ runner = CliRunner()
 
 
 def _params(tmp: Path, **sections) -> Path:
-    """The shipped params.yaml with ``sections`` merged in, its dataset path made absolute."""
+    """The shipped params.yaml with ``sections`` merged in, its dataset and weight paths made
+    absolute."""
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
+    for key in ("transformer", "text_encoder", "vae"):
+        raw["model"][key] = str(ROOT / raw["model"][key])
+    raw["caption"]["tokenizer"] = str(ROOT / raw["caption"]["tokenizer"])
     for name, values in sections.items():
         if isinstance(values, dict):
             raw.setdefault(name, {}).update(values)

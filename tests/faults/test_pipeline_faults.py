@@ -73,7 +73,7 @@ def make_project(dst: Path, data: Path) -> Path:
     """A fresh clone of the repository whose dataset is ``data``: an absolute path every
     copy shares, since catalogs (and so every downstream key) record where images live."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
+                           capture_output=True, text=True).stdout.splitlines()
     for f in files:
         if (ROOT / f).is_file() and f != "dvc.lock":
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
