@@ -44,7 +44,7 @@ from make_dataset import draw, kohaku_style  # noqa: E402
 from kohakumoss.diffusion.objective import noised  # noqa: E402
 from kohakumoss.diffusion.timesteps import MossTimesteps  # noqa: E402
 from kohakumoss.encoders.text import TextEncoder  # noqa: E402
-from kohakumoss.encoders.vae import TINY_CONFIG, patchify, to_tokens  # noqa: E402
+from kohakumoss.encoders.vae import LATENT_ID, TINY_CONFIG, VAE, patchify, to_tokens  # noqa: E402
 from kohakumoss.formats.model_files import save_official  # noqa: E402
 from kohakumoss.model.build import tiny_transformer  # noqa: E402
 from kohakumoss.model.config import FLAVORS  # noqa: E402
@@ -157,18 +157,15 @@ def caption(tags: list[str], rng: np.random.Generator) -> str:
 
 
 @torch.no_grad()
-def base_set(vae, enc: TextEncoder, count: int, device: torch.device, log):
-    """``count`` pictures as latent tokens, each with two caption renderings' embeddings."""
+def base_set(vae: VAE, enc: TextEncoder, count: int, log):
+    """``count`` pictures as the normalised latent tokens the cache stages make, each with two
+    caption renderings' embeddings."""
     rng = np.random.default_rng(7)
     latents, texts, hws = [], [], []
     for i in range(count):
         size = SIZES[i % len(SIZES)]
         img, tags = draw(KINDS[i % 3], size, rng, alpha=False)
-        x = to_tensor(img)[None].to(device)
-        z = vae.encode(x).latent_dist.mode()
-        p = (patchify(z) - vae.bn.running_mean[:, None, None]) / torch.sqrt(
-            vae.bn.running_var[:, None, None] + vae.config.batch_norm_eps)
-        latents.append(to_tokens(p.cpu())[0])
+        latents.append(to_tokens(vae.encode(to_tensor(img)[None]).cpu())[0])
         hws.append((size[1] // 16, size[0] // 16))
         texts.append(enc.encode([caption(tags, rng), caption(tags, rng)]))
         if (i + 1) % 500 == 0:
@@ -253,7 +250,7 @@ def main() -> None:
                         for i in range(96)]
         set_latent_statistics(vae, stats_images, device)
     enc = TextEncoder.load("tiny", dtype="fp32", device=str(device))
-    latents, texts, hws = base_set(vae, enc, a.pictures, device, log)
+    latents, texts, hws = base_set(VAE(vae, torch.float32, device, LATENT_ID), enc, a.pictures, log)
     model = train_base(latents, texts, hws, a.base_steps, a.batch, device, log)
     save(a.out, vae, enc, model)
     log(f"wrote {a.out}")

@@ -155,7 +155,7 @@ class VAE:
         p = Path(path)
         if p.is_file():
             return [p]
-        folder = p / "vae" if (p / "vae").is_dir() else p
+        folder = _folder(p)
         return sorted(f for f in folder.iterdir() if f.suffix in FILE_SUFFIXES) if folder.is_dir() else []
 
     @property
@@ -232,13 +232,18 @@ def build_tiny() -> AutoencoderKLFlux2:
     return model
 
 
+def _folder(path: Path) -> Path:
+    """A pipeline root's ``vae/``, else the folder itself."""
+    return path / "vae" if (path / "vae").is_dir() else path
+
+
 def load_model(path: Path) -> AutoencoderKLFlux2:
     """fp32 ``AutoencoderKLFlux2`` on the CPU from a pipeline root, ``vae/`` folder or file."""
     if not path.exists():
         raise VAEError(f"VAE path {path} does not exist; {WHAT}")
     if path.is_file():
         return _load_file(path)
-    folder = path / "vae" if (path / "vae").is_dir() else path
+    folder = _folder(path)
     config = _read_config(folder / "config.json")
     if config is None:
         raise VAEError(f"{folder} has no config.json; {WHAT}")

@@ -113,12 +113,8 @@ def flex_fits(dims) -> bool:
     return dims["Dh"] >= 16 and dims["Dh"] & (dims["Dh"] - 1) == 0
 
 
-# flex is offered to the op tables (the tuner may pick it); set False to take it out
-FLEX_OFFERED = True
-
-
 def flex_available(device: torch.device, dtype: torch.dtype) -> bool:
-    if not FLEX_OFFERED or dtype not in FLEX_DTYPES or not _cuda_sm80(device):
+    if dtype not in FLEX_DTYPES or not _cuda_sm80(device):
         return False
     try:
         importlib.import_module("torch.nn.attention.flex_attention")

@@ -1,6 +1,5 @@
 """Precision: the dtype-name map, the master/compute dtype policy of training and of
-sampling, quantized
-weights (``kohakumoss.precision.quant``, imported where it is used).
+sampling, quantized weights (``kohakumoss.precision.quant``, imported where it is used).
 
 The model never imports this package; engines and loaders apply it from outside.
 """

@@ -46,8 +46,6 @@ class Found:
 
 def is_demo(value: str) -> bool:
     """``value`` is the demo pipeline (its ``model_index.json`` names the script that made it)."""
-    if value == TINY:
-        return False
     index = Path(value).expanduser() / "model_index.json"
     try:
         return json.loads(index.read_text(encoding="utf-8")).get("_made_by") == DEMO_SCRIPT
