@@ -316,7 +316,7 @@ class MemoryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrecisionConfig:  # how fp16 trains (docs/precision.md); bf16 and fp32 need none of it
+class PrecisionConfig:  # fp16 training, a quantized frozen base, fp8 compute (docs/precision.md)
     loss_scale: Literal["auto", "dynamic", "off"] = "auto"  # auto: dynamic with train.dtype fp16
     init_scale: float = knob(65536.0, check=lambda v: v > 0, allowed="a number > 0 (2^16)")
     growth_interval: int = knob(2000, check=lambda v: v >= 1, allowed="an integer >= 1 (steps)")
@@ -324,6 +324,11 @@ class PrecisionConfig:  # how fp16 trains (docs/precision.md); bf16 and fp32 nee
         None, check=lambda v: v is None or (v > 0 and math.log2(v) == int(math.log2(v))),
         allowed="null (2^-8 with fp16, 1 otherwise) or a power of two (the joint residual stream "
                 "is carried times this, exactly undone by the norms)")
+    base: Literal["keep", "int8", "fp8"] = knob(
+        "keep", help="the frozen base's block linears: keep (train.dtype) | int8 | fp8 (weight-only, "
+                     "per-row scales, widened inside the matmul; docs/precision.md#quantized-bases)")
+    fp8_compute: Literal["off", "on"] = knob(
+        "off", help="on: the frozen base's linears run as fp8 GEMMs (sm89+, bf16, base: fp8)")
 
 
 @dataclasses.dataclass(frozen=True)

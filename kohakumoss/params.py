@@ -123,11 +123,31 @@ def refuse_unhonoured(p: Params) -> None:
             f"(profile {p.profile}, memory.optimizer {p.memory.optimizer}): the host update does not "
             f"reduce gradients across ranks yet; use profile speed, balanced or auto, or manual "
             f"with memory.optimizer: device")
+    check_precision(p)
     if p.train.dtype == "fp16" and p.precision.loss_scale == "off":
         raise ConfigError(
             f"{p.path}: train.dtype = 'fp16' with precision.loss_scale: off: fp16 gradients "
             f"underflow silently without loss scaling; set precision.loss_scale: auto, or use bf16 (any GPU from "
             f"Ampere on, and the CPU) or fp32")
+
+
+def check_precision(p: Params) -> None:
+    """A quantized base (``precision.base``) and fp8 compute against the rest of the run
+    (the device's part is checked when train knows the device: ``engine_plan``)."""
+    q, where = p.precision, f"{p.path}: precision"
+    if q.base != "keep" and p.adapter.full:
+        fail(f"{where}.base", q.base, "keep with adapter.algo: full (a full finetune trains the "
+             "base's weights; only a frozen base is held quantized)")
+    if q.base != "keep" and (p.profile in ("low", "minimal") or p.memory.stream_slots):
+        fail(f"{where}.base", q.base, f"keep with profile {p.profile} (weight streaming moves "
+             f"bf16 block weights; a quantized base does not stream yet: use profile speed, "
+             f"balanced or manual without memory.stream_slots)")
+    if q.fp8_compute == "on" and q.base != "fp8":
+        fail(f"{where}.fp8_compute", q.fp8_compute, f"off with precision.base: {q.base} (fp8 "
+             f"GEMMs multiply fp8 weights: set precision.base: fp8)")
+    if q.fp8_compute == "on" and p.train.dtype != "bf16":
+        fail(f"{where}.fp8_compute", q.fp8_compute, f"off with train.dtype: {p.train.dtype} (the "
+             f"fp8 GEMMs write bf16: set train.dtype: bf16)")
 
 
 def check_memory(p: Params) -> None:

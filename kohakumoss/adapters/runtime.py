@@ -364,6 +364,11 @@ class Attached:
     def merge(self, multiplier: float = 1.0) -> None:
         if self.merged:
             raise RuntimeError("adapters are already merged; unmerge() first")
+        for path, layer in self._targets():
+            if "weight" not in layer._parameters:  # a quantized base (precision.base)
+                raise RuntimeError(f"{path}: the base weight is held quantized and cannot be merged "
+                                   f"into; run the adapters as forwards, or load the base with "
+                                   f"precision.base: keep")
         new = {p: merged_weight(lyco, multiplier) for p, lyco in self.modules.items()}
         new.update({p: (n.merged_weight(multiplier), None) for p, n in self.norms.items()})
         self._saved = {}

@@ -7,14 +7,15 @@
   The model is built on the meta device and materialised tensor by tensor.
 - ``save_official(state, folder)`` and ``save_comfy(state, file)``: the two writers.
 - ``load_dit(path, dtype, device)``: a params value (``"tiny"`` or a checkpoint path) to a
-  DiT in ``dtype``.
+  DiT in ``dtype``; ``stored_weights(path)``: its quantized tensors as stored (a quantized
+  base takes them as they are, ``kohakumoss.precision.quantized``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from kohakumoss.model.build import tiny_transformer
 from kohakumoss.model.config import DiTConfig, infer_config
 from kohakumoss.model.dit import FP32_MODULES, MOSSImageTransformer, RopeBands, cast_model
 from kohakumoss.model.ops import compute_dtype
-from kohakumoss.precision.quant import encode_format, quantize_fp8, quantize_int8
+from kohakumoss.precision.quant import QuantizedWeight, encode_format, quantize_fp8, quantize_int8
 
 __all__ = ["CheckpointError", "LoadInfo", "load_transformer", "read_config", "save_comfy",
            "save_official", "locate"]
@@ -163,3 +164,15 @@ def load_dit(path: str, dtype: torch.dtype, device: torch.device | str) -> MOSSI
         return cast_model(tiny_transformer(), dtype).to(device)
     model, _ = load_transformer(path, dtype=dtype, device=device)
     return model
+
+
+def stored_weights(path: str) -> Callable[[str], QuantizedWeight | None] | None:
+    """For a quantized checkpoint, its quantized form of a weight by state-dict name (None for
+    a weight it holds unquantized); None for any other checkpoint."""
+    if path == "tiny":
+        return None
+    reader = TransformerReader(locate(path))
+    if not reader.quantized_names:
+        return None
+    names = set(reader.quantized_names)
+    return lambda name: reader.quantized(name) if name in names else None

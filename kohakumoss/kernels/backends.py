@@ -4,6 +4,9 @@
   CUDA sm80+ in fp32/bf16/fp16, or CPU tensors where Triton was first imported with
   ``TRITON_INTERPRET=1`` (its interpreter: tests, CI). Each saves only its inputs for
   backward, so the memory engines do not wrap it in recomputation.
+- ``triton`` (quant_linear): the frozen base's int8 / fp8 weight codes widened tile by tile
+  inside the matmul (``triton_quant``); ``scaled_mm`` (fp8_linear, ``fp8_compute``): fp8
+  GEMMs on sm89+, bf16 activations.
 - ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
@@ -38,6 +41,7 @@ TRITON_OPS = {  # op -> the module holding its Triton kernels
     "residual": "triton_pointwise",
     "gated_residual": "triton_pointwise",
     "flow_loss": "triton_loss",
+    "quant_linear": "triton_quant",
 }
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -134,6 +134,62 @@ def flow_loss(pred_NC: torch.Tensor, target_NC: torch.Tensor, seg_N: torch.Tenso
     return (e.mean(dim=-1) * weight_B.float()[seg_N]).sum() / max(1, n_tokens)
 
 
+# -- the frozen base's quantized linears (``kohakumoss.precision.quantized``) -------------------
+# ``codes`` [out, in] int8 or float8_e4m3fn, ``scale`` float32 [out]: the weight is
+# ``codes * scale[:, None]``, one scale per output row.
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes * scale[:, None]`` in float32, rounded once to ``dtype``."""
+    return (codes.float() * scale.float()[:, None]).to(dtype)
+
+
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only quantized linear: the linear of the weight dequantized to x's dtype (what
+    a model holding that weight in x's dtype computes)."""
+    return F.linear(x, dequantize_rows(codes, scale, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise float8_e4m3fn codes of ``x`` [M, K] and their float32 scales [M]:
+    ``scale = amax(|row|) / 448`` (a zero row: scale 1), codes rounded to nearest."""
+    xf = x.float()
+    s = xf.abs().amax(dim=-1) / FP8_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (xf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, codes, scale, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = fp8_rows(x2)
+        y = (xq.float() @ codes.float().t()) * xs[:, None] * scale.float()[None, :]
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(codes, scale)
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        return y.to(x.dtype).view(*x.shape[:-1], codes.shape[0])
+
+    @staticmethod
+    def backward(ctx, go):
+        codes, scale = ctx.saved_tensors
+        dx = go @ dequantize_rows(codes, scale, go.dtype)  # the input gradient in the compute dtype
+        db = go.reshape(-1, go.shape[-1]).float().sum(0) if ctx.bias_grad else None
+        return dx, None, None, db
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """fp8 compute: x quantized per row to float8_e4m3fn, multiplied with the fp8 weight codes
+    (exact products, float32 sums), scaled by both row scales, rounded once to x's dtype; the
+    input gradient is that of the dequantized weight (x's rounding passes straight through)."""
+    return _Fp8Linear.apply(x, codes, scale, bias)
+
+
 REFERENCE: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "modulated_rms_norm": modulated_rms_norm,
@@ -145,6 +201,8 @@ REFERENCE: dict[str, Callable] = {
     "varlen_attention": varlen_attention,
     "timestep_embedding": timestep_embedding,
     "flow_loss": flow_loss,
+    "quant_linear": quant_linear,
+    "fp8_linear": fp8_linear,
 }
 
 

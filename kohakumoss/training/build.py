@@ -27,6 +27,7 @@ from kohakumoss.data.planfile import read_plan
 from kohakumoss.device import resolve_device
 from kohakumoss.diffusion.timesteps import LogitNormalTimesteps, MossTimesteps, UniformTimesteps
 from kohakumoss.formats import load_dit
+from kohakumoss.formats.model_files import stored_weights
 from kohakumoss.kernels.table import device_signature
 from kohakumoss.memory.host_update import HostUpdate
 from kohakumoss.memory.profiles import MemoryEngines
@@ -142,16 +143,17 @@ def build_components(params: Params, paths: RunPaths,
     plan_rows, plan = read_plan(paths.plan)
     engines = engines if engines is not None else engine_plan(p, device, memory=run_memory(
         p, plan_token_batches(plan_rows), device))
-    # loaded straight in the dtype the precision policy holds the weights in
-    # (on the host when its block weights will stream: the device never holds them all)
+    # loaded straight in the dtype the precision policy holds the weights in (on the host when
+    # its block weights will stream or be quantized: the device never holds them all)
+    quantized = engines.precision.base != "keep"
     model = load_dit(p.model.transformer, engines.precision.weights,
-                     torch.device("cpu") if engines.memory.stream_slots else device)
+                     torch.device("cpu") if engines.memory.stream_slots or quantized else device)
     if paths.kernels is not None and not engines.tuned:
         engines = dataclasses.replace(engines, tuned=run_kernels(
             paths.run / RUN_KERNELS, engines, plan.content_hash,
             lambda: tuned_kernels(p, engines, paths.kernels, model.config,
                                   plan_token_batches(plan_rows))))
-    applied = apply_engines(model, engines)
+    applied = apply_engines(model, engines, stored_weights(p.model.transformer) if quantized else None)
     sharded = dist.group and p.adapter.full
     if sharded:  # before the trainable set: sharding replaces the parameters
         from kohakumoss.memory import repeated_blocks

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ import torch
 
 from kohakumoss.artifacts import MANIFEST
 from kohakumoss.config import Params, stage_params
+from kohakumoss.configlib import ConfigError
 from kohakumoss.kernels import KERNELS, build_op_table
 from kohakumoss.kernels.problems import plan_problems
 from kohakumoss.kernels.table import TABLE, describe, device_signature, read_table, winners
@@ -54,6 +55,12 @@ from kohakumoss.memory.streaming import apply_weight_streaming
 from kohakumoss.training.estimate import placed, profile_engines, size
 from kohakumoss.model.dit import HALVES, MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
+from kohakumoss.precision.quant import QuantizedWeight
+from kohakumoss.precision.quantized import quantize_base
+
+# the backend a quantized base's linears take when no choice names one (they are not tuned:
+# the Triton kernel never keeps a dequantized weight, which the reference does)
+QUANT_BACKENDS = {"quant_linear": "triton", "fp8_linear": "scaled_mm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +82,7 @@ class AppliedEngines:
     recomputed: list[str]
     checkpointed: list[str]
     streaming: str = ""  # where the frozen weights live, when streamed (``apply_placement``)
+    quantized: str = ""  # how the frozen base is held, when quantized (``precision.base``)
 
 
 def engine_plan(params: Params, device: torch.device,
@@ -91,16 +99,38 @@ def engine_plan(params: Params, device: torch.device,
 
     compute = precision_policy(params.train.dtype, full=params.adapter.full).compute
     policy = precision_policy(params.train.dtype, full=params.adapter.full,
-                              stream_scale=stream_scale(params.precision, compute))
+                              stream_scale=stream_scale(params.precision, compute),
+                              base=params.precision.base,
+                              fp8_compute=params.precision.fp8_compute == "on")
+    try:
+        policy.check_device(device)
+    except ValueError as e:
+        raise ConfigError(f"{params.path}: {e}") from None
+    if policy.base != "keep" and memory.stream_slots:
+        raise ConfigError(f"{params.path}: precision.base: {policy.base} with a streamed profile "
+                          f"({memory.describe()}): a quantized base does not stream yet; use "
+                          f"profile speed or balanced")
     return EnginePlan(device=device, precision=policy, tuned=dict(tuned or {}), memory=memory)
 
 
-def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngines:
-    """Apply precision, kernels and memory to ``model`` in that order (see the module)."""
+def apply_engines(model: MOSSImageTransformer, plan: EnginePlan,
+                  stored: Callable[[str], QuantizedWeight | None] | None = None) -> AppliedEngines:
+    """Apply precision, kernels and memory to ``model`` in that order (see the module);
+    ``stored``: the checkpoint's quantized weights by name, for a quantized base."""
     cast_model(model, plan.precision.weights)
     if plan.precision.stream_scale != 1.0:
         model.set_stream_scale(plan.precision.stream_scale)
     model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
+    quantized = ""
+    if plan.precision.base != "keep":  # after the table: the quantized linears run its ops
+        quantized = quantize_base(model, plan.precision.base, plan.precision.fp8_compute,
+                                  plan.device, stored)
+        model.to(plan.device)
+        for op, backend in QUANT_BACKENDS.items():
+            if op not in plan.kernels:  # no tuning: the kernel is the one that pays here
+                model.ops.override(op, KERNELS.chosen_op(op, plan.device, plan.precision.compute,
+                                                         [backend]))
+        log.info("frozen base: %s", quantized)
     recomputed = apply_recompute(model) if plan.memory.recompute else []
     if plan.memory.offload:  # block or sub-block checkpointing with the kept inputs on the host
         halves = plan.memory.checkpointing == "sub-block"
@@ -112,7 +142,8 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan) -> AppliedEngin
                                            plan.memory.checkpoint_blocks)
     if plan.memory.rebuild:  # what the blocks not checkpointed keep, less the elementwise outputs
         apply_rebuild(model)
-    return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed)
+    return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed,
+                          quantized=quantized)
 
 
 def apply_placement(model: MOSSImageTransformer, trainable, plan: EnginePlan,

@@ -139,6 +139,20 @@ class _FlashLike(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+class _QuantLike(torch.autograd.Function):
+    """A quantized linear as its kernels keep it for backward: nothing beyond the layer's own
+    codes and scales (the reference would keep a dequantized weight per call)."""
+
+    @staticmethod
+    def forward(ctx, x, codes, scale, bias):
+        ctx.x_shape = x.shape
+        return x.new_empty(*x.shape[:-1], codes.shape[0])
+
+    @staticmethod
+    def backward(ctx, go):
+        return go.new_empty(ctx.x_shape), None, None, None
+
+
 def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str = "meta"
                 ) -> tuple[MOSSImageTransformer, int, int, list[torch.Tensor]]:
     """The configured transformer on the meta device (or ``device``: tests) with the run's
@@ -154,10 +168,17 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
     if engines.recompute:
         apply_recompute(model)
     model.ops.override("varlen_attention", lambda q, k, v, lengths: _FlashLike.apply(q, k, v))
+    if params.precision.base != "keep" and not params.adapter.full:
+        from kohakumoss.precision.quantized import quantize_base
+
+        quantize_base(model, params.precision.base, params.precision.fp8_compute == "on")
+        for op in ("quant_linear", "fp8_linear"):
+            model.ops.override(op, _QuantLike.apply)
     apply_rebuild(model)  # counted apart (``_BlockBytes.rebuilt``), taken off with ``rebuild``
     if params.adapter.full:
         return model, 0, sum(p.numel() for p in model.parameters()), []
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters())  # held as computed
+    frozen = sum(t.numel() * t.element_size()  # held as computed (a quantized base: its codes)
+                 for t in [*model.parameters(), *model.buffers()])
     try:
         adapters = apply_adapters(model, params.adapter, seed=params.run.seed)
     except Exception as e:  # an algorithm LyCORIS cannot build on meta (DoRA): LoRA's count

@@ -1,0 +1,67 @@
+"""fp8 compute for the frozen base (``model/ops.py``: ``fp8_linear``) on sm89 and later:
+the forward is one ``torch._scaled_mm`` of float8_e4m3fn activations (quantized per row by
+``triton_quant.fp8_rows``) and weight codes (per output row), both row scales applied by
+the GEMM, bf16 out; the input gradient is the bf16 path, ``dy @ (codes * scale)`` with the
+tile-wise dequantizing Triton kernel. Nothing is saved for backward but the codes and
+scales the layer holds anyway.
+
+``torch._scaled_mm`` wants both sizes of the weight and the sum a multiple of 16 (every
+MOSS-Image linear is) and takes any token count here: rows are padded to 16 with zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kohakumoss.kernels.backends import triton_module
+from kohakumoss.kernels.registry import register_backend
+
+_ALIGN = 16
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """CUDA compute capability 8.9+ (Ada, Hopper, Blackwell), bf16 activations."""
+    return (dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.is_available()
+            and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+            and triton_module("triton_quant") is not None)
+
+
+class _ScaledMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, codes, scale, bias):
+        tq = triton_module("triton_quant")
+        M = x2.shape[0]
+        xq, xs = tq.fp8_rows(x2)
+        pad = -M % _ALIGN
+        if pad:
+            xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
+            xs = torch.cat([xs, xs.new_ones(pad)])
+        y = torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scale[None, :],
+                             out_dtype=x2.dtype)[:M]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(codes, scale)
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        return y
+
+    @staticmethod
+    def backward(ctx, go):
+        codes, scale = ctx.saved_tensors
+        go = go.contiguous()
+        dx = triton_module("triton_quant").dequantized_matmul(go, codes, scale) \
+            if ctx.needs_input_grad[0] else None
+        return dx, None, None, go.float().sum(0) if ctx.bias_grad else None
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``ops.fp8_linear`` as an fp8 GEMM (``torch._scaled_mm``, row-wise scales)."""
+    if codes.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16:
+        raise TypeError(f"fp8_linear (scaled_mm): codes {codes.dtype}, x {x.dtype}; want "
+                        f"float8_e4m3fn codes and bf16 activations")
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    return _ScaledMM.apply(x2, codes, scale, bias).view(*x.shape[:-1], codes.shape[0])
+
+
+register_backend("fp8_linear", "scaled_mm", fp8_linear, available, keeps_inputs_only=True)

@@ -1,0 +1,257 @@
+"""Triton linears over a quantized frozen weight (``model/ops.py``: ``quant_linear``,
+``fp8_linear``'s input gradient, and the row-wise fp8 quantization of activations).
+
+The weight stays quantized in memory: ``codes`` [N, K] int8 or float8_e4m3fn with one
+float32 ``scale`` per output row. Each kernel loads a tile of codes and widens it in
+registers; no dequantized copy of the weight is ever written.
+
+- forward ``y = x W^T``: ``acc[m, n] = sum_k x[m, k] codes[n, k]`` on the tensor cores (a code
+  is exact in bf16 and fp16: int8 has 8 significant bits, e4m3 has 4), then
+  ``y = acc * scale[n] (+ bias[n])`` in fp32, rounded once. The scale is constant along the
+  sum, so it is applied once, after it: one rounding fewer than a dequantized bf16 weight;
+- input gradient ``dx = dy W``: the sum runs over the rows ``n`` the scales belong to, so
+  each tile is dequantized in registers, ``(codes[n, k] * scale[n])`` rounded to dy's dtype
+  (the weight a bf16 model would hold), then multiplied on the tensor cores;
+- ``fp8_rows``: each row's amax, scale ``amax / 448``, and the row in float8_e4m3fn.
+
+fp32 inputs are multiplied in full fp32 (``input_precision="ieee"``), not TF32. Compiled,
+each kernel is autotuned per (token bucket, N, K); interpreted (``TRITON_INTERPRET=1``, the
+CPU tests) one small tile is used.
+
+Legend: M rows (tokens), N output features, K input features.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kohakumoss.kernels.triton_common import INTERPRETED, check_tensors, entry, jit, rounded
+
+CODES = (torch.int8, torch.float8_e4m3fn)
+_INTERPRETED = tl.constexpr(INTERPRETED)
+
+
+@jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b`` with fp32 sums; fp32 operands in full fp32. Interpreted, half-precision
+    operands are widened first (the interpreter's own half-precision dot is wrong; the
+    products of bf16/fp16 values are exact in fp32, as on the tensor cores)."""
+    if IEEE or _INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@jit
+def _swizzle(pid, grid_a, grid_b, GROUP: tl.constexpr):
+    """Program ``pid`` -> (tile along a, tile along b), ``GROUP`` a-tiles walked together so
+    the b-tiles they share stay in L2."""
+    width = GROUP * grid_b
+    first = (pid // width) * GROUP
+    size = tl.minimum(grid_a - first, GROUP)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@jit
+def _qmm_fwd(X, Q, S, BIAS, OUT, M, N, K, MB, sx, sq, so, HAS_BIAS: tl.constexpr,
+             IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             GROUP: tl.constexpr):
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    xp = X + rm.to(tl.int64)[:, None] * sx + rk[None, :]
+    qp = Q + rn.to(tl.int64)[None, :] * sq + rk[:, None]  # a [BK, BN] tile of codes^T
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        km = (k0 + rk) < K
+        a = tl.load(xp, mask=(rm[:, None] < M) & km[None, :], other=0.0)
+        bm = km[:, None] & (rn[None, :] < N)  # fp8 loads take no `other`: zeroed after
+        b = tl.where(bm, tl.load(qp, mask=bm).to(tl.float32), 0.0).to(a.dtype)
+        acc = _mma(a, b, acc, IEEE)
+        xp += BK
+        qp += BK
+    acc = acc * tl.load(S + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = OUT + rm.to(tl.int64)[:, None] * so + rn[None, :]
+    tl.store(out, rounded(acc, OUT.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@jit
+def _qmm_bwd(DY, Q, S, DX, M, N, K, MB, sd, sq, sx, IEEE: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    # dx [M, K] = dy [M, N] @ (codes * scale) [N, K]; BK tiles the output, BN the sum
+    pid_m, pid_k = _swizzle(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BK + tl.arange(0, BK)
+    rn = tl.arange(0, BN)
+    dp = DY + rm.to(tl.int64)[:, None] * sd + rn[None, :]
+    qp = Q + rn.to(tl.int64)[:, None] * sq + rk[None, :]
+    acc = tl.zeros((BM, BK), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        nm = (n0 + rn) < N
+        a = tl.load(dp, mask=(rm[:, None] < M) & nm[None, :], other=0.0)
+        s = tl.load(S + n0 + rn, mask=nm, other=0.0)
+        bm = nm[:, None] & (rk[None, :] < K)
+        b = tl.where(bm, tl.load(qp, mask=bm).to(tl.float32), 0.0)
+        acc = _mma(a, rounded(b * s[:, None], a.dtype), acc, IEEE)
+        dp += BN
+        qp += BN * sq
+    out = DX + rm.to(tl.int64)[:, None] * sx + rk[None, :]
+    tl.store(out, rounded(acc, DX.dtype.element_ty), mask=(rm[:, None] < M) & (rk[None, :] < K))
+
+
+@jit
+def _to_e4m3(x):
+    """fp32 -> float8_e4m3fn, nearest-even. Interpreted, the rounding is done first (3
+    mantissa bits kept on the bits, the carry into the exponent included; subnormals on their
+    grid): the interpreter's cast drops that carry (124.7 became 64, not 128) and truncates
+    subnormals."""
+    if _INTERPRETED:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        # below 2^-6 e4m3 is subnormal, a grid of 2^-9: nearest-even by the 1.5 * 2^23 trick
+        sub = (x * 512.0 + 12582912.0) - 12582912.0
+        x = tl.where(tl.abs(x) < 0.015625, sub * 0.001953125, bits.to(tl.float32, bitcast=True))
+    return x.to(tl.float8e4nv)
+
+
+@jit
+def _fp8_rows(X, Q, S, K, sx, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(X + row * sx + k0 + cols, mask=(k0 + cols) < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    s = tl.max(amax, axis=0) / 448.0
+    s = tl.where(s > 0.0, s, 1.0)
+    for k0 in range(0, K, BLOCK):
+        m = (k0 + cols) < K
+        x = tl.load(X + row * sx + k0 + cols, mask=m, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+        tl.store(Q + row * K + k0 + cols, _to_e4m3(q), mask=m)
+    tl.store(S + row, s)
+
+
+def _configs(a: int, b: int, c: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BM": a, "BN": b, "BK": c, "GROUP": 8}, num_warps=warps, num_stages=stages)
+
+
+# tiles for the H100/H200 class first; the autotuner keeps the fastest per (MB, N, K)
+_FWD = [_configs(128, 256, 64, 8, 3), _configs(128, 128, 64, 8, 4), _configs(256, 128, 64, 8, 3),
+        _configs(128, 128, 64, 4, 4), _configs(64, 128, 64, 4, 4), _configs(64, 64, 64, 4, 4)]
+_BWD = [_configs(128, 64, 256, 8, 3), _configs(128, 64, 128, 8, 4), _configs(256, 64, 128, 8, 3),
+        _configs(128, 64, 128, 4, 4), _configs(64, 64, 128, 4, 4), _configs(64, 64, 64, 4, 4)]
+_SMALL = {"BM": 16, "BN": 16, "BK": 16, "GROUP": 2}  # interpreted: the CPU tests
+if INTERPRETED:
+    _fwd_kernel, _bwd_kernel = _qmm_fwd, _qmm_bwd
+else:
+    _fwd_kernel = triton.autotune(_FWD, key=["MB", "N", "K"])(_qmm_fwd)
+    _bwd_kernel = triton.autotune(_BWD, key=["MB", "N", "K"])(_qmm_bwd)
+
+
+def _bucket(m: int) -> int:
+    """Token counts to powers of two: the autotuner's key (a config per size class)."""
+    return triton.next_power_of_2(max(m, 16))
+
+
+def _meta() -> dict:
+    return dict(_SMALL) if INTERPRETED else {}
+
+
+def _check(op: str, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, dim: int = 1) -> None:
+    """x's last size must be the codes' size ``dim`` (1: a forward, 0: an input gradient)."""
+    check_tensors(op, x)
+    if codes.dtype not in CODES or codes.dim() != 2 or x.shape[-1] != codes.shape[dim]:
+        raise ValueError(f"{op} (triton): x {tuple(x.shape)} {x.dtype}, codes "
+                         f"{tuple(codes.shape)} {codes.dtype}; want codes [N, K] in int8 or "
+                         f"float8_e4m3fn with x's last size = {'NK'[dim]}")
+    if scale.shape != (codes.shape[0],) or scale.dtype != torch.float32:
+        raise ValueError(f"{op} (triton): scale {tuple(scale.shape)} {scale.dtype}; want float32 [N]")
+
+
+def _fwd_impl(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    M, K = x.shape
+    N = codes.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if out.numel():
+        grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+        _fwd_kernel[grid](x, codes, scale, bias if bias is not None else scale, out, M, N, K,
+                          _bucket(M), x.stride(0), codes.stride(0), out.stride(0),
+                          HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **_meta())
+    return out
+
+
+def _bwd_impl(go: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    M, N = go.shape
+    K = codes.shape[1]
+    dx = torch.empty((M, K), dtype=go.dtype, device=go.device)
+    if dx.numel():
+        go = go if go.stride(-1) == 1 else go.contiguous()
+        grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(K, meta["BK"]),)  # noqa: E731
+        _bwd_kernel[grid](go, codes, scale, dx, M, N, K, _bucket(M), go.stride(0),
+                          codes.stride(0), dx.stride(0), IEEE=go.dtype == torch.float32, **_meta())
+    return dx
+
+
+_fwd_op = torch.library.custom_op("kohakumoss::triton_quant_linear", _fwd_impl, mutates_args=())
+_bwd_op = torch.library.custom_op("kohakumoss::triton_quant_linear_bwd", _bwd_impl, mutates_args=())
+
+
+@_fwd_op.register_fake
+def _(x, codes, scale, bias):
+    return x.new_empty((x.shape[0], codes.shape[0]))
+
+
+@_bwd_op.register_fake
+def _(go, codes, scale):
+    return go.new_empty((go.shape[0], codes.shape[1]))
+
+
+def _setup(ctx, inputs, output):
+    x, codes, scale, bias = inputs
+    ctx.save_for_backward(codes, scale)
+    ctx.bias_grad = bias is not None and bias.requires_grad
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, go):
+    codes, scale = ctx.saved_tensors
+    dx = ctx.bwd(go, codes, scale) if ctx.needs_input_grad[0] else None
+    db = go.float().sum(0).to(ctx.bias_dtype) if ctx.bias_grad else None
+    return dx, None, None, db
+
+
+_linear = entry(_fwd_op, _fwd_impl, _setup, _backward, _bwd_op, _bwd_impl)
+
+
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``ops.quant_linear`` in Triton: the weight dequantized tile by tile inside the matmul."""
+    _check("quant_linear", x, codes, scale)
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    return _linear(x2, codes, scale, bias).view(*x.shape[:-1], codes.shape[0])
+
+
+def dequantized_matmul(go: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``go @ (codes * scale[:, None])`` with go [M, N]: a linear's input gradient."""
+    _check("dequantized_matmul", go, codes, scale, dim=0)
+    return _bwd_impl(go, codes, scale)
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops.fp8_rows`` in Triton: one program per row (amax, then the codes)."""
+    check_tensors("fp8_rows", x)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M and K:
+        block = 16 if INTERPRETED else min(2048, triton.next_power_of_2(K))
+        _fp8_rows[(M,)](x, q, s, K, x.stride(0), BLOCK=block, num_warps=4)
+    return q, s

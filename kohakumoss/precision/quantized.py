@@ -1,0 +1,165 @@
+"""The frozen base held quantized (``precision.base: int8 | fp8``, ``precision.fp8_compute``;
+``docs/precision.md#quantized-bases``).
+
+``quantize_base(model, base, fp8_compute, device)`` acts on a built model from outside: every
+linear of the repeated blocks (the joint blocks and the text refiner's) becomes a
+``QuantizedLinear`` holding ``codes`` [out, in] (int8 or float8_e4m3fn) and one float32
+``scale`` per output row, about half the bytes of bf16. Its forward is the model's op table's
+``quant_linear`` (the Triton kernel widens the codes tile by tile inside the matmul; no
+dequantized copy of the weight is made) or, with ``fp8_compute``, ``fp8_linear`` (fp8 GEMMs
+on sm89+, a bf16 input gradient).
+
+Adapters train on top unchanged: a ``QuantizedLinear`` is an ``nn.Linear`` whose forward is
+the quantized one, and LyCORIS's bypass adds its delta to that forward. Code that needs the
+matrix itself (a weight-rebuilding forward such as DoRA's, the merged-weight maths) reads
+``.weight``, the dequantized weight in the model's dtype, made on each read. Export does not
+read the training model's base: it writes adapters against the original checkpoint.
+
+ComfyUI's quantized files are used as they are when their format is the one asked for:
+int8 codes (ConvRot included: the layer rotates its input by the same Hadamard groups, since
+``x (codes s H)^T = (x H) (codes s)^T``) for ``int8``, float8_e4m3fn codes for ``fp8``; a
+tensor-wise scale becomes one per row, exactly. Any other weight is quantized per row here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kohakumoss.model.ops import REFERENCE, dequantize_rows, fp8_rows
+from kohakumoss.precision.quant import QuantizedWeight, hadamard, quantize_int8
+
+BASES = ("keep", "int8", "fp8")
+CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def rotate_input(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` with each consecutive group of ``group`` features times the Hadamard matrix H
+    (symmetric), in float32, rounded once to x's dtype: the input side of a ConvRot weight."""
+    h = hadamard(group).to(x.device)
+    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    return (xf @ h).reshape(x.shape).to(x.dtype)
+
+
+class QuantizedLinear(nn.Linear):
+    """A frozen linear whose weight is ``codes * scale[:, None]`` (then ConvRot-rotated when
+    ``group``); its forward runs the owner model's ``quant_linear`` / ``fp8_linear`` op."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, owner: nn.Module | None = None, group: int = 0,
+                 fp8_compute: bool = False):
+        nn.Module.__init__(self)  # not nn.Linear's: no weight parameter is made
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.float().reshape(-1).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight_dtype, self.group, self.fp8_compute = dtype, group, fp8_compute
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight in the model's dtype (a new tensor on each read)."""
+        w = dequantize_rows(self.codes, self.scale, torch.float32)
+        if self.group:
+            w = rotate_input(w, self.group)  # W = (codes s) H, H applied per group of columns
+        return w.to(self.weight_dtype)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            raise AttributeError("this linear's weight is held quantized (precision.base); it "
+                                 "cannot be replaced or merged into: run the adapter as a "
+                                 "forward (bypass) or load the base with precision.base: keep")
+        super().__setattr__(name, value)
+
+    def _op(self) -> Callable:
+        owner = self._owner() if self._owner is not None else None
+        name = "fp8_linear" if self.fp8_compute else "quant_linear"
+        return getattr(owner.ops, name) if owner is not None else REFERENCE[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group:
+            x = rotate_input(x, self.group)
+        return self._op()(x, self.codes, self.scale, self.bias)
+
+    def _apply(self, fn, recurse=True):
+        """Moves follow ``fn``; the codes and scales keep their dtypes (a ``.to(bf16)`` of the
+        model would otherwise turn fp8 codes into bf16 and round the scales)."""
+        kept = {k: self._buffers[k] for k in ("codes", "scale")}
+        super()._apply(fn, recurse)
+        for k, old in kept.items():
+            if self._buffers[k].dtype != old.dtype:
+                self._buffers[k] = old.to(device=self._buffers[k].device)
+        return self
+
+    def extra_repr(self) -> str:
+        kind = "fp8 compute" if self.fp8_compute else str(self.codes.dtype).removeprefix("torch.")
+        rot = f", convrot={self.group}" if self.group else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{rot}"
+
+
+def quantize_rows(w: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row codes and float32 scales [out] of ``w``: int8 ``amax / 127``, round to
+    nearest; fp8 e4m3 ``amax / 448``."""
+    if base == "int8":
+        codes, scale, _ = quantize_int8(w)
+        return codes, scale.reshape(-1)
+    return fp8_rows(w)
+
+
+def stored_rows(q: QuantizedWeight | None, base: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """A file's quantized weight as (codes, per-row scale, ConvRot group) when its format is
+    ``base``'s, else None."""
+    if q is None or q.codes.dtype != CODE_DTYPES[base] or q.codes.dim() != 2:
+        return None
+    rows = q.codes.shape[0]
+    s = q.scale.float().reshape(-1)
+    if s.numel() not in (1, rows):
+        return None
+    return q.codes, s.expand(rows).contiguous() if s.numel() == 1 else s, q.convrot_group
+
+
+def quantizable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The linears a quantized base holds quantized: every ``nn.Linear`` of the repeated
+    blocks (the embedders, the head and the conditioning stay in the model's dtype)."""
+    from kohakumoss.memory import repeated_blocks
+
+    return [(f"{path}.{name}", m) for path, block in repeated_blocks(model)
+            for name, m in block.named_modules() if type(m) is nn.Linear]
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module, base: str, fp8_compute: bool = False,
+                  device: torch.device | str | None = None,
+                  stored: Callable[[str], QuantizedWeight | None] | None = None) -> str:
+    """Replace ``quantizable(model)`` by ``QuantizedLinear``s (see the module); each weight is
+    quantized on ``device`` (default: where it is) and its codes stay there. ``stored``: a
+    checkpoint's quantized form of a weight, by state-dict name (a ComfyUI file's codes).
+    Returns a one-line account."""
+    if base not in CODE_DTYPES:
+        raise ValueError(f"precision.base {base!r}: one of {', '.join(BASES)}")
+    if fp8_compute and base != "fp8":
+        raise ValueError("fp8 compute runs on fp8 weights: set precision.base: fp8")
+    layers = quantizable(model)
+    before = after = kept = 0
+    for path, lin in layers:
+        w = lin.weight
+        dev = torch.device(device) if device is not None else w.device
+        got = stored_rows(stored(f"{path}.weight"), base) if stored is not None else None
+        if got is not None:
+            codes, scale, group = got
+            kept += 1
+        else:
+            (codes, scale), group = quantize_rows(w.detach().to(dev), base), 0
+        bias = None if lin.bias is None else lin.bias.to(dev)
+        q = QuantizedLinear(codes.to(dev), scale.to(dev), bias, w.dtype, model, group, fp8_compute)
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, q)
+        before += w.numel() * w.element_size()
+        after += q.codes.numel() * q.codes.element_size() + q.scale.numel() * 4
+    how = "fp8 compute (e4m3 GEMMs)" if fp8_compute else f"{base} weight-only"
+    src = f", {kept} taken from the checkpoint as stored" if kept else ""
+    return (f"{how}: {len(layers)} block linears in {after / 2**30:.2f} GiB "
+            f"(was {before / 2**30:.2f} GiB){src}")

@@ -1,0 +1,156 @@
+"""The quantized base's kernels (``kohakumoss/kernels/triton_quant.py``, ``fp8_compute.py``)
+against their references (``model/ops.py``: ``quant_linear``, ``fp8_linear``, ``fp8_rows``):
+the forward and every input gradient, over shapes (one row, odd sizes, leading dimensions),
+dtypes, int8 and fp8 codes, with and without a bias.
+
+As in ``test_kernel_backends.py``: on a CPU machine the Triton tests run interpreted, in a
+subprocess started with ``TRITON_INTERPRET=1`` (``test_the_interpreted_suite``); on a CUDA
+machine compiled, and the ``gpu`` tests add the real model's sizes and the fp8 GEMMs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kohakumoss.kernels import KERNELS
+from kohakumoss.model import ops
+from kohakumoss.precision.quantized import quantize_rows
+
+from test_kernel_backends import (COMMON, CUDA, DEVICE, INTERPRETED, TOL, _ids, compare, leaf,
+                                  needs_triton, rel)
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON_TESTS: list[str] = []
+SHAPES = [(1, 32, 16), (37, 48, 40), (70, 80, 96)]  # (rows, in, out): one row, odd, several tiles
+
+
+def triton_test(fn):
+    TRITON_TESTS.append(fn.__name__)
+    return fn
+
+
+def weights(g: torch.Generator, n: int, k: int, base: str) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, scale = quantize_rows(torch.randn(n, k, generator=g) * 0.05, base)
+    return codes.to(DEVICE), scale.to(DEVICE)
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_ids)
+@pytest.mark.parametrize("base", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_quant_linear(shape, base, dtype):
+    """The kernel applies each row's scale after the sum (one rounding); the reference rounds
+    the dequantized weight to the activation dtype first: equal in fp32, within the dtype's
+    tolerance otherwise."""
+    needs_triton()
+    g = torch.Generator().manual_seed(0)
+    M, K, N = shape
+    codes, scale = weights(g, N, K, base)
+    x = leaf(g, M, K, dtype=dtype)
+    fn = KERNELS.backend("quant_linear", "triton").fn
+    compare(fn, ops.quant_linear, (x, codes, scale, None), {"x": x}, TOL[dtype])
+    b = leaf(g, N, dtype=dtype, scale=0.1)  # a bias that trains: its gradient too
+    compare(fn, ops.quant_linear, (x, codes, scale, b), {"x": x, "bias": b}, TOL[dtype])
+    x3 = leaf(g, 2, M, K, dtype=dtype)  # leading dimensions
+    compare(fn, ops.quant_linear, (x3, codes, scale, None), {"x": x3}, TOL[dtype])
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_fp8_rows(dtype):
+    """Row-wise e4m3 codes and scales of activations, as the reference rounds them."""
+    needs_triton()
+    g = torch.Generator().manual_seed(1)
+    x = leaf(g, 37, 80, dtype=dtype, grad=False) * 3
+    x[5] = 0  # a zero row: scale 1, zero codes
+    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    codes, scale = tq.fp8_rows(x)
+    want_codes, want_scale = ops.fp8_rows(x)
+    assert torch.equal(scale, want_scale) and scale[5] == 1
+    assert torch.equal(codes.float(), want_codes.float())
+
+
+@triton_test
+def test_the_quant_ops_pass_opcheck():
+    """Schema, fake (meta) implementations and autograd registration of the custom ops."""
+    needs_triton()
+    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    g = torch.Generator().manual_seed(2)
+    codes, scale = weights(g, 40, 48, "int8")
+    x = leaf(g, 37, 48, dtype=torch.float32)
+    torch.library.opcheck(tq._fwd_op, (x, codes, scale, None))
+    torch.library.opcheck(tq._bwd_op, (leaf(g, 37, 40, grad=False), codes, scale))
+
+
+@triton_test
+def test_the_quant_kernel_refuses_what_it_cannot_take():
+    needs_triton()
+    fn = KERNELS.backend("quant_linear", "triton").fn
+    g = torch.Generator().manual_seed(3)
+    codes, scale = weights(g, 16, 32, "int8")
+    with pytest.raises(ValueError, match="x's last size = K"):
+        fn(leaf(g, 4, 16), codes, scale, None)
+    with pytest.raises(ValueError, match="float32 \\[N\\]"):
+        fn(leaf(g, 4, 32), codes, scale.half(), None)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        fn(leaf(g, 4, 32), codes.float(), scale, None)
+
+
+# ---- the GPU: the real model's sizes and the fp8 GEMMs -------------------------------------
+
+REAL = [(8400, 3072, 3072), (8400, 3072, 16384), (8400, 8192, 3072), (300, 3072, 3072)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", REAL, ids=str)
+def test_quant_linear_at_the_real_sizes(shape, base):
+    if not CUDA:
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(4)
+    M, K, N = shape
+    codes, scale = weights(g, N, K, base)
+    x = leaf(g, M, K, dtype=torch.bfloat16)
+    compare(KERNELS.backend("quant_linear", "triton").fn, ops.quant_linear, (x, codes, scale, None),
+            {"x": x}, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(37, 48, 32), *REAL], ids=str)
+def test_fp8_compute_matches_its_reference(shape):
+    """``torch._scaled_mm`` with row-wise scales against the emulated fp8 product: the same
+    codes, exact products, fp32 sums in another order; the input gradient is the bf16 path."""
+    if not CUDA or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs CUDA sm89+")
+    g = torch.Generator().manual_seed(5)
+    M, K, N = shape
+    codes, scale = weights(g, N, K, "fp8")
+    x = leaf(g, M, K, dtype=torch.bfloat16)
+    compare(KERNELS.backend("fp8_linear", "scaled_mm").fn, ops.fp8_linear, (x, codes, scale, None),
+            {"x": x}, TOL[torch.bfloat16])
+    # and near the bf16 linear of the dequantized weight: fp8 activations cost ~2^-4 per element
+    want = ops.quant_linear(x.detach(), codes, scale, None)
+    assert rel(KERNELS.backend("fp8_linear", "scaled_mm").fn(x.detach(), codes, scale, None), want) < 6e-2
+
+
+# ---- the interpreted suite on a CPU machine ------------------------------------------------
+
+def test_the_interpreted_suite():
+    """Reruns this file's Triton tests with ``TRITON_INTERPRET=1`` set before Triton loads."""
+    if CUDA or INTERPRETED:
+        pytest.skip("the Triton tests ran in this process")
+    if COMMON is None:
+        pytest.skip("triton is not installed here")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    here = Path(__file__).relative_to(ROOT)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-m", "not gpu", *[f"{here}::{name}" for name in TRITON_TESTS]],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout

@@ -1,0 +1,166 @@
+"""A quantized frozen base (``precision.base: int8 | fp8``, ``precision.fp8_compute``;
+``kohakumoss/precision/quantized.py``, docs/precision.md#quantized-bases): the model and its
+adapter's gradients against the same model holding the dequantized weights, ComfyUI files'
+codes used as stored (ConvRot included), the knobs' refusals, the estimator's weight bytes
+at the published size, and a tiny run that trains the unquantized run's curve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from kohakumoss.adapters import apply_adapters
+from kohakumoss.config import AdapterConfig
+from kohakumoss.configlib import ConfigError
+from kohakumoss.formats import load_dit
+from kohakumoss.formats.model_files import save_comfy, stored_weights
+from kohakumoss.model import FLAVORS
+from kohakumoss.model.build import tiny_transformer
+from kohakumoss.params import load_params
+from kohakumoss.precision.quantized import QuantizedLinear, quantizable, quantize_base
+from kohakumoss.training.engines import engine_plan
+from kohakumoss.training.estimate import estimate
+
+from test_checkpoints import WIDE, random_model
+from test_fp16 import _inputs, _run, data  # noqa: F401  (the module's training data fixture)
+from test_train import _write_params
+
+
+def _dequantized_twin(qm) -> torch.nn.Module:
+    """A plain tiny model holding ``qm``'s dequantized weights."""
+    twin = tiny_transformer()
+    with torch.no_grad():
+        for path, lin in quantizable(twin):
+            lin.weight.copy_(qm.get_submodule(path).weight)
+    return twin
+
+
+def _forward_and_grads(model):
+    aset = apply_adapters(model, AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
+    with torch.no_grad():
+        for p in aset.trainable_parameters():
+            p.add_(0.05)  # a LoRA whose up matrices are not zero: every gradient flows
+    out = model(*_inputs())
+    out.square().mean().backward()
+    return out.detach(), [p.grad.clone() for p in aset.trainable_parameters()]
+
+
+@pytest.mark.parametrize("base", ["int8", "fp8"])
+def test_a_quantized_base_is_the_model_of_its_dequantized_weights(base):
+    """fp32, reference ops: output and LoRA gradients bit-identical to the twin's."""
+    qm = tiny_transformer()
+    account = quantize_base(qm, base)
+    assert "28 block linears" in account and all(
+        isinstance(m, QuantizedLinear) for _, m in quantizable(tiny_transformer()) for m in
+        [qm.get_submodule(_)])
+    assert qm.layers[0].proj["q"].codes.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[base]
+    twin = _dequantized_twin(qm)
+    (out, grads), (want, want_grads) = _forward_and_grads(qm), _forward_and_grads(twin)
+    assert torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    # and the quantization itself is close to the original weights (per-row scales)
+    err = {"int8": 1e-2, "fp8": 4e-2}[base]
+    for (_, lin), (_, orig) in zip(quantizable(twin), quantizable(tiny_transformer())):
+        assert (lin.weight - orig.weight).norm() <= err * orig.weight.norm()
+
+
+def test_fp8_compute_reference_stays_near_the_weight_only_model():
+    """fp8 activations (e4m3, per row) cost a few percent; the input gradient is the
+    dequantized weight's, so the LoRA gradients stay close to the weight-only model's."""
+    fp8c, wo = tiny_transformer(), tiny_transformer()
+    quantize_base(fp8c, "fp8", fp8_compute=True)
+    quantize_base(wo, "fp8")
+    (out, grads), (want, want_grads) = _forward_and_grads(fp8c), _forward_and_grads(wo)
+    assert not torch.equal(out, want)  # the activations were quantized
+    assert (out - want).norm() <= 0.1 * want.norm()
+    for a, b in zip(grads, want_grads):
+        assert (a - b).norm() <= 0.2 * b.norm() + 1e-8
+    with pytest.raises(ValueError, match="precision.base: fp8"):
+        quantize_base(tiny_transformer(), "int8", fp8_compute=True)
+
+
+def test_codes_and_scales_keep_their_dtypes_and_the_weight_is_read_only():
+    qm = tiny_transformer()
+    quantize_base(qm, "fp8")
+    qm.to(torch.bfloat16)
+    lin = qm.layers[0].proj["q"]
+    assert lin.codes.dtype == torch.float8_e4m3fn and lin.scale.dtype == torch.float32
+    assert lin.weight.dtype == torch.float32  # the dtype the base was quantized from
+    with pytest.raises(AttributeError, match="held quantized"):
+        lin.weight = torch.nn.Parameter(torch.zeros(2))
+    aset = apply_adapters(qm.float(), AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
+    with pytest.raises(RuntimeError, match="held quantized and cannot be merged"):
+        aset.merge(1.0)
+
+
+@pytest.mark.parametrize("fmt,base", [("int8_convrot", "int8"), ("int8", "int8"), ("fp8", "fp8")])
+def test_comfy_quantized_files_are_used_as_stored(tmp_path, fmt, base):
+    """A ComfyUI file's codes are the layer's (a tensor-wise scale becomes one per row);
+    ConvRot's rotation moves to the layer's input: the forward is the dequantized model's."""
+    path = save_comfy(random_model(WIDE).state_dict(), tmp_path / "q.safetensors", WIDE,
+                      dtype=None, quantize=fmt)
+    plain = load_dit(str(path), torch.float32, "cpu")  # dequantized on load
+    qm = load_dit(str(path), torch.float32, "cpu")
+    stored = stored_weights(str(path))
+    account = quantize_base(qm, base, stored=stored)
+    assert "taken from the checkpoint as stored" in account
+    lin = qm.layers[1].proj["ffn_down"]
+    file_codes = stored("layers.1.proj.ffn_down.weight").codes
+    assert torch.equal(lin.codes.view(torch.uint8), file_codes.view(torch.uint8))
+    assert lin.group == (256 if fmt == "int8_convrot" else 0)
+    torch.testing.assert_close(lin.weight, plain.layers[1].proj["ffn_down"].weight, rtol=1e-5, atol=1e-6)
+    img, txt, sigma, layout = _inputs(WIDE)
+    with torch.no_grad():
+        torch.testing.assert_close(qm(img, txt, sigma, layout), plain(img, txt, sigma, layout),
+                                   rtol=1e-4, atol=1e-5)
+    assert stored_weights("tiny") is None
+
+
+def test_the_knobs_are_refused_where_they_cannot_work(tmp_path):
+    def params(profile=None, **over):
+        path = _write_params(tmp_path, tmp_path, **over)
+        if profile:
+            raw = yaml.safe_load(path.read_text())
+            path.write_text(yaml.safe_dump({**raw, "profile": profile}))
+        return path
+
+    with pytest.raises(ConfigError, match="full finetune trains the base"):
+        load_params(params(precision={"base": "int8"}, adapter={"algo": "full"}))
+    with pytest.raises(ConfigError, match="does not stream yet"):
+        load_params(params(precision={"base": "fp8"}, profile="minimal"))
+    with pytest.raises(ConfigError, match="set precision.base: fp8"):
+        load_params(params(precision={"base": "int8", "fp8_compute": "on"}))
+    with pytest.raises(ConfigError, match="set train.dtype: bf16"):
+        load_params(params(precision={"base": "fp8", "fp8_compute": "on"}))
+    p = load_params(params(precision={"base": "fp8", "fp8_compute": "on"}, train={"dtype": "bf16"}))
+    with pytest.raises(ConfigError, match="capability 8.9"):
+        engine_plan(p, torch.device("cpu"))
+
+
+def test_the_estimate_holds_the_published_base_in_under_5_5_gib(tmp_path):
+    """The published 5.08B transformer: its block linears in int8 or fp8 (codes and per-row
+    scales) and the rest in bf16, against 9.5 GiB in bf16 (estimated on the meta device)."""
+    batch = [(4096, 100)]
+    frozen = {}
+    for base in ("keep", "int8", "fp8"):
+        path = _write_params(tmp_path, tmp_path, precision={"base": base}, train={"dtype": "bf16"},
+                             adapter={"algo": "lora", "dim": 32, "alpha": 32})
+        p = load_params(path)
+        est = estimate(p, batch, engine_plan(p, torch.device("cpu")).memory, config=FLAVORS["base"])
+        frozen[base] = est.weights
+    assert frozen["keep"] > 9 * 2**30
+    for base in ("int8", "fp8"):
+        assert frozen[base] <= 5.5 * 2**30, frozen
+        assert frozen[base] < 0.55 * frozen["keep"], frozen
+
+
+def test_a_tiny_int8_run_trains_the_unquantized_curve(data):  # noqa: F811
+    tmp, ds = data
+    _, keep = _run(tmp, ds, "keep", train={"steps": 6, "checkpoint_every": 6})
+    trainer, q = _run(tmp, ds, "int8", train={"steps": 6, "checkpoint_every": 6},
+                      precision={"base": "int8"})
+    assert "int8 weight-only" in trainer.components.applied.quantized
+    assert isinstance(trainer.model.layers[0].proj["q"], QuantizedLinear)  # LyCORIS wraps its forward
+    for a, b in zip(q.losses, keep.losses):
+        assert abs(a - b) <= 2e-2 * abs(b), (q.losses, keep.losses)
