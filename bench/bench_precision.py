@@ -97,10 +97,23 @@ def main() -> None:
     variants = [("bf16", torch.bfloat16, None, 1.0), ("fp16 + stream scale 2^-8", torch.float16, None, 2.0 ** -8),
                 ("fp16, no stream scale", torch.float16, None, 1.0),
                 ("int8 weight-only (per row) + bf16", torch.bfloat16, "int8", 1.0),
-                ("fp8 e4m3 weight-only (per row) + bf16", torch.bfloat16, "fp8", 1.0)]
+                ("fp8 e4m3 weight-only (per row) + bf16", torch.bfloat16, "fp8", 1.0),
+                # the training engines' quantized base: codes held, the kernels of the op table
+                ("precision.base int8 (Triton kernel)", torch.bfloat16, "base:int8", 1.0),
+                ("precision.base fp8 (Triton kernel)", torch.bfloat16, "base:fp8", 1.0),
+                ("fp8 compute (torch._scaled_mm)", torch.bfloat16, "base:fp8-compute", 1.0)]
     for name, dtype, quant, scale in variants:
         m = copy.deepcopy(ref)
-        if quant:
+        if quant and quant.startswith("base:"):
+            from kohakumoss.precision import precision_policy
+            from kohakumoss.training.engines import EnginePlan, apply_engines
+
+            base = quant.removeprefix("base:")
+            policy = precision_policy("bf16", full=False, base=base.removesuffix("-compute"),
+                                      fp8_compute=base == "fp8-compute")
+            applied = apply_engines(m, EnginePlan(dev, policy))
+            print(applied.quantized, {k: v for k, v in applied.kernels.items() if "linear" in k})
+        elif quant:
             with torch.no_grad():
                 for block in m.layers:
                     for lin in block.modules():

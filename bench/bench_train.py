@@ -81,12 +81,17 @@ def held_gib() -> float:
     return (total - free) / 2**30
 
 
-def random_base(full: bool) -> MOSSImageTransformer:
-    """The base flavor with random weights and a training run's engines (bf16 compute)."""
+def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
+    """The base flavor with random weights and a training run's engines (bf16 compute);
+    ``base``: keep, int8, fp8 (weight-only) or fp8-compute (``precision.base`` and
+    ``precision.fp8_compute``)."""
     model = random_transformer(FLAVORS["base"], "cuda")
-    applied = apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=full),
+    policy = precision_policy("bf16", full=full, base=base.removesuffix("-compute"),
+                              fp8_compute=base == "fp8-compute")
+    applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy,
                                               kernels=KERNEL_CHOICES, **ENGINES))
-    print(json.dumps({"op_table": applied.kernels}), flush=True)
+    torch.cuda.empty_cache()
+    print(json.dumps({"op_table": applied.kernels, "base": applied.quantized or base}), flush=True)
     return model
 
 
@@ -193,12 +198,13 @@ def profile_step(run_step, rows: int = 25) -> dict:
 
 
 def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
-               profiled: bool = False) -> dict:
+               profiled: bool = False, base: str = "keep") -> dict:
     from kohakumoss.adapters import apply_adapters
 
     per = max(1, budget // (4096 + text_len + 3))
     lat, txt = fill_caches(root, per * (steps + 2), text_len)
-    model = random_base(full=False)
+    model = random_base(full=False, base=base)
+    weights = torch.cuda.memory_allocated() / 2**30  # the model as held, before the adapter
     adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
     ring = None
     memory = ENGINES.get("memory", MemoryEngines())
@@ -258,7 +264,8 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     del model, opt, adapters, ring, update
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
-    return {"budget": budget, "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],
+    return {"budget": budget, "base": base, "weights_gib": weights,
+            "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],
             "step_s": t, "samples_per_s": per / t, "peak_gib": peak, "estimate_gib": est,
             "reserved_gib": reserved, "device_used_gib": held, "host_peak_gib": host_peak_gib(),
             **streamed,
@@ -342,6 +349,9 @@ def main() -> None:
     ap.add_argument("--cap", type=float, nargs="*", default=[0.0],
                     help="cap the allocator at this many GiB (set_per_process_memory_fraction) "
                          "for the steps; several: each budget is measured under each cap")
+    ap.add_argument("--bases", nargs="*", default=["keep"],
+                    help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute; each "
+                         "budget is measured with each, in one run")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
@@ -365,9 +375,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for cap in caps:
             CAP[0] = cap
-            for b in a.budgets:
-                res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{cap:g}-{b}", a.profile))
-                print(json.dumps(res["lora"][-1]), flush=True)
+            for base in a.bases:
+                for b in a.budgets:
+                    res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{cap:g}-{b}-{base}",
+                                                  a.profile, base))
+                    print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:
             res["full"] = bench_full(a.text, root, a.steps)
             print(json.dumps(res["full"]), flush=True)

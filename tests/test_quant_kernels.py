@@ -27,7 +27,7 @@ from test_kernel_backends import (COMMON, CUDA, DEVICE, INTERPRETED, TOL, _ids, 
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS: list[str] = []
-SHAPES = [(1, 32, 16), (37, 48, 40), (70, 80, 96)]  # (rows, in, out): one row, odd, several tiles
+SHAPES = [(1, 32, 16), (37, 48, 40)]  # (rows, in, out): one row; odd sizes over 3 x 3 tiles, 3 steps of the sum
 
 
 def triton_test(fn):
@@ -44,16 +44,17 @@ def weights(g: torch.Generator, n: int, k: int, base: str) -> tuple[torch.Tensor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_ids)
 @pytest.mark.parametrize("base", ["int8", "fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_quant_linear(shape, base, dtype):
-    """The kernel applies each row's scale after the sum (one rounding); the reference rounds
-    the dequantized weight to the activation dtype first: equal in fp32, within the dtype's
-    tolerance otherwise."""
+@pytest.mark.parametrize("backend", ["triton", "dequant_mm"])
+def test_quant_linear(backend, shape, base, dtype):
+    """The fused kernel applies each row's scale after the sum (one rounding); the reference
+    and ``dequant_mm`` round the dequantized weight to the activation dtype first: equal in
+    fp32, within the dtype's tolerance otherwise."""
     needs_triton()
     g = torch.Generator().manual_seed(0)
     M, K, N = shape
     codes, scale = weights(g, N, K, base)
     x = leaf(g, M, K, dtype=dtype)
-    fn = KERNELS.backend("quant_linear", "triton").fn
+    fn = KERNELS.backend("quant_linear", backend).fn
     compare(fn, ops.quant_linear, (x, codes, scale, None), {"x": x}, TOL[dtype])
     b = leaf(g, N, dtype=dtype, scale=0.1)  # a bias that trains: its gradient too
     compare(fn, ops.quant_linear, (x, codes, scale, b), {"x": x, "bias": b}, TOL[dtype])
@@ -74,6 +75,30 @@ def test_fp8_rows(dtype):
     want_codes, want_scale = ops.fp8_rows(x)
     assert torch.equal(scale, want_scale) and scale[5] == 1
     assert torch.equal(codes.float(), want_codes.float())
+
+
+@triton_test
+@pytest.mark.parametrize("base", ["int8", "fp8"])
+def test_dequantize_rounds_as_the_reference(base):
+    needs_triton()
+    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    codes, scale = weights(torch.Generator().manual_seed(6), 37, 80, base)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(tq.dequantize(codes, scale, dtype), ops.dequantize_rows(codes, scale, dtype))
+
+
+@triton_test
+def test_many_rows_take_dequant_mm_and_few_the_fused_kernel():
+    """The default choice of a quantized base (``training.engines.QUANT_BACKENDS``)."""
+    needs_triton()
+    from kohakumoss.kernels.backends import DEQUANT_ROWS
+    from kohakumoss.training.engines import QUANT_BACKENDS
+
+    op = KERNELS.chosen_op("quant_linear", DEVICE, torch.float32, QUANT_BACKENDS["quant_linear"])
+    codes, scale = weights(torch.Generator().manual_seed(7), 16, 32, "int8")
+    many, few = torch.zeros(DEQUANT_ROWS, 32), torch.zeros(DEQUANT_ROWS - 1, 32)
+    assert op.backend_for(many, codes, scale, None) == "dequant_mm"
+    assert op.backend_for(few, codes, scale, None) == "triton"
 
 
 @triton_test
@@ -108,16 +133,17 @@ REAL = [(8400, 3072, 3072), (8400, 3072, 16384), (8400, 8192, 3072), (300, 3072,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "dequant_mm"])
 @pytest.mark.parametrize("base", ["int8", "fp8"])
 @pytest.mark.parametrize("shape", REAL, ids=str)
-def test_quant_linear_at_the_real_sizes(shape, base):
+def test_quant_linear_at_the_real_sizes(shape, base, backend):
     if not CUDA:
         pytest.skip("needs CUDA")
     g = torch.Generator().manual_seed(4)
     M, K, N = shape
     codes, scale = weights(g, N, K, base)
     x = leaf(g, M, K, dtype=torch.bfloat16)
-    compare(KERNELS.backend("quant_linear", "triton").fn, ops.quant_linear, (x, codes, scale, None),
+    compare(KERNELS.backend("quant_linear", backend).fn, ops.quant_linear, (x, codes, scale, None),
             {"x": x}, TOL[torch.bfloat16])
 
 

@@ -5,8 +5,9 @@
   ``TRITON_INTERPRET=1`` (its interpreter: tests, CI). Each saves only its inputs for
   backward, so the memory engines do not wrap it in recomputation.
 - ``triton`` (quant_linear): the frozen base's int8 / fp8 weight codes widened tile by tile
-  inside the matmul (``triton_quant``); ``scaled_mm`` (fp8_linear, ``fp8_compute``): fp8
-  GEMMs on sm89+, bf16 activations.
+  inside the matmul (``triton_quant``); ``dequant_mm`` (quant_linear, from ``DEQUANT_ROWS``
+  rows): the layer's weight dequantized into a transient buffer, then cuBLAS;
+  ``scaled_mm`` (fp8_linear, ``fp8_compute``): fp8 GEMMs on sm89+, bf16 activations.
 - ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
@@ -78,8 +79,10 @@ def _triton_available(op: str) -> Callable[[torch.device, torch.dtype], bool]:
     return available
 
 
-def _triton_fn(op: str) -> Callable:
+def _triton_fn(op: str, name: str | None = None) -> Callable:
+    """The module's function ``name`` (default: the op's own name), imported on first call."""
     resolved: list[Callable] = []
+    name = name or op
 
     def fn(*args):
         if not resolved:
@@ -87,17 +90,26 @@ def _triton_fn(op: str) -> Callable:
             if module is None:
                 raise RuntimeError(f"{op} (triton): Triton kernels cannot be imported here "
                                    f"({_why[TRITON_OPS[op]]})")
-            resolved.append(getattr(module, op))
+            resolved.append(getattr(module, name))
         return resolved[0](*args)
 
-    fn.__name__ = op
-    fn.__qualname__ = f"triton.{op}"
+    fn.__name__ = name
+    fn.__qualname__ = f"triton.{name}"
     return fn
 
 
 for _op in TRITON_OPS:  # each kernel's autograd saves its inputs; backward recomputes the rest
     register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op), keeps_inputs_only=True)
 
+DEQUANT_ROWS = 1024
+"""From this many rows a quantized linear dequantizes the layer's weight into a transient
+buffer for cuBLAS (``dequant_mm``): one pass over the weight costs less than what the fused
+Triton kernel gives up to the vendor GEMM (the H200: 1.41 against 1.03 s per 4-sample step,
+docs/performance.md); fewer rows (text tokens, sampling one image) keep the fused kernel."""
+
+register_backend("quant_linear", "dequant_mm", _triton_fn("quant_linear", "dequant_linear"),
+                 _triton_available("quant_linear"), fits=lambda dims: dims["N"] >= DEQUANT_ROWS,
+                 keeps_inputs_only=True)
 register_backend("varlen_attention", "flash_varlen", attention.flash_varlen_attention,
                  attention.flash_available, fits=attention.flash_fits)
 register_backend("varlen_attention", "flex", attention.flex_varlen_attention,

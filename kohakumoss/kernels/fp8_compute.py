@@ -1,9 +1,9 @@
 """fp8 compute for the frozen base (``model/ops.py``: ``fp8_linear``) on sm89 and later:
 the forward is one ``torch._scaled_mm`` of float8_e4m3fn activations (quantized per row by
 ``triton_quant.fp8_rows``) and weight codes (per output row), both row scales applied by
-the GEMM, bf16 out; the input gradient is the bf16 path, ``dy @ (codes * scale)`` with the
-tile-wise dequantizing Triton kernel. Nothing is saved for backward but the codes and
-scales the layer holds anyway.
+the GEMM, bf16 out; the input gradient is the bf16 path, ``dy @ (codes * scale)``, the
+weight dequantized into a transient bf16 buffer (one layer's) and multiplied by cuBLAS.
+Nothing is saved for backward but the codes and scales the layer holds anyway.
 
 ``torch._scaled_mm`` wants both sizes of the weight and the sum a multiple of 16 (every
 MOSS-Image linear is) and takes any token count here: rows are padded to 16 with zeros.
@@ -48,8 +48,8 @@ class _ScaledMM(torch.autograd.Function):
     def backward(ctx, go):
         codes, scale = ctx.saved_tensors
         go = go.contiguous()
-        dx = triton_module("triton_quant").dequantized_matmul(go, codes, scale) \
-            if ctx.needs_input_grad[0] else None
+        tq = triton_module("triton_quant")
+        dx = go @ tq.dequantize(codes, scale, go.dtype) if ctx.needs_input_grad[0] else None
         return dx, None, None, go.float().sum(0) if ctx.bias_grad else None
 
 

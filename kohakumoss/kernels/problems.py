@@ -124,6 +124,12 @@ def _make_loss(d, dtype, device, g, wg):
             _seg(n, b, device), torch.ones(b, device=device), n, "mse", 1.0)
 
 
+def _make_quant(d, dtype, device, g, wg):
+    codes = torch.randint(-127, 128, (d["O"], d["K"]), generator=g, device=device, dtype=torch.int8)
+    scale = torch.rand(d["O"], generator=g, device=device) * 1e-3
+    return _rand(g, device, dtype, d["N"], d["K"]), codes, scale, None
+
+
 PROBLEMS: dict[str, Problem] = {p.op: p for p in (
     Problem("rms_norm", lambda x, w, eps: {"N": _rows(x), "D": x.shape[-1]}, ("N", "D"),
             _make_rms),
@@ -149,6 +155,9 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
             lambda pred, target, seg, weight, n, loss, delta: {"N": pred.shape[0], "C": pred.shape[1],
                                                                "B": weight.shape[0]},
             ("N", "C"), _make_loss),
+    Problem("quant_linear",
+            lambda x, codes, scale, bias: {"N": _rows(x), "K": x.shape[-1], "O": codes.shape[0]},
+            ("N", "K", "O"), _make_quant),
 )}
 
 

@@ -58,9 +58,9 @@ from kohakumoss.precision import PrecisionPolicy, precision_policy
 from kohakumoss.precision.quant import QuantizedWeight
 from kohakumoss.precision.quantized import quantize_base
 
-# the backend a quantized base's linears take when no choice names one (they are not tuned:
-# the Triton kernel never keeps a dequantized weight, which the reference does)
-QUANT_BACKENDS = {"quant_linear": "triton", "fp8_linear": "scaled_mm"}
+# the backends a quantized base's linears take when no choice names them, each where it
+# fits (they are not tuned: both keep only the codes, which the reference does not)
+QUANT_BACKENDS = {"quant_linear": ["dequant_mm", "triton"], "fp8_linear": ["scaled_mm"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +126,10 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan,
         quantized = quantize_base(model, plan.precision.base, plan.precision.fp8_compute,
                                   plan.device, stored)
         model.to(plan.device)
-        for op, backend in QUANT_BACKENDS.items():
+        for op, backends in QUANT_BACKENDS.items():
             if op not in plan.kernels:  # no tuning: the kernel is the one that pays here
                 model.ops.override(op, KERNELS.chosen_op(op, plan.device, plan.precision.compute,
-                                                         [backend]))
+                                                         backends))
         log.info("frozen base: %s", quantized)
     recomputed = apply_recompute(model) if plan.memory.recompute else []
     if plan.memory.offload:  # block or sub-block checkpointing with the kept inputs on the host
