@@ -19,6 +19,7 @@ AdamW) and its peak memory. Both models get the engines a training run applies
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -62,9 +63,10 @@ def kernel_choices(names: list[str]) -> dict[str, list[str]]:
     (the reference stays the fallback)."""
     from kohakumoss.kernels import KERNELS
     from kohakumoss.model.ops import REFERENCE
+    from kohakumoss.training.engines import QUANT_BACKENDS  # --quant-backends chooses those
 
     return {op: [n for n in names if n in KERNELS.names(op)] for op in REFERENCE
-            if any(n in KERNELS.names(op) for n in names)}
+            if any(n in KERNELS.names(op) for n in names) and op not in QUANT_BACKENDS}
 
 
 def host_peak_gib() -> float:
@@ -203,8 +205,11 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
 
     per = max(1, budget // (4096 + text_len + 3))
     lat, txt = fill_caches(root, per * (steps + 2), text_len)
+    gc.collect()  # the previous run's model (LyCORIS's wrappers hold cycles)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
     model = random_base(full=False, base=base)
-    weights = torch.cuda.memory_allocated() / 2**30  # the model as held, before the adapter
+    weights = (torch.cuda.memory_allocated() - before) / 2**30  # the model as held, no adapter
     adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
     ring = None
     memory = ENGINES.get("memory", MemoryEngines())
@@ -352,11 +357,16 @@ def main() -> None:
     ap.add_argument("--bases", nargs="*", default=["keep"],
                     help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute; each "
                          "budget is measured with each, in one run")
+    ap.add_argument("--quant-backends", nargs="*", default=[],
+                    help="a quantized base's quant_linear backends, in order (default: the "
+                         "engines' own, dequant_mm from 1024 rows, else the fused triton kernel)")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
     a = ap.parse_args()
     KERNEL_CHOICES.update(kernel_choices(a.kernels))
+    if a.quant_backends:
+        KERNEL_CHOICES["quant_linear"] = a.quant_backends
     ENGINES["memory"] = MemoryEngines(a.checkpointing, a.checkpoint_blocks, not a.no_recompute,
                                       a.stream_slots)
     if a.memory_profile:
@@ -369,7 +379,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
            "checkpointing": a.checkpointing, "checkpoint_blocks": a.checkpoint_blocks,
            "recompute": not a.no_recompute, "memory": ENGINES["memory"].describe(),
-           "memory_profile": a.memory_profile, "cap_gib": caps,
+           "memory_profile": a.memory_profile, "cap_gib": caps, "quant_backends": a.quant_backends,
            "compile_blocks": a.compile_blocks,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:
