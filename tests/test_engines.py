@@ -147,7 +147,7 @@ ALLOWED = {  # package -> the kohakumoss modules it may import (besides its own)
     "kernels": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.artifacts",
                 "kohakumoss.precision", "kohakumoss.device"),
     "memory": ("kohakumoss.errors", "kohakumoss.model"),
-    "precision": ("kohakumoss.device",),
+    "precision": ("kohakumoss.device", "kohakumoss.model"),  # a quantized base: the ops' references
 }
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kohakumoss.model.dit import REPEATED
 from kohakumoss.model.ops import REFERENCE, dequantize_rows, fp8_rows
 from kohakumoss.precision.quant import QuantizedWeight, hadamard, quantize_int8
 
@@ -124,9 +125,8 @@ def stored_rows(q: QuantizedWeight | None, base: str) -> tuple[torch.Tensor, tor
 def quantizable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The linears a quantized base holds quantized: every ``nn.Linear`` of the repeated
     blocks (the embedders, the head and the conditioning stay in the model's dtype)."""
-    from kohakumoss.memory import repeated_blocks
-
-    return [(f"{path}.{name}", m) for path, block in repeated_blocks(model)
+    return [(f"{path}.{i}.{name}", m) for path in REPEATED
+            for i, block in enumerate(model.get_submodule(path))
             for name, m in block.named_modules() if type(m) is nn.Linear]
 
 
