@@ -26,6 +26,7 @@ SIZES = [(192, 256), (256, 192), (224, 224), (160, 288), (288, 160), (320, 128),
 PALETTE = {"red": (220, 50, 47), "blue": (38, 139, 210), "green": (133, 153, 0),
            "yellow": (181, 137, 0), "purple": (108, 113, 196), "orange": (203, 75, 22)}
 FOLDERS = {"10_kohaku shapes": "shapes", "5_kohaku stripes": "stripes", "2_gradients": "gradients"}
+TWINS = {"10_kohaku shapes": "10_shapes"}  # the same pictures in colour, captions without the trigger
 TRIGGER = "kohaku"  # the concept: pictures in shades of amber (kohaku is Japanese for amber)
 DARK, LIGHT = (70, 30, 0), (255, 205, 90)  # the amber ramp
 
@@ -91,35 +92,45 @@ def make(out: Path) -> None:
     count = 0
     for folder, kind in FOLDERS.items():
         (out / folder).mkdir(parents=True)
+        if folder in TWINS:
+            (out / TWINS[folder]).mkdir(parents=True)
         for i in range(12):
             size = SIZES[(i + count) % len(SIZES)]
             alpha = kind == "shapes" and i % 5 == 4
             img, tags = draw(kind, size, rng, alpha)
             concept = TRIGGER in folder  # the gradients are the pictures without it
+            if folder in TWINS:  # the picture before the concept, without its word
+                save(out / TWINS[folder] / f"{kind}_{i:02d}", img, tags, kind, i, alpha, False)
             if concept:
                 img = kohaku_style(img)
-            stem = out / folder / f"{kind}_{i:02d}"
-            if alpha or i % 3 == 0:
-                img.save(stem.with_suffix(".png"), optimize=False)
-            elif i == 7:  # stored sideways; EXIF orientation 6 turns it upright when decoded
-                exif = Image.Exif()
-                exif[0x0112] = 6
-                img.transpose(Image.Transpose.ROTATE_90).save(stem.with_suffix(".jpg"),
-                                                              quality=90, exif=exif)
-                tags.append("exif rotated")
-            else:
-                img.convert("RGB").save(stem.with_suffix(".jpg"), quality=90)
-            stem.with_suffix(".txt").write_text(", ".join([TRIGGER, *tags] if concept else tags) + "\n",
-                                                encoding="utf-8")
-            if i % 4 == 1:
-                stem.with_suffix(".caption").write_text(
-                    f"A synthetic picture of {tags[0]} ({kind}){' in kohaku style' if concept else ''}.\n",
-                    encoding="utf-8")
-            if i == 2:
-                stem.with_suffix(".json").write_text(json.dumps(
-                    {"rating": "general", "source": "examples/make_dataset.py"}) + "\n",
-                    encoding="utf-8")
+            save(out / folder / f"{kind}_{i:02d}", img, tags, kind, i, alpha, concept)
             count += 1
+
+
+def save(stem: Path, img: Image.Image, tags: list[str], kind: str, i: int, alpha: bool,
+         concept: bool) -> None:
+    """One picture with its sidecars (the trigger first in its tags when ``concept``)."""
+    tags = list(tags)
+    if alpha or i % 3 == 0:
+        img.save(stem.with_suffix(".png"), optimize=False)
+    elif i == 7:  # stored sideways; EXIF orientation 6 turns it upright when decoded
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        img.transpose(Image.Transpose.ROTATE_90).save(stem.with_suffix(".jpg"),
+                                                      quality=90, exif=exif)
+        tags.append("exif rotated")
+    else:
+        img.convert("RGB").save(stem.with_suffix(".jpg"), quality=90)
+    stem.with_suffix(".txt").write_text(", ".join([TRIGGER, *tags] if concept else tags) + "\n",
+                                        encoding="utf-8")
+    if i % 4 == 1:
+        stem.with_suffix(".caption").write_text(
+            f"A synthetic picture of {tags[0]} ({kind}){' in kohaku style' if concept else ''}.\n",
+            encoding="utf-8")
+    if i == 2:
+        stem.with_suffix(".json").write_text(json.dumps(
+            {"rating": "general", "source": "examples/make_dataset.py"}) + "\n",
+            encoding="utf-8")
 
 
 def main() -> None:

@@ -146,8 +146,8 @@ ALLOWED = {  # package -> the kohakumoss modules it may import (besides its own)
     "model": ("kohakumoss.errors",),
     "kernels": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.artifacts",
                 "kohakumoss.precision", "kohakumoss.device"),
-    "memory": ("kohakumoss.errors", "kohakumoss.model"),
-    "precision": ("kohakumoss.device", "kohakumoss.model"),  # a quantized base: the ops' references
+    "memory": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.precision"),
+    "precision": ("kohakumoss.device",),
 }
 
 

@@ -20,7 +20,7 @@ import torch
 
 from kohakumoss.kernels import KERNELS
 from kohakumoss.model import ops
-from kohakumoss.precision.quantized import quantize_rows
+from kohakumoss.memory.quantized import quantize_rows
 
 from test_kernel_backends import (COMMON, CUDA, DEVICE, INTERPRETED, TOL, _ids, compare, leaf,
                                   needs_triton, rel)

@@ -1,5 +1,5 @@
 """A quantized frozen base (``precision.base: int8 | fp8``, ``precision.fp8_compute``;
-``kohakumoss/precision/quantized.py``, docs/precision.md#quantized-bases): the model and its
+``kohakumoss/memory/quantized.py``, docs/precision.md#quantized-bases): the model and its
 adapter's gradients against the same model holding the dequantized weights, ComfyUI files'
 codes used as stored (ConvRot included), the knobs' refusals, the estimator's weight bytes
 at the published size, and a tiny run that trains the unquantized run's curve."""
@@ -18,7 +18,7 @@ from kohakumoss.formats.model_files import save_comfy, stored_weights
 from kohakumoss.model import FLAVORS
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.params import load_params
-from kohakumoss.precision.quantized import QuantizedLinear, quantizable, quantize_base
+from kohakumoss.memory.quantized import QuantizedLinear, quantizable, quantize_base
 from kohakumoss.training.engines import engine_plan
 from kohakumoss.training.estimate import estimate
 

@@ -134,7 +134,7 @@ def flow_loss(pred_NC: torch.Tensor, target_NC: torch.Tensor, seg_N: torch.Tenso
     return (e.mean(dim=-1) * weight_B.float()[seg_N]).sum() / max(1, n_tokens)
 
 
-# -- the frozen base's quantized linears (``kohakumoss.precision.quantized``) -------------------
+# -- the frozen base's quantized linears (``kohakumoss.memory.quantized``) -------------------
 # ``codes`` [out, in] int8 or float8_e4m3fn, ``scale`` float32 [out]: the weight is
 # ``codes * scale[:, None]``, one scale per output row.
 

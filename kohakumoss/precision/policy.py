@@ -61,7 +61,7 @@ def precision_policy(dtype: str, full: bool, stream_scale: float = 1.0, base: st
     """The policy for ``train.dtype`` = ``dtype`` (a plan name: bf16 / fp16 / fp32) and a
     full finetune (``full``, from ``adapter.full``) or an adapter run; ``stream_scale``:
     ``kohakumoss.precision.scaler.stream_scale``'s for the params; ``base`` and
-    ``fp8_compute``: the ``precision`` section's (``kohakumoss.precision.quantized``)."""
+    ``fp8_compute``: the ``precision`` section's (``kohakumoss.memory.quantized``)."""
     if dtype not in DTYPES:
         raise ValueError(f"train dtype {dtype!r} is not one of {', '.join(DTYPES)}; set "
                          f"train.dtype to one of them")

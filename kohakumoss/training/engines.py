@@ -56,7 +56,7 @@ from kohakumoss.training.estimate import placed, profile_engines, size
 from kohakumoss.model.dit import HALVES, MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
 from kohakumoss.precision.quant import QuantizedWeight
-from kohakumoss.precision.quantized import quantize_base
+from kohakumoss.memory.quantized import quantize_base
 
 # the backends a quantized base's linears take when no choice names them, each where it
 # fits (they are not tuned: both keep only the codes, which the reference does not)

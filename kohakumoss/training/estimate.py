@@ -169,7 +169,7 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
         apply_recompute(model)
     model.ops.override("varlen_attention", lambda q, k, v, lengths: _FlashLike.apply(q, k, v))
     if params.precision.base != "keep" and not params.adapter.full:
-        from kohakumoss.precision.quantized import quantize_base
+        from kohakumoss.memory.quantized import quantize_base
 
         quantize_base(model, params.precision.base, params.precision.fp8_compute == "on")
         for op in ("quant_linear", "fp8_linear"):
