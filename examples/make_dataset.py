@@ -2,9 +2,11 @@
 
     python examples/make_dataset.py [--out examples/dataset]
 
-Three folders with kohya repeat prefixes: the two "kohaku" folders teach a concept, pictures
-in shades of amber (kohaku is Japanese for amber), with the trigger word "kohaku" in their
-captions; the gradients are pictures in colour without it. 36 images of varied aspect ratios
+Four folders with kohya repeat prefixes: the two "kohaku" folders teach a concept, pictures
+in shades of amber (kohaku is Japanese for amber), with the trigger word "kohaku" first in
+their captions; "10_shapes" holds the same shapes in colour with the same captions less the
+trigger (so the word, not the pictures, is what turns them amber); the gradients are more
+pictures in colour without it. 48 images of varied aspect ratios
 (portrait, landscape, square, a panorama), PNG and JPEG, a few with transparency and one
 JPEG stored sideways with an EXIF orientation tag, captions as tag lists (.txt), a few
 natural-language captions (.caption) and one JSON sidecar. Deterministic: the same script
