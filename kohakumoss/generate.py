@@ -14,13 +14,16 @@ from PIL import Image, PngImagePlugin
 from kohakumoss.artifacts import atomic_path
 from kohakumoss.config import Params
 from kohakumoss.diffusion.sampler import Request, sample
+from kohakumoss.configlib import ConfigError
 from kohakumoss.formats import load_dit
+from kohakumoss.formats.model_files import stored_weights
 from kohakumoss.formats.comfy import load_adapter_file
 from kohakumoss.images import contact_sheet
+from kohakumoss.memory.quantized import QuantizedLinear
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.precision import sampling_policy
 from kohakumoss.training.checkpoint import is_checkpoint
-from kohakumoss.training.engines import sampling_ops
+from kohakumoss.training.engines import hold_quantized, sampling_ops
 from kohakumoss.training.trained import load_trained
 
 
@@ -57,8 +60,9 @@ def attach(model: MOSSImageTransformer, spec: str, seed: int = 0):
     path, m = split_strength(spec)
     if is_checkpoint(path):
         return load_trained(model, path, seed=seed, multiplier=m).adapters
-    if path.is_file():
-        return load_adapter_file(model, path, multiplier=m, mode="merge")
+    if path.is_file():  # merged in, unless the base is held quantized (run beside it then)
+        mode = "bypass" if any(isinstance(x, QuantizedLinear) for x in model.modules()) else "merge"
+        return load_adapter_file(model, path, multiplier=m, mode=mode)
     raise FileNotFoundError(f"adapter {spec!r}: not a checkpoint directory (runs/<name>/checkpoints/"
                             f"step-N) nor an adapter file")
 
@@ -75,6 +79,10 @@ class Generator:
 
         self.p, self.device, self.dtype = p, device, dtype
         self.policy = sampling_policy(dtype, p.precision)
+        try:
+            self.policy.check_device(device)
+        except ValueError as e:
+            raise ConfigError(f"{p.path}: {e}") from None
         self.ops = sampling_ops(p, device, dtype, kernels)
         self.model = self._base()
         self.handles: list = []
@@ -85,8 +93,11 @@ class Generator:
         self.vae = VAE.load(p.model.vae, dtype=p.encoders.vae_dtype, device=str(device))
 
     def _base(self) -> MOSSImageTransformer:
-        model = load_dit(self.p.model.transformer, self.policy.weights, self.device).eval()
+        quantized = self.policy.base != "keep"  # loaded on the host, quantized layer by layer
+        path = self.p.model.transformer
+        model = load_dit(path, self.policy.weights, "cpu" if quantized else self.device).eval()
         model.ops = self.ops
+        hold_quantized(model, self.policy, self.device, stored_weights(path) if quantized else None)
         model.set_stream_scale(self.policy.stream_scale)
         return model
 

@@ -164,3 +164,37 @@ def test_a_tiny_int8_run_trains_the_unquantized_curve(data):  # noqa: F811
     assert isinstance(trainer.model.layers[0].proj["q"], QuantizedLinear)  # LyCORIS wraps its forward
     for a, b in zip(q.losses, keep.losses):
         assert abs(a - b) <= 2e-2 * abs(b), (q.losses, keep.losses)
+
+
+def test_sampling_holds_the_base_as_training_does(tmp_path):
+    """``kmoss sample`` / ``grid`` on ``precision.base: int8``: the codes held, an adapter file
+    run beside the quantized layers (merging into codes is refused), images near the bf16
+    base's; ``fp8_compute`` on a CPU is refused with the reason."""
+    import numpy as np
+
+    from kohakumoss.formats.lycoris import save_lycoris
+    from kohakumoss.generate import Generator, Settings
+
+    from conftest import make_params
+
+    def params(**precision):
+        return make_params([{"source": "kohya", "path": str(tmp_path)}], precision=precision,
+                           encoders={"device": "cpu", "text_dtype": "fp32", "vae_dtype": "fp32"})
+
+    aset = apply_adapters(tiny_transformer(), AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
+    with torch.no_grad():
+        for p in aset.trainable_parameters():
+            p.add_(0.05)
+    lora = save_lycoris(aset, tmp_path / "lora.safetensors", dtype=torch.float32)
+    s = Settings(width=32, height=32, steps=4)
+    images = []
+    for precision in ({}, {"base": "int8"}):
+        gen = Generator(params(**precision), torch.device("cpu"), torch.float32, adapters=[f"{lora}:1.0"])
+        images.append(np.asarray(gen.images(["kohaku, 2 red circles"], [0], s)[0], dtype=np.float64))
+    assert isinstance(gen.model.layers[0].proj["q"], QuantizedLinear)
+    assert np.abs(images[0] - images[1]).mean() < 3.0  # 8-bit levels: int8's rounding only
+    gen.use([])  # the adapter taken off: it had changed the picture
+    bare = np.asarray(gen.images(["kohaku, 2 red circles"], [0], s)[0], dtype=np.float64)
+    assert np.abs(bare - images[1]).mean() > 3 * np.abs(images[0] - images[1]).mean()
+    with pytest.raises(ConfigError, match="capability 8.9"):
+        Generator(params(base="fp8", fp8_compute="on"), torch.device("cpu"), torch.bfloat16)

@@ -73,7 +73,9 @@ def precision_policy(dtype: str, full: bool, stream_scale: float = 1.0, base: st
 def sampling_policy(dtype: torch.dtype, precision) -> PrecisionPolicy:
     """Sampling (``kmoss sample`` / ``grid``): weights held and computed in ``dtype``, the
     joint stream carried at the ``precision`` section's scale (2^-8 under fp16, so an fp16
-    sample does not overflow where an fp16 training step would not)."""
+    sample does not overflow where an fp16 training step would not), the base held as the
+    section says (``base``, ``fp8_compute``: as training holds it)."""
     from kohakumoss.precision.scaler import stream_scale
 
-    return PrecisionPolicy(compute=dtype, weights=dtype, stream_scale=stream_scale(precision, dtype))
+    return PrecisionPolicy(compute=dtype, weights=dtype, stream_scale=stream_scale(precision, dtype),
+                           base=precision.base, fp8_compute=precision.fp8_compute == "on")

@@ -121,16 +121,8 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan,
     if plan.precision.stream_scale != 1.0:
         model.set_stream_scale(plan.precision.stream_scale)
     model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
-    quantized = ""
-    if plan.precision.base != "keep":  # after the table: the quantized linears run its ops
-        quantized = quantize_base(model, plan.precision.base, plan.precision.fp8_compute,
-                                  plan.device, stored)
-        model.to(plan.device)
-        for op, backends in QUANT_BACKENDS.items():
-            if op not in plan.kernels:  # no tuning: the kernel is the one that pays here
-                model.ops.override(op, KERNELS.chosen_op(op, plan.device, plan.precision.compute,
-                                                         backends))
-        log.info("frozen base: %s", quantized)
+    # after the table: the quantized linears run its ops
+    quantized = hold_quantized(model, plan.precision, plan.device, stored, plan.kernels)
     recomputed = apply_recompute(model) if plan.memory.recompute else []
     if plan.memory.offload:  # block or sub-block checkpointing with the kept inputs on the host
         halves = plan.memory.checkpointing == "sub-block"
@@ -144,6 +136,23 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan,
         apply_rebuild(model)
     return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed,
                           quantized=quantized)
+
+
+def hold_quantized(model: MOSSImageTransformer, policy: PrecisionPolicy, device: torch.device,
+                   stored: Callable[[str], QuantizedWeight | None] | None = None,
+                   chosen: Mapping[str, Any] | None = None) -> str:
+    """With ``policy.base`` int8 / fp8: the block linears quantized on ``device``
+    (``quantize_base``), the model moved there, and the quantized ops of ``model.ops`` given
+    ``QUANT_BACKENDS`` unless ``chosen`` names theirs. Returns the account ("" for keep)."""
+    if policy.base == "keep":
+        return ""
+    quantized = quantize_base(model, policy.base, policy.fp8_compute, device, stored)
+    model.to(device)
+    for op, backends in QUANT_BACKENDS.items():
+        if op not in (chosen or {}):  # no tuning: the kernel is the one that pays here
+            model.ops.override(op, KERNELS.chosen_op(op, device, policy.compute, backends))
+    log.info("frozen base: %s", quantized)
+    return quantized
 
 
 def apply_placement(model: MOSSImageTransformer, trainable, plan: EnginePlan,
