@@ -141,15 +141,16 @@ def step_fn(model, opt, lat, txt, keys, step, device="cuda", update=None):
     return layout
 
 
-def predicted_peak(batch: list[tuple[int, int]], full: bool) -> float:
+def predicted_peak(batch: list[tuple[int, int]], full: bool, base: str = "keep") -> float:
     """The memory estimator's peak (GiB) for this bench's run: the base flavor, rank-32 LoRA
-    (or a full finetune), bf16, AdamW, the --checkpointing engines."""
+    (or a full finetune), bf16, AdamW, the --checkpointing engines, the base held as ``base``."""
     from kohakumoss.params import parse_params
     from kohakumoss.training.estimate import GiB, estimate
 
+    precision = {"base": base.removesuffix("-compute"), "fp8_compute": "on" if base == "fp8-compute" else "off"}
     p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "unused"}]},
                       "adapter": {"algo": "full"} if full else {"algo": "lora", "dim": 32, "alpha": 32.0},
-                      "train": {"dtype": "bf16"}}, "bench")
+                      "train": {"dtype": "bf16"}, "precision": precision}, "bench")
     return estimate(p, batch, ENGINES.get("memory", MemoryEngines()), config=FLAVORS["base"]).peak / GiB
 
 
@@ -248,7 +249,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     except torch.OutOfMemoryError as e:
         out = {"budget": budget, "samples_per_step": per, "cap_gib": CAP[0], "error": "out of memory",
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-               "estimate_gib": predicted_peak([(4096, 104)] * per, full=False),
+               "estimate_gib": predicted_peak([(4096, 104)] * per, full=False, base=base),
                "detail": str(e).splitlines()[0][:200]}
         del model, opt, adapters, ring, update
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -256,7 +257,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
         return out
     t = statistics.median(times)
     flops = train_flops(FLAVORS["base"], layout, full=False)
-    est = predicted_peak([(n, 104) for n in layout.img_len], full=False)
+    est = predicted_peak([(n, 104) for n in layout.img_len], full=False, base=base)
     peak = torch.cuda.max_memory_allocated() / 2**30
     reserved = torch.cuda.max_memory_reserved() / 2**30
     prof = profile_step(lambda: step_fn(model, opt, lat, txt, keys[:per], 0, update=update)) \
