@@ -30,12 +30,14 @@ def random_dit(kernels: list[str], compile_blocks: bool) -> MOSSImageTransformer
     from bench_train import kernel_choices
 
     from kohakumoss.memory.checkpointing import repeated_blocks
+    from kohakumoss.memory.profiles import MemoryEngines
     from kohakumoss.precision import precision_policy
     from kohakumoss.training.engines import EnginePlan, apply_engines
 
     model = random_transformer(FLAVORS["base"], "cuda")
+    no_recompute = MemoryEngines(checkpointing="none", recompute=False)  # sampling keeps no graph
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=False),
-                                              kernels=kernel_choices(kernels), recompute=False))
+                                              kernels=kernel_choices(kernels), memory=no_recompute))
     print(json.dumps({"op_table": applied.kernels}), flush=True)
     if compile_blocks:
         for _, block in repeated_blocks(model):
