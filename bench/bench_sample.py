@@ -21,7 +21,7 @@ import time
 import torch
 
 from kohakumoss.diffusion.sampler import Request, sample
-from kohakumoss.model import FLAVORS, MOSSImageTransformer, cast_model
+from kohakumoss.model import FLAVORS, MOSSImageTransformer
 from kohakumoss.model.build import random_transformer
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
