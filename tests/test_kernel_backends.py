@@ -615,10 +615,16 @@ def test_the_interpreted_suite():
         pytest.skip("the Triton tests ran in this process")
     if COMMON is None:
         pytest.skip(f"triton is not installed here ({backends.triton_unavailable_reason('situ')})")
+    run_interpreted(Path(__file__), TRITON_TESTS)
+
+
+def run_interpreted(path: Path, names: list[str]) -> None:
+    """Run the tests ``names`` of the file ``path`` in a subprocess with ``TRITON_INTERPRET=1``
+    set before anything imports Triton; they must pass."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    here = Path(__file__).relative_to(ROOT)
+    here = path.relative_to(ROOT)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-m", "not gpu", *[f"{here}::{name}" for name in TRITON_TESTS]],
+                           "-m", "not gpu", *[f"{here}::{name}" for name in names]],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout

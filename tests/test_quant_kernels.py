@@ -10,9 +10,6 @@ machine compiled, and the ``gpu`` tests add the real model's sizes and the fp8 G
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +20,8 @@ from kohakumoss.model import ops
 from kohakumoss.memory.quantized import quantize_rows
 
 from test_kernel_backends import (COMMON, CUDA, DEVICE, INTERPRETED, TOL, _ids, compare, leaf,
-                                  needs_triton, rel)
+                                  needs_triton, rel, run_interpreted)
 
-ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS: list[str] = []
 SHAPES = [(1, 32, 16), (37, 48, 40)]  # (rows, in, out): one row; odd sizes over 3 x 3 tiles, 3 steps of the sum
 
@@ -173,10 +169,4 @@ def test_the_interpreted_suite():
         pytest.skip("the Triton tests ran in this process")
     if COMMON is None:
         pytest.skip("triton is not installed here")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    here = Path(__file__).relative_to(ROOT)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-m", "not gpu", *[f"{here}::{name}" for name in TRITON_TESTS]],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    run_interpreted(Path(__file__), TRITON_TESTS)
