@@ -198,3 +198,27 @@ def test_sampling_holds_the_base_as_training_does(tmp_path):
     assert np.abs(bare - images[1]).mean() > 3 * np.abs(images[0] - images[1]).mean()
     with pytest.raises(ConfigError, match="capability 8.9"):
         Generator(params(base="fp8", fp8_compute="on"), torch.device("cpu"), torch.bfloat16)
+
+
+def test_auto_leaves_the_streamed_profiles_to_an_unquantized_base(tmp_path):
+    """Free memory below what the leanest resident engines need: for a bf16 base auto takes
+    a streamed profile; for an int8 base (which does not stream yet) it stays resident and
+    says that nothing fits."""
+    from kohakumoss.memory.profiles import MemoryEngines
+    from kohakumoss.training import estimate as E
+
+    def params(**precision):
+        path = _write_params(tmp_path, tmp_path, adapter={"algo": "lora", "dim": 32, "alpha": 32},
+                             train={"dtype": "bf16"}, precision=precision)
+        raw = yaml.safe_load(path.read_text())
+        path.write_text(yaml.safe_dump({**raw, "profile": "auto"}))
+        return load_params(path)
+
+    base, batch, cuda = FLAVORS["base"], [(4096, 104)], torch.device("cuda")
+    int8 = params(base="int8")
+    resident = E.estimate(int8, batch, MemoryEngines("sub-block"), config=base)
+    free = int(resident.peak * 0.9 / E.HEADROOM)
+    _, engines, _, _ = E.resolve_profile(params(), batch, cuda, free=free, config=base, host_free=64 * 2**30)
+    assert engines.stream_slots  # bf16: streaming fits
+    _, engines, _, why = E.resolve_profile(int8, batch, cuda, free=free, config=base, host_free=64 * 2**30)
+    assert not engines.stream_slots and "nothing fits" in why, (engines, why)

@@ -389,6 +389,8 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
         engines = placed(PROFILE_ENGINES[name], params, device)[0]
         if engines.optimizer == "host" and params.parallel.world_size > 1:
             continue  # the host update does not reduce gradients across ranks yet
+        if engines.stream_slots and params.precision.base != "keep":
+            continue  # a quantized base does not stream yet
         if engines not in seen:
             seen.add(engines)
             candidates.append((name, engines))
