@@ -65,12 +65,20 @@ def test_weights_are_found_by_their_keys_in_a_comfy_models_folder(models):
         assert found.caption_tokenizer == str(models / "text_encoders" / "tokenizer")
 
 
-def test_a_quantized_transformer_alone_is_taken_and_said(tmp_path):
+def test_a_quantized_transformer_alone_is_taken_and_its_codes_kept_where_they_can_be(tmp_path):
+    """An fp8 file alone: a resident profile keeps its codes (precision.base: fp8); a streamed
+    one (the 6 GB preset) dequantizes it on load, and says why."""
     models = comfy_models(tmp_path, quantized=True)
     (models / "diffusion_models" / "a.safetensors").unlink()
     found = find_weights(str(models))
-    assert Path(found.transformer).name == "b_fp8.safetensors"
-    assert any("fp8-quantized" in n and "dequantized" in n for n in found.notes)
+    assert Path(found.transformer).name == "b_fp8.safetensors" and found.quantized == "fp8"
+    proj = _project(tmp_path)
+    report = configure(proj / "params.yaml", weights=str(models), data=str(EXAMPLES), vram="24")
+    assert load_params(proj / "params.yaml").precision.base == "fp8"
+    assert "precision.base: fp8 keeps its codes as stored" in "\n".join(report.lines)
+    report = configure(proj / "params.yaml", weights=str(models), data=str(EXAMPLES), vram="6", force=True)
+    assert load_params(proj / "params.yaml").precision.base == "keep"
+    assert "dequantized on load (profile minimal streams" in "\n".join(report.lines)
 
 
 def test_bad_weights_and_data_are_clear_errors(tmp_path, models):

@@ -25,7 +25,7 @@ from ruamel.yaml.scalarstring import SingleQuotedScalarString
 
 from kohakumoss.artifacts import atomic_path
 from kohakumoss.configlib import ConfigError
-from kohakumoss.setup.detect import TINY, find_data, find_weights, is_demo
+from kohakumoss.setup.detect import TINY, Found, find_data, find_weights, is_demo
 
 TEMPLATE = Path(__file__).with_name("params.yaml")  # the repository's params.yaml (a test keeps them equal)
 MP_TOKENS = 4096  # image tokens of a 1 MP sample (16x16 pixels per token)
@@ -216,7 +216,30 @@ def configure(params: Path, *, weights: str | None = None, data: str | None = No
         # a card read without bf16 (sm70/sm75) trains in fp16, with loss scaling
         dtype = "fp16" if vram == "auto" and card() is not None and not bf16() else "bf16"
         _apply_preset(doc, preset, tiny, report, dtype)
+    if found is not None:
+        _hold_base(doc, found, report)
     return _finish(params, doc, report, force)
+
+
+def _hold_base(doc, found: Found, report: Report) -> None:
+    """``precision.base`` for the transformer file: its int8 / fp8 codes kept as stored
+    (half the weights' memory) when the run can hold them (a LoRA on a profile that does not
+    stream the base), else dequantized on load, said why."""
+    if not found.quantized:
+        return  # an unquantized file: precision.base stays as it is (quantized on load, or kept)
+    profile = str(doc.get("profile", "auto"))
+    full = (doc.get("adapter") or {}).get("algo") == "full"
+    name = Path(found.transformer).name
+    if full or profile in ("low", "minimal", "manual"):
+        set_key(doc, "precision.base", "keep")
+        why = "a full finetune trains the base" if full else \
+            f"profile {profile} streams the base's weights, and a quantized base does not stream yet"
+        report.say(f"transformer: {name} is {found.quantized}-quantized; it is dequantized on "
+                   f"load ({why})")
+        return
+    set_key(doc, "precision.base", found.quantized)
+    report.say(f"transformer: {name} is {found.quantized}-quantized; precision.base: "
+               f"{found.quantized} keeps its codes as stored (docs/precision.md#quantized-bases)")
 
 
 def _apply_preset(doc, preset: Preset, tiny: bool, report: Report, dtype: str = "bf16") -> None:

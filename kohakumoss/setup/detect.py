@@ -36,6 +36,7 @@ class Found:
     vae: str = TINY
     tokenizer: str = ""  # model.tokenizer
     caption_tokenizer: str = TINY  # caption.tokenizer: exact token counts
+    quantized: str = ""  # the transformer file's format: int8 | fp8 | "" (precision.base can keep it)
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -96,8 +97,9 @@ def _is_vae(head: dict[str, str]) -> bool:
 
 
 def _choose(kind: str, candidates: list[Path], found: Found) -> str:
-    """The file to use among a component's candidates: unquantized first (the quantized
-    ones are dequantized on load today), then by name; the rest are noted."""
+    """The file to use among a component's candidates: unquantized first, then by name; the
+    rest are noted. A quantized transformer is recorded (``Found.quantized``); a quantized
+    text encoder or VAE is dequantized on load."""
     if not candidates:
         return ""
     quant = {p: quantization(header(p)) for p in candidates}
@@ -105,7 +107,9 @@ def _choose(kind: str, candidates: list[Path], found: Found) -> str:
     for other in ranked[1:]:
         found.notes.append(f"{kind}: also found {other.name}{f' ({quant[other]})' if quant[other] else ''}")
     q = quant[ranked[0]]
-    if q:
+    if q and kind == "transformer":
+        found.quantized = q  # the preset decides whether the codes are kept (precision.base)
+    elif q:
         found.notes.append(f"{kind}: {ranked[0].name} is {q}-quantized (ComfyUI's layout); it is "
                            f"dequantized to the compute dtype on load")
     return str(ranked[0])
