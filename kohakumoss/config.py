@@ -324,11 +324,8 @@ class PrecisionConfig:  # fp16 training, a quantized frozen base, fp8 compute (d
         None, check=lambda v: v is None or (v > 0 and math.log2(v) == int(math.log2(v))),
         allowed="null (2^-8 with fp16, 1 otherwise) or a power of two (the joint residual stream "
                 "is carried times this, exactly undone by the norms)")
-    base: Literal["keep", "int8", "fp8"] = knob(
-        "keep", help="the frozen base's block linears: keep (train.dtype) | int8 | fp8 (weight-only, "
-                     "per-row scales, widened inside the matmul; docs/precision.md#quantized-bases)")
-    fp8_compute: Literal["off", "on"] = knob(
-        "off", help="on: the frozen base's linears run as fp8 GEMMs (sm89+, bf16, base: fp8)")
+    base: Literal["keep", "int8", "fp8"] = "keep"  # the frozen base's block linears (docs/precision.md)
+    fp8_compute: Literal["off", "on"] = "off"  # on: those linears as fp8 GEMMs (sm89+, bf16, base fp8)
 
 
 @dataclasses.dataclass(frozen=True)

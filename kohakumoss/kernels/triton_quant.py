@@ -2,8 +2,10 @@
 ``fp8_linear``'s input gradient, and the row-wise fp8 quantization of activations).
 
 The weight stays quantized in memory: ``codes`` [N, K] int8 or float8_e4m3fn with one
-float32 ``scale`` per output row. Each kernel loads a tile of codes and widens it in
-registers; no dequantized copy of the weight is ever written.
+float32 ``scale`` per output row. The fused kernels (``quant_linear``) load a tile of codes
+and widen it in registers, writing no dequantized copy of the weight; ``dequant_linear``
+(the ``dequant_mm`` backend, many rows) writes one layer's weight into a transient buffer
+for cuBLAS instead, and ``dequantize`` is that pass alone.
 
 - forward ``y = x W^T``: ``acc[m, n] = sum_k x[m, k] codes[n, k]`` on the tensor cores (a code
   is exact in bf16 and fp16: int8 has 8 significant bits, e4m3 has 4), then

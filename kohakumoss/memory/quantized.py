@@ -31,7 +31,7 @@ from torch import nn
 
 from kohakumoss.model.dit import REPEATED
 from kohakumoss.model.ops import REFERENCE, dequantize_rows, fp8_rows
-from kohakumoss.precision.quant import QuantizedWeight, hadamard, quantize_int8
+from kohakumoss.precision.quant import QuantizedWeight, quantize_int8, rotate_groups
 
 BASES = ("keep", "int8", "fp8")
 CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -39,10 +39,9 @@ CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 def rotate_input(x: torch.Tensor, group: int) -> torch.Tensor:
     """``x`` with each consecutive group of ``group`` features times the Hadamard matrix H
-    (symmetric), in float32, rounded once to x's dtype: the input side of a ConvRot weight."""
-    h = hadamard(group).to(x.device)
-    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    return (xf @ h).reshape(x.shape).to(x.dtype)
+    (symmetric, so ``rotate_groups``' ``@ H^T`` is ``@ H``), in float32, rounded once to x's
+    dtype: the input side of a ConvRot weight."""
+    return rotate_groups(x.float().reshape(-1, x.shape[-1]), group).reshape(x.shape).to(x.dtype)
 
 
 class QuantizedLinear(nn.Linear):
@@ -65,7 +64,7 @@ class QuantizedLinear(nn.Linear):
         """The dequantized weight in the model's dtype (a new tensor on each read)."""
         w = dequantize_rows(self.codes, self.scale, torch.float32)
         if self.group:
-            w = rotate_input(w, self.group)  # W = (codes s) H, H applied per group of columns
+            w = rotate_groups(w, self.group)  # W = (codes s) H, H applied per group of columns
         return w.to(self.weight_dtype)
 
     def __setattr__(self, name: str, value) -> None:

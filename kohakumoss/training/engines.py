@@ -6,6 +6,8 @@ fixed order (``docs/engines.md``):
 2. kernels: the model gets its own op table from the kernel registry, chosen for the
    device and the dtype the forward computes in: static choices, else per shape bucket from
    the tuning table (``tuned``, made by ``tuned_kernels`` from ``kmoss tune_kernels``' table);
+   with ``precision.base`` int8 / fp8 the block linears are then held quantized and run
+   that table's ``quant_linear`` / ``fp8_linear`` (``hold_quantized``);
 3. memory: recomputation wraps the elementwise ops of that table (so it wraps whichever
    backend step 2 chose), then activation checkpointing in the profile's mode wraps the
    repeated blocks or their halves (``kohakumoss.memory``; the profile is resolved by
@@ -20,8 +22,10 @@ fixed order (``docs/engines.md``):
 Each step only reads what the steps before it left. The engines run on the base model
 before the trainable set is made: adapters take their dtype from the base weights step 1
 set, and an adapter that wraps a linear inside a block is recomputed with the block.
-Every engine here keeps outputs and gradients bit-identical (``tests/test_engines.py``); a
-tuned kernel other than the reference keeps them within its dtype's tolerance.
+Every engine here but a quantized base keeps outputs and gradients bit-identical
+(``tests/test_engines.py``); a tuned kernel other than the reference keeps them within its
+dtype's tolerance, and a quantized base is the model of its dequantized weights
+(``tests/test_quantized.py``).
 
 ``tune_kernels`` (the ``kmoss tune_kernels`` stage) and ``tuned_kernels`` (train) wire the
 params, the plan and the transformer's shape to the tuner (``kohakumoss.kernels.tuning``).
@@ -106,10 +110,6 @@ def engine_plan(params: Params, device: torch.device,
         policy.check_device(device)
     except ValueError as e:
         raise ConfigError(f"{params.path}: {e}") from None
-    if policy.base != "keep" and memory.stream_slots:
-        raise ConfigError(f"{params.path}: precision.base: {policy.base} with a streamed profile "
-                          f"({memory.describe()}): a quantized base does not stream yet; use "
-                          f"profile speed or balanced")
     return EnginePlan(device=device, precision=policy, tuned=dict(tuned or {}), memory=memory)
 
 
