@@ -154,7 +154,7 @@ def predicted_peak(batch: list[tuple[int, int]], full: bool, base: str = "keep")
     return estimate(p, batch, ENGINES.get("memory", MemoryEngines()), config=FLAVORS["base"]).peak / GiB
 
 
-def profile_step(run_step, rows: int = 25) -> dict:
+def profile_step(run_step, rows: int = 45) -> dict:
     """One step under ``torch.profiler``: the CUDA kernels by self time (top ``rows``), the
     share of the kernel time each family takes (matmul, attention, triton, eager
     elementwise, other), the torch ops by self CPU time, and how long the host took to
@@ -189,11 +189,22 @@ def profile_step(run_step, rows: int = 25) -> dict:
             return "triton"
         return "other"
 
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gaps, end, before = [], spans[0][0] if spans else 0, ""
+    for start, stop, name in spans:  # GPU idle between kernels: what the host did not feed
+        if start > end:
+            gaps.append((start - end, before[:60], name[:60]))
+        if stop > end:
+            end, before = stop, name
+    gaps.sort(key=lambda g: -g[0])
     families: dict[str, float] = {}
     for name, t, _ in kernels:
         families[family(name)] = families.get(family(name), 0.0) + t
     return {"wall_ms": round(wall * 1e3, 1), "enqueue_ms": round(enqueue * 1e3, 1),
             "kernel_ms": round(total / 1e3, 2), "kernel_launches": sum(c for _, _, c in kernels),
+            "gpu_idle_ms": round(sum(g for g, _, _ in gaps) / 1e3, 2),
+            "gaps": [{"ms": round(g / 1e3, 2), "after": a, "before": b} for g, a, b in gaps[:12]],
             "families": {k: round(v / total, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
             "top": [{"kernel": name[:100], "ms": round(t / 1e3, 2), "calls": c, "share": round(t / total, 3)}
                     for name, t, c in kernels[:rows]],

@@ -331,3 +331,57 @@ def test_a_lora_delta_folds_into_its_base_matmul_only_where_that_is_the_same_mat
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-14)
     for g, p in zip(grads, aset.trainable_parameters()):
         assert torch.allclose(g, p.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_the_folded_lora_linear_is_the_separate_ops_with_bias_base_gradients_and_autocast():
+    """``folded.lora_linear`` (one autograd node) against the separate ops in float64: the
+    output and every gradient (input, base weight and bias, down, up) at a scale != 1, on a
+    3-d input; under bf16 autocast it computes in bf16 and hands float32 factors their
+    gradients in float32."""
+    from kohakumoss.adapters.folded import lora_linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in ((3, 5, 7), (4, 7), (4,)))
+    down, up = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                for s in ((2, 7), (4, 2)))
+    out = lora_linear(x, w, b, down, up, 0.7)
+    ref = F.linear(x, w, b) + 0.7 * F.linear(F.linear(x, down), up)
+    go = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (x, w, b, down, up), go)
+    want = torch.autograd.grad(ref, (x, w, b, down, up), go)
+    assert out.shape == ref.shape and torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    for a, e in zip(grads, want):
+        assert torch.allclose(a, e, rtol=1e-12, atol=1e-12)
+    d32, u32 = (t.detach().float().requires_grad_() for t in (down, up))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lora_linear(x.detach().float(), w.detach().float(), None, d32, u32, 0.7)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and d32.grad.dtype == u32.grad.dtype == torch.float32
+
+
+def test_a_stacked_adapter_keeps_the_separate_path():
+    """A LoRA wrapped around another adapter's forward is not folded into the base weight's
+    matmul (that would skip the inner adapter): both adapters act on the output."""
+    from kohakumoss.adapters import folded
+
+    model = _model()
+    inner = apply_adapters(model, _cfg("loha", mode="bypass"), seed=0)
+    outer = apply_adapters(model, _cfg("lora", mode="bypass"), seed=1)
+    calls = []
+    apply = folded._LoraLinear.apply
+    folded._LoraLinear.apply = lambda *a: calls.append(1) or apply(*a)
+    inputs, _ = _batch()
+    outs = []
+    try:
+        with torch.no_grad():
+            for p in [*inner.trainable_parameters(), *outer.trainable_parameters()]:
+                p.add_(0.1)
+            for aset in (None, outer, inner):  # both, then the inner alone, then neither
+                for m in aset.modules.values() if aset else ():
+                    m.multiplier = 0.0
+                outs.append(model(*inputs))
+    finally:
+        folded._LoraLinear.apply = apply
+    assert not calls
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])

@@ -48,7 +48,9 @@ def _forward_and_grads(model):
 
 @pytest.mark.parametrize("base", ["int8", "fp8"])
 def test_a_quantized_base_is_the_model_of_its_dequantized_weights(base):
-    """fp32, reference ops: output and LoRA gradients bit-identical to the twin's."""
+    """fp32, reference ops: output and LoRA gradients the twin's up to fp32 round-off (the
+    twin's plain linears fold their LoRA into one node, ``adapters/folded.py``, which sums
+    the base and the delta in another order than a quantized linear's ``addmm``)."""
     qm = tiny_transformer()
     account = quantize_base(qm, base)
     assert "28 block linears" in account
@@ -56,8 +58,8 @@ def test_a_quantized_base_is_the_model_of_its_dequantized_weights(base):
     assert qm.layers[0].proj["q"].codes.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[base]
     twin = _dequantized_twin(qm)
     (out, grads), (want, want_grads) = _forward_and_grads(qm), _forward_and_grads(twin)
-    assert torch.equal(out, want)
-    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6 * b.abs().max()) for a, b in zip(grads, want_grads))
     # and the quantization itself is close to the original weights (per-row scales)
     err = {"int8": 1e-2, "fp8": 4e-2}[base]
     for (_, lin), (_, orig) in zip(quantizable(twin), quantizable(tiny_transformer())):

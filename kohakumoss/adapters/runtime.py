@@ -50,6 +50,7 @@ from lycoris.modules import (ButterflyOFTModule, DiagOFTModule, DyLoraModule, Fu
 from lycoris.modules.base import LycorisBaseModule
 from torch import nn
 
+from kohakumoss.adapters.folded import lora_linear
 from kohakumoss.adapters.norms import NormDelta
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,13 @@ def _folded(lyco: LycorisBaseModule, x: torch.Tensor) -> torch.Tensor:
     output by one matmul (``addmm``): no full-width temporary for the delta, its scaled
     copy or the sum (two [tokens, out] tensors at a time instead of four). The delta is
     rounded once, inside the matmul, instead of three times. Out of place: the base output
-    may be kept by selective checkpointing, which refuses a mutated one."""
+    may be kept by selective checkpointing, which refuses a mutated one. On a plain linear
+    the whole layer is one autograd node instead (``folded.lora_linear``)."""
+    base = lyco.org_module[0]
+    if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:  # a plain linear,
+        # not a quantized one (its own matmul) or another adapter's wrapper
+        return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight,
+                           float(lyco.scale) * float(lyco.multiplier))
     y = lyco.org_forward(x)
     h = F.linear(x, lyco.lora_down.weight.to(x))
     out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype),

@@ -90,16 +90,16 @@ def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor
 
 def varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tensor,
                      lengths: list[int]) -> torch.Tensor:
-    """Softmax attention within each contiguous segment of ``lengths`` tokens."""
-    out, start = [], 0
+    """Softmax attention within each contiguous segment of ``lengths`` tokens. Each input is
+    split once (not sliced per segment): its gradient is then one ``cat`` of the segments'
+    gradients, where slices would each write a zero-filled full-size tensor and add them."""
     scale = 1.0 / math.sqrt(q_NHd.shape[-1])
-    for n in lengths:
-        if n == 0:
-            continue
-        sl = slice(start, start + n)
-        q, k, v = (t[sl].transpose(0, 1).unsqueeze(0) for t in (q_NHd, k_NHd, v_NHd))
-        out.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1))
-        start += n
+    lengths = [int(n) for n in lengths]
+    out = []
+    for q, k, v in zip(*(t.split(lengths) for t in (q_NHd, k_NHd, v_NHd))):
+        if q.shape[0]:
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1))
     return torch.cat(out) if out else q_NHd.new_zeros(q_NHd.shape)
 
 

@@ -1,0 +1,66 @@
+"""A LoRA on a plain linear as one autograd node: ``x W^T + b + (x A^T) (alpha B)^T``.
+
+Autograd over the separate ops (base linear, ``x A^T``, an ``addmm`` onto the base output)
+costs a full-width tensor twice per adapted linear: the forward's ``addmm`` copies the
+base output before it accumulates into it, and the backward adds the base path's input
+gradient to the LoRA path's. Here both sums happen inside a matmul (beta = 1):
+
+- forward: ``h = x A^T`` ([tokens, r]), ``y = h (alpha B)^T (+ b)`` (a narrow product that
+  writes the output once), then ``y += x W^T`` in place: the base matmul accumulates onto
+  it, reading it in its epilogue;
+- backward: ``t = dy (alpha B)`` ([tokens, r]), ``dA = t^T x``, ``d(alpha B) = dy^T h``,
+  and ``dx = t A`` with ``dy W`` accumulated onto it in place.
+
+Under a dispatch mode (selective checkpointing's, which caches op outputs as its mode sees
+them, before an in-place op bumps their version) the base matmul accumulates out of place
+(one copy); selective keeps its output and recomputes the narrow product. Saved for
+backward: the input, ``h`` and the weights, as the separate ops save them (the memory
+engines' hooks see the same tensors). The base weight and bias get gradients only where
+they need them (a frozen base: never). The math is the separate ops' up to the order of
+the sums and ``alpha`` applied to ``B`` before its cast (``tests/test_adapters.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+
+class _LoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, down, up):
+        h = torch.mm(x2, down.t())
+        y = torch.mm(h, up.t()) if bias is None else torch.addmm(bias, h, up.t())
+        if is_in_torch_dispatch_mode():  # selective checkpointing caches outputs as its
+            y = torch.addmm(y, x2, weight.t())  # mode sees them: in-place ones look mutated
+        else:
+            y.addmm_(x2, weight.t())
+        ctx.save_for_backward(x2, h, weight, down, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, h, weight, down, up = ctx.saved_tensors
+        need_x, need_w, need_b, need_down, need_up = ctx.needs_input_grad
+        t = torch.mm(dy, up)
+        dx = torch.mm(t, down).addmm_(dy, weight) if need_x else None
+        return (dx, torch.mm(dy.t(), x2) if need_w else None, dy.sum(0) if need_b else None,
+                torch.mm(t.t(), x2) if need_down else None, torch.mm(dy.t(), h) if need_up else None)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                down: torch.Tensor, up: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``F.linear(x, weight, bias) + alpha * F.linear(F.linear(x, down), up)`` in the
+    dtype the linear computes in (autocast's where it is on, else ``x``'s); ``down`` [r, in]
+    and ``up`` [out, r] may be held in another dtype (their gradients come back in it)."""
+    dev = x.device.type
+    autocast = torch.amp.is_autocast_available(dev)  # not on the estimator's meta device
+    dt = torch.get_autocast_dtype(dev) if autocast and torch.is_autocast_enabled(dev) else x.dtype
+    up = up * alpha if alpha != 1.0 else up
+    x_c, w_c, b_c, down_c, up_c = (t if t is None or t.dtype == dt else t.to(dt)
+                                   for t in (x, weight, bias, down, up))
+    with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+        y = _LoraLinear.apply(x_c.reshape(-1, x.shape[-1]), w_c, b_c, down_c, up_c)
+    return y.view(*x.shape[:-1], weight.shape[0])
