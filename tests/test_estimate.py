@@ -65,8 +65,9 @@ def test_the_estimate_counts_what_a_real_forward_keeps():
 
 def test_the_modes_order_and_partial_steps_between_none_and_block():
     """At the published size and four 1 MP samples: block < sub-block < selective < none,
-    and partial steps down from none one block at a time; checkpointing the last block too
-    (k = depth, which is ``block``) buys nothing: its recomputation needs what it saved."""
+    and partial steps down from none one block at a time to ``block`` (k = depth). The last
+    step is the largest: a block's backward on top of its recomputation needs less than on
+    top of what it kept (``RECOMPUTED_WORKING_SET`` against ``WORKING_SET``, as measured)."""
     p = make_params(DS, adapter={"algo": "lora", "dim": 32, "alpha": 32.0}, train={"dtype": "bf16"})
     batch = [(4096, 104)] * 4
     built = E._meta_model(p, MemoryEngines(), FLAVORS["base"])
@@ -77,7 +78,8 @@ def test_the_modes_order_and_partial_steps_between_none_and_block():
     partial = [E.estimate(p, batch, MemoryEngines("partial", k), _model=built).peak for k in range(1, depth + 1)]
     assert peak["none"] > partial[0] and all(a > b for a, b in zip(partial[:-1], partial[1:-1]))
     assert partial[-1] == peak["block"]
-    assert partial[-2] < peak["block"] < partial[-3]
+    assert peak["block"] < partial[-2]
+    assert partial[-2] - peak["block"] > max(a - b for a, b in zip(partial[:-2], partial[1:-1]))
     est = E.estimate(p, batch, MemoryEngines("none"), _model=built)
     assert "predicted peak" in est.describe() and est.tokens == 4 * 4200
 

@@ -16,8 +16,9 @@ start of backward:
   block's input (``block``), its two halves' inputs (``sub-block``), the input plus the
   matmul and attention outputs (``selective``), or ``block`` for the first k blocks;
 - the backward's working set on top: the gradients of one block's widest intermediates
-  (``WORKING_SET``, calibrated on measured H200 steps), plus, when blocks are
-  checkpointed, one block (or half) recomputed.
+  (``WORKING_SET`` rows, calibrated on measured H200 steps); when blocks are checkpointed,
+  one block recomputed (or half a block) and a smaller working set on top of it
+  (``RECOMPUTED_WORKING_SET``); when weights stream, the side streams' buffers in flight.
 
 ``resolve_profile`` picks ``profile: auto``'s engines: the fastest whose estimate fits the
 memory the device has free, in the order ``kohakumoss.memory.profiles.slowdown`` predicts
@@ -50,8 +51,14 @@ OPTIMIZER_STATES = {"adamw": 2, "muon": 1}  # fp32 states per trained parameter
 # the backward's working set, in units of one block's widest activation row (the MLP's
 # up-gate output and two model-width rows) per token: gradients of the MLP half's
 # intermediates, cuBLAS workspaces and allocator slack, calibrated on the H200 LoRA steps of
-# docs/performance.md (8400 and 16800 tokens, with and without block checkpointing)
-WORKING_SET = 4
+# docs/performance.md ("Estimates, recalibrated": 4200 to 16800 tokens, every profile).
+# With nothing checkpointed it rides on everything kept; a recomputed block is freed as its
+# backward walks it, so on top of it ("block") or of a recomputed half ("sub-block") less.
+WORKING_SET = 6
+RECOMPUTED_WORKING_SET = {"block": 0.25, "sub-block": 1.7}
+# streamed steps: device buffers the side streams (weight slots, offloaded inputs, gradients
+# leaving for the host) still hold until the copy stream has passed them (H200, 1-4 samples)
+SIDE_STREAM_BYTES = int(0.43 * 2**30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +203,7 @@ class _BlockBytes:
     half_inputs: int  # the inputs of its halves (sub-block checkpointing)
     selective: int  # the input plus the matmul and attention outputs
     rebuilt: int  # of ``kept``, the elementwise outputs ``rebuild`` does not keep
-    widest: int  # the gradients of its widest intermediates (the backward's working set)
+    row: int  # one token row of its widest intermediates (the MLP's, both halves' outputs)
 
 
 def _block_bytes(block, args, mlp_width: int, shared: Sequence[torch.Tensor], rebuilder) -> _BlockBytes:
@@ -229,7 +236,7 @@ def _block_bytes(block, args, mlp_width: int, shared: Sequence[torch.Tensor], re
     rebuilt = sum(b for s, b in recipes.items() if s not in storages)
     return _BlockBytes(kept=sum(storages.values()) + rebuilt, inputs=inputs, half_inputs=2 * inputs,
                        selective=inputs + n * linears * size + attention, rebuilt=rebuilt,
-                       widest=WORKING_SET * n * (2 * mlp_width + 2 * d) * size)
+                       row=n * (2 * mlp_width + 2 * d) * size)
 
 
 def _sizes(batch: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
@@ -290,17 +297,18 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     # backward: the working set, plus what recomputing one checkpointed part adds on top of
     # what is kept then (blocks after it have been freed; partial recomputes only after
     # every non-checkpointed block is done)
-    if mode in ("block", "partial"):
-        # partial: a non-checkpointed block's activations are freed before the first
-        # recomputation starts, and one block's recomputation needs no more than that
-        extra = joint.kept if mode == "block" or k >= c.depth else 0
-    elif mode == "sub-block":
-        extra = 0  # a recomputed half fits in the MLP half's working set (measured on the H200)
+    rows = WORKING_SET
+    if mode == "block" or (mode == "partial" and k >= c.depth):
+        # partial short of every block: a non-checkpointed block's activations are freed
+        # before the first recomputation starts, and one block's recomputation needs no more
+        extra, rows = joint.kept, RECOMPUTED_WORKING_SET["block"]
+    elif mode == "sub-block":  # a recomputed half, within the MLP half's working set
+        extra, rows = 0, RECOMPUTED_WORKING_SET["sub-block"]
     elif mode == "selective":
         extra = max(0, joint.kept - joint.selective)
     else:
         extra = 0
-    transient = joint.widest + extra
+    transient = int(rows * joint.row) + extra + (SIDE_STREAM_BYTES if engines.stream_slots else 0)
     # the step's own tensors: latents, noise, target and prediction (fp32), the text states
     n_img = n_joint - n_txt
     kept += n_img * c.latent_channels * 4 * 4 + n_txt * c.text_dim * size
