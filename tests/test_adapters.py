@@ -360,7 +360,7 @@ def test_the_folded_lora_linear_is_the_separate_ops_with_bias_base_gradients_and
     assert y.dtype == torch.bfloat16 and d32.grad.dtype == u32.grad.dtype == torch.float32
 
 
-def test_a_stacked_adapter_keeps_the_separate_path():
+def test_a_stacked_adapter_keeps_the_separate_path(monkeypatch):
     """A LoRA wrapped around another adapter's forward is not folded into the base weight's
     matmul (that would skip the inner adapter): both adapters act on the output."""
     from kohakumoss.adapters import folded
@@ -370,18 +370,15 @@ def test_a_stacked_adapter_keeps_the_separate_path():
     outer = apply_adapters(model, _cfg("lora", mode="bypass"), seed=1)
     calls = []
     apply = folded._LoraLinear.apply
-    folded._LoraLinear.apply = lambda *a: calls.append(1) or apply(*a)
+    monkeypatch.setattr(folded._LoraLinear, "apply", lambda *a: calls.append(1) or apply(*a))
     inputs, _ = _batch()
     outs = []
-    try:
-        with torch.no_grad():
-            for p in [*inner.trainable_parameters(), *outer.trainable_parameters()]:
-                p.add_(0.1)
-            for aset in (None, outer, inner):  # both, then the inner alone, then neither
-                for m in aset.modules.values() if aset else ():
-                    m.multiplier = 0.0
-                outs.append(model(*inputs))
-    finally:
-        folded._LoraLinear.apply = apply
+    with torch.no_grad():
+        for p in [*inner.trainable_parameters(), *outer.trainable_parameters()]:
+            p.add_(0.1)
+        for aset in (None, outer, inner):  # both, then the inner alone, then neither
+            for m in aset.modules.values() if aset else ():
+                m.multiplier = 0.0
+            outs.append(model(*inputs))
     assert not calls
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])

@@ -1,4 +1,6 @@
-"""A LoRA on a plain linear as one autograd node: ``x W^T + b + (x A^T) (alpha B)^T``.
+"""A LoRA delta folded into its base matmul (``folded_forward``, for the modules
+``runtime.folds`` picks); on a plain linear, the layer as one autograd node:
+``x W^T + b + (x A^T) (alpha B)^T`` (``lora_linear``).
 
 Autograd over the separate ops (base linear, ``x A^T``, an ``addmm`` onto the base output)
 costs a full-width tensor twice per adapted linear: the forward's ``addmm`` copies the
@@ -25,6 +27,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
@@ -64,3 +68,21 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
         y = _LoraLinear.apply(x_c.reshape(-1, x.shape[-1]), w_c, b_c, down_c, up_c)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def folded_forward(lyco, x: torch.Tensor) -> torch.Tensor:
+    """A folding LoRA/LoCon module's forward (``runtime.folds``): ``base(x) + m * scale *
+    up(down(x))`` with the delta rounded once, inside a matmul. On a plain linear the whole
+    layer is one autograd node (``lora_linear``). On another base (a quantized linear runs
+    its own matmul; another adapter's wrapper) the delta is accumulated onto the base
+    output by one out-of-place ``addmm``: no full-width temporary for the delta, its scaled
+    copy or the sum, and a base output that selective checkpointing keeps is never mutated."""
+    alpha = float(lyco.scale) * float(lyco.multiplier)
+    if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:
+        base = lyco.org_module[0]
+        return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight, alpha)
+    y = lyco.org_forward(x)
+    h = F.linear(x, lyco.lora_down.weight.to(x))
+    out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype),
+                      lyco.lora_up.weight.to(y.dtype).t(), alpha=alpha)
+    return out.view(y.shape)

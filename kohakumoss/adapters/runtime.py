@@ -50,7 +50,7 @@ from lycoris.modules import (ButterflyOFTModule, DiagOFTModule, DyLoraModule, Fu
 from lycoris.modules.base import LycorisBaseModule
 from torch import nn
 
-from kohakumoss.adapters.folded import lora_linear
+from kohakumoss.adapters.folded import folded_forward
 from kohakumoss.adapters.norms import NormDelta
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def _oft_bias_shift(lyco: DiagOFTModule, like: torch.Tensor) -> torch.Tensor | i
 
 
 def folds(lyco: LycorisBaseModule) -> bool:
-    """Whether this layer's LoRA delta folds into its base matmul (``_folded``): a LoRA or
+    """Whether this layer's LoRA delta folds into its base matmul (``folded.folded_forward``): a LoRA or
     LoCon on a linear in bypass mode, without DoRA, a Tucker core, a trained scalar, or a
     dropout drawing now."""
     return (kind_of(lyco) == "locon" and lyco.bypass_mode and lyco.module_type == "linear"
@@ -146,32 +146,12 @@ def _drops(dropout) -> bool:
         isinstance(dropout, float) and dropout > 0)
 
 
-def _folded(lyco: LycorisBaseModule, x: torch.Tensor) -> torch.Tensor:
-    """``base(x) + m * scale * up(down(x))`` with the delta accumulated onto the base
-    output by one matmul (``addmm``): no full-width temporary for the delta, its scaled
-    copy or the sum (two [tokens, out] tensors at a time instead of four). The delta is
-    rounded once, inside the matmul, instead of three times. Out of place: the base output
-    may be kept by selective checkpointing, which refuses a mutated one. On a plain linear
-    the whole layer is one autograd node instead (``folded.lora_linear``)."""
-    base = lyco.org_module[0]
-    if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:  # a plain linear,
-        # not a quantized one (its own matmul) or another adapter's wrapper
-        return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight,
-                           float(lyco.scale) * float(lyco.multiplier))
-    y = lyco.org_forward(x)
-    h = F.linear(x, lyco.lora_down.weight.to(x))
-    out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype),
-                      lyco.lora_up.weight.to(y.dtype).t(),
-                      alpha=float(lyco.scale) * float(lyco.multiplier))
-    return out.view(y.shape)
-
-
 def _math(lyco: LycorisBaseModule, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     kind, m = kind_of(lyco), lyco.multiplier
     if m == 0:  # strength 0: the base layer, exactly
         return lyco.org_forward(x, *args, **kwargs)
     if not args and not kwargs and folds(lyco):
-        return _folded(lyco, x)
+        return folded_forward(lyco, x)
     if m != 1 and (kind in ("oft", "boft") or getattr(lyco, "wd", False)):
         base = lyco.org_forward(x)  # the strength rule: base + m (full - base)
         lyco.multiplier = 1.0

@@ -298,16 +298,14 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     # what is kept then (blocks after it have been freed; partial recomputes only after
     # every non-checkpointed block is done)
     rows = WORKING_SET
-    if mode == "block" or (mode == "partial" and k >= c.depth):
-        # partial short of every block: a non-checkpointed block's activations are freed
-        # before the first recomputation starts, and one block's recomputation needs no more
+    if mode == "block" or (mode == "partial" and k >= c.depth):  # every block recomputed
         extra, rows = joint.kept, RECOMPUTED_WORKING_SET["block"]
     elif mode == "sub-block":  # a recomputed half, within the MLP half's working set
         extra, rows = 0, RECOMPUTED_WORKING_SET["sub-block"]
     elif mode == "selective":
         extra = max(0, joint.kept - joint.selective)
-    else:
-        extra = 0
+    else:  # partial short of every block: a kept block's activations are freed before the
+        extra = 0  # first recomputation starts, and one block's recomputation needs no more
     transient = int(rows * joint.row) + extra + (SIDE_STREAM_BYTES if engines.stream_slots else 0)
     # the step's own tensors: latents, noise, target and prediction (fp32), the text states
     n_img = n_joint - n_txt
