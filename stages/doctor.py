@@ -18,7 +18,7 @@ def memory_line(p, plan: Path) -> str:
     """The profile and the predicted peak of a training step: on the plan's largest
     micro-batch when ``plan`` holds one, else a full ``batching.max_tokens`` micro-batch."""
     from kohakumoss.device import resolve_device
-    from kohakumoss.training.estimate import resolve_profile
+    from kohakumoss.training.autoprofile import resolve_profile
 
     batch, source = [(p.batching.max_tokens, 0)], f"a full {p.batching.max_tokens}-token micro-batch"
     if (plan / "manifest.json").is_file():

@@ -11,6 +11,7 @@ import torch
 
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.model import FLAVORS, build_layout
+from kohakumoss.training import autoprofile as A
 from kohakumoss.training import estimate as E
 
 from conftest import make_params
@@ -105,25 +106,25 @@ def test_auto_picks_the_fastest_engines_that_fit():
     block = E.estimate(p, BATCH, MemoryEngines("block")).peak
     balanced = E.estimate(p, BATCH, PROFILE_ENGINES["balanced"]).peak
     assert block < balanced < speed  # selective keeps the matmul outputs, block only inputs
-    name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=10 * speed)
+    name, engines, est, why = A.resolve_profile(p, BATCH, cpu, free=10 * speed)
     assert (name, engines) == ("speed", PROFILE_ENGINES["speed"]) and "fits" in why
     # the order auto tries: partial of a few blocks is faster than balanced's selective
     # recomputation, partial of many slower
     depth = 2
-    assert E.slowdown(MemoryEngines("partial", 1), 42) < E.slowdown(PROFILE_ENGINES["balanced"], 42) \
-        < E.slowdown(MemoryEngines("partial", 21), 42) < E.slowdown(MemoryEngines("block"), 42)
-    assert E.slowdown(MemoryEngines("block"), depth) < E.slowdown(PROFILE_ENGINES["low"], depth) \
-        < E.slowdown(PROFILE_ENGINES["minimal"], depth)
+    assert A.slowdown(MemoryEngines("partial", 1), 42) < A.slowdown(PROFILE_ENGINES["balanced"], 42) \
+        < A.slowdown(MemoryEngines("partial", 21), 42) < A.slowdown(MemoryEngines("block"), 42)
+    assert A.slowdown(MemoryEngines("block"), depth) < A.slowdown(PROFILE_ENGINES["low"], depth) \
+        < A.slowdown(PROFILE_ENGINES["minimal"], depth)
     # between selective and speed: the fastest that fits, each faster one does not
-    for free in (int((balanced + speed) / 2 / E.HEADROOM), int((block + balanced) / 2 / E.HEADROOM)):
-        name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=free)
-        assert est.peak <= free * E.HEADROOM
+    for free in (int((balanced + speed) / 2 / A.HEADROOM), int((block + balanced) / 2 / A.HEADROOM)):
+        name, engines, est, why = A.resolve_profile(p, BATCH, cpu, free=free)
+        assert est.peak <= free * A.HEADROOM
         faster = [MemoryEngines("partial", k) for k in range(1, depth)] + [PROFILE_ENGINES["balanced"]]
         for other in faster:
-            if E.slowdown(other, depth) < E.slowdown(engines, depth):
-                assert E.estimate(p, BATCH, other).peak > free * E.HEADROOM, other
+            if A.slowdown(other, depth) < A.slowdown(engines, depth):
+                assert E.estimate(p, BATCH, other).peak > free * A.HEADROOM, other
     assert (name, engines) == ("auto", MemoryEngines("block")) or engines.checkpointing == "partial"
-    name, engines, est, why = E.resolve_profile(p, BATCH, cpu, free=block // 4)
+    name, engines, est, why = A.resolve_profile(p, BATCH, cpu, free=block // 4)
     # the leanest on the CPU: minimal's sub-block checkpointing (streaming, offload and the
     # host update need a CUDA device)
     assert name == "minimal" and engines.checkpointing == "sub-block" and not engines.offload
@@ -131,9 +132,9 @@ def test_auto_picks_the_fastest_engines_that_fit():
     # a named profile is taken as it is
     named = dataclasses.replace(make_params(DS, adapter={"algo": "lora"}), profile="minimal")
     cuda = torch.device("cuda")  # a device name: nothing here touches a GPU
-    assert E.resolve_profile(named, BATCH, cuda)[1] == PROFILE_ENGINES["minimal"]
+    assert A.resolve_profile(named, BATCH, cuda)[1] == PROFILE_ENGINES["minimal"]
     # on the CPU there is nothing to stream to: minimal runs its checkpointing, and says so
-    _, engines, _, why = E.resolve_profile(named, BATCH, cpu)
+    _, engines, _, why = A.resolve_profile(named, BATCH, cpu)
     assert engines == dataclasses.replace(PROFILE_ENGINES["minimal"], stream_slots=0, optimizer="device",
                                           offload=False)
     assert "weight streaming is off" in why and "CUDA device" in why and "host update is off" in why \
@@ -168,19 +169,19 @@ def test_streaming_profiles_hold_fewer_weights_and_auto_reaches_them_on_cuda():
     assert est["low"].host == pytest.approx(streamed + 20 * trained, rel=0.01)
     assert est["minimal"].host > est["low"].host
     cuda = torch.device("cuda")
-    free = int((est["low"].peak + est["block"].peak) / 2 / E.HEADROOM)
-    name, engines, _, _ = E.resolve_profile(p, batch, cuda, free=free, config=base, host_free=64 * 2**30)
+    free = int((est["low"].peak + est["block"].peak) / 2 / A.HEADROOM)
+    name, engines, _, _ = A.resolve_profile(p, batch, cuda, free=free, config=base, host_free=64 * 2**30)
     assert (name, engines) == ("low", PROFILE_ENGINES["low"])
     # a host without the RAM the streamed profiles need: auto does not take them, and a
     # named one is warned about
-    name, engines, est, why = E.resolve_profile(p, batch, cuda, free=free, config=base,
+    name, engines, est, why = A.resolve_profile(p, batch, cuda, free=free, config=base,
                                                 host_free=4 * 2**30)
     assert name == "minimal" and "nothing fits" in why and "host memory" in why
     named = dataclasses.replace(p, profile="low")
-    why = E.resolve_profile(named, batch, cuda, config=base, host_free=4 * 2**30)[3]
+    why = A.resolve_profile(named, batch, cuda, config=base, host_free=4 * 2**30)[3]
     assert "need 10.7 GiB of host memory and 4.0 GiB is available" in why
     # on the CPU nothing streams: what fits there is only minimal's sub-block checkpointing
-    name, engines, _, _ = E.resolve_profile(p, batch, torch.device("cpu"), free=free, config=base)
+    name, engines, _, _ = A.resolve_profile(p, batch, torch.device("cpu"), free=free, config=base)
     assert name in ("auto", "minimal") and not engines.stream_slots and not engines.offload
 
 

@@ -206,7 +206,7 @@ def test_auto_leaves_the_streamed_profiles_to_an_unquantized_base(tmp_path):
     a streamed profile; for an int8 base (which does not stream yet) it stays resident and
     says that nothing fits."""
     from kohakumoss.memory.profiles import MemoryEngines
-    from kohakumoss.training import estimate as E
+    from kohakumoss.training.autoprofile import HEADROOM, resolve_profile
 
     def params(**precision):
         path = _write_params(tmp_path, tmp_path, adapter={"algo": "lora", "dim": 32, "alpha": 32},
@@ -217,9 +217,9 @@ def test_auto_leaves_the_streamed_profiles_to_an_unquantized_base(tmp_path):
 
     base, batch, cuda = FLAVORS["base"], [(4096, 104)], torch.device("cuda")
     int8 = params(base="int8")
-    resident = E.estimate(int8, batch, MemoryEngines("sub-block"), config=base)
-    free = int(resident.peak * 0.9 / E.HEADROOM)
-    _, engines, _, _ = E.resolve_profile(params(), batch, cuda, free=free, config=base, host_free=64 * 2**30)
+    resident = estimate(int8, batch, MemoryEngines("sub-block"), config=base)
+    free = int(resident.peak * 0.9 / HEADROOM)
+    _, engines, _, _ = resolve_profile(params(), batch, cuda, free=free, config=base, host_free=64 * 2**30)
     assert engines.stream_slots  # bf16: streaming fits
-    _, engines, _, why = E.resolve_profile(int8, batch, cuda, free=free, config=base, host_free=64 * 2**30)
+    _, engines, _, why = resolve_profile(int8, batch, cuda, free=free, config=base, host_free=64 * 2**30)
     assert not engines.stream_slots and "nothing fits" in why, (engines, why)

@@ -306,7 +306,8 @@ def _estimate(params, report: Report) -> None:
     import torch
 
     from kohakumoss.checks.params import transformer_config
-    from kohakumoss.training.estimate import resolve_profile, size
+    from kohakumoss.training.autoprofile import resolve_profile
+    from kohakumoss.training.estimate import size
 
     preset = report.preset
     image = max(16, int(params.resolution.target_area) // 256)

@@ -36,7 +36,8 @@ from kohakumoss.parallel import Dist
 from kohakumoss.precision.scaler import LossScaler, loss_scaler
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
-from kohakumoss.training.estimate import resolve_profile, size
+from kohakumoss.training.autoprofile import resolve_profile
+from kohakumoss.training.estimate import size
 from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engines, apply_placement,
                                          engine_plan,
                                          plan_token_batches, tuned_kernels)

@@ -11,7 +11,7 @@ fixed order (``docs/engines.md``):
 3. memory: recomputation wraps the elementwise ops of that table (so it wraps whichever
    backend step 2 chose), then activation checkpointing in the profile's mode wraps the
    repeated blocks or their halves (``kohakumoss.memory``; the profile is resolved by
-   ``kohakumoss.training.estimate.resolve_profile``; with ``offload`` block or sub-block
+   ``kohakumoss.training.autoprofile.resolve_profile``; with ``offload`` block or sub-block
    checkpointing keeps its inputs in host memory instead), then with ``rebuild`` the
    elementwise ops' outputs are left to be rebuilt in backward;
 4. placement, once the trainable set is made (``apply_placement``): weight streaming moves

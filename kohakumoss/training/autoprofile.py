@@ -1,0 +1,87 @@
+"""``profile: auto`` and the named profiles, resolved for a run: the fastest engines whose
+memory estimate (``kohakumoss.training.estimate``) fits the memory the device has free, in
+the order ``kohakumoss.memory.profiles.slowdown`` predicts (``speed``; ``balanced``'s
+rebuilt outputs; ``partial`` checkpointing of 1, 2, ... blocks; ``block``; ``low``;
+``minimal``), and why (``docs/memory.md#estimator``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from kohakumoss.config import Params
+from kohakumoss.memory.profiles import FASTEST_FIRST, PROFILE_ENGINES, MemoryEngines, slowdown
+from kohakumoss.model.config import DiTConfig
+from kohakumoss.training.estimate import Estimate, _meta_model, estimate, placed, profile_engines, size
+
+HEADROOM = 0.92  # auto keeps this share of the free memory for the step (allocator slack)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the device has free now: CUDA's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _host_note(est: Estimate, host_free: int) -> str:
+    if est.host <= host_free * HEADROOM:
+        return ""
+    return (f"; its engines need {size(est.host)} of host memory and {size(host_free)} is "
+            f"available: it may run out of host memory (close other programs, add swap, or "
+            f"choose a profile that streams less)")
+
+
+def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: torch.device,
+                    free: int | None = None, config: DiTConfig | None = None,
+                    host_free: int | None = None) -> tuple[str, MemoryEngines, Estimate, str]:
+    """``(profile, engines, estimate, why)`` for a run: the params' profile as it is, or for
+    ``auto`` the fastest engines whose estimate fits ``HEADROOM`` of the free memory
+    (``free``, default: the device's now) and whose host memory fits ``HEADROOM`` of the
+    host's available RAM (``host_free``, default: now). ``why`` warns when the host memory
+    the engines need is not there."""
+    host_free = free_memory(torch.device("cpu")) if host_free is None else host_free
+    if params.profile != "auto":
+        engines, note = placed(profile_engines(params), params, device)
+        est = estimate(params, batch, engines, config)
+        return (params.profile, engines, est, f"profile {params.profile}"
+                + (f": {note}" if note else "") + _host_note(est, host_free))
+    free = free_memory(device) if free is None else free
+    budget = int(free * HEADROOM)
+    built = _meta_model(params, PROFILE_ENGINES["speed"], config)
+    depth = built[0].config.depth
+    candidates = [("speed", PROFILE_ENGINES["speed"]), ("auto", MemoryEngines("block"))]
+    candidates += [("auto", MemoryEngines("partial", k, rebuild=True)) for k in range(1, depth)]
+    seen = set()
+    for name in FASTEST_FIRST[1:]:  # those this run cannot place (streaming on the CPU) drop out
+        engines = placed(PROFILE_ENGINES[name], params, device)[0]
+        if engines.optimizer == "host" and params.parallel.world_size > 1:
+            continue  # the host update does not reduce gradients across ranks yet
+        if engines.stream_slots and params.precision.base != "keep":
+            continue  # a quantized base does not stream yet
+        if engines not in seen:
+            seen.add(engines)
+            candidates.append((name, engines))
+    candidates.sort(key=lambda c: slowdown(c[1], depth))  # stable: a tie keeps this order
+    estimates = {}
+    for name, engines in candidates:
+        est = estimates[engines] = estimate(params, batch, engines, _model=built)
+        if est.peak <= budget and not _host_note(est, host_free):
+            why = (f"profile auto: {name if name != 'auto' else engines.describe()} is the fastest "
+                   f"whose {size(est.peak)} estimate fits {size(budget)} "
+                   f"({HEADROOM:.0%} of {size(free)} free on {device})")
+            return name, engines, est, why
+    name, engines = candidates[-1]
+    est = estimates[engines]
+    why = (f"profile auto: nothing fits {size(budget)} ({HEADROOM:.0%} of {size(free)} free on "
+           f"{device}); running {name}, the leanest, at {size(est.peak)} estimated: it may run "
+           f"out of memory (lower batching.max_tokens)" + _host_note(est, host_free))
+    return name, engines, est, why
