@@ -215,6 +215,17 @@ def test_qk_norm_rope_on_a_strided_view():
             {"qkv": qkv, "weight": w}, TOL[torch.bfloat16])
 
 
+def _graph(out: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes behind ``out``."""
+    seen, todo = {}, [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and id(node) not in seen:
+            seen[id(node)] = node  # held, so no later node reuses its id
+            todo.extend(n for n, _ in node.next_functions)
+    return {type(n).__name__ for n in seen.values()}
+
+
 @triton_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("shape", [(1, 40), (7, 130), (37, 64)], ids=str)
@@ -229,6 +240,11 @@ def test_situ(shape, dtype):
         ug[:, ::3] *= 1e-3
     u, gate = ug.split(F, dim=-1)
     compare(triton_fn("situ"), ops.situ, (u, gate), {"ug": ug}, TOL[dtype])
+    # the halves of one tensor: the kernel's gradient is ug's, written whole (no split's
+    # backward concatenating them); in the other order they are two separate inputs
+    assert "SplitBackward0" not in _graph(triton_fn("situ")(u, gate))
+    assert "SplitBackward0" in _graph(triton_fn("situ")(gate, u))
+    compare(triton_fn("situ"), ops.situ, (gate, u), {"ug": ug}, TOL[dtype])
     u, gate = leaf(g, N, F, dtype=dtype, scale=4.0), leaf(g, N, F, dtype=dtype, scale=4.0)
     compare(triton_fn("situ"), ops.situ, (u, gate), {"u": u, "g": gate}, TOL[dtype])
 

@@ -43,7 +43,7 @@ def _situ_fwd(U, G, OUT, R, C, su, sg, BLOCK_R: tl.constexpr, BLOCK_C: tl.conste
 
 
 @jit
-def _situ_bwd(GO, U, G, DU, DG, R, C, sgo, su, sg, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _situ_bwd(GO, U, G, DU, DG, R, C, sgo, su, sg, sd, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     m = (rows < R) & (cols < C)
@@ -61,8 +61,8 @@ def _situ_bwd(GO, U, G, DU, DG, R, C, sgo, su, sg, BLOCK_R: tl.constexpr, BLOCK_
     dgate = (1.0 - t4 * t4) * sig + 4.0 * tg * (a2 * sp * sp)
     du = go * (4.0 * tg * sig) * (1.0 - tu * tu)
     dg = go * (25.0 * tu) * dgate
-    tl.store(DU + rows * C + cols, rounded(du, DU.dtype.element_ty), mask=m)
-    tl.store(DG + rows * C + cols, rounded(dg, DG.dtype.element_ty), mask=m)
+    tl.store(DU + rows * sd + cols, rounded(du, DU.dtype.element_ty), mask=m)
+    tl.store(DG + rows * sd + cols, rounded(dg, DG.dtype.element_ty), mask=m)
 
 
 @jit
@@ -150,7 +150,7 @@ def _situ_bwd_impl(go: torch.Tensor, u: torch.Tensor, g: torch.Tensor
     dg = torch.empty((R, C), dtype=g.dtype, device=g.device)
     if du.numel():
         grid, br, bc = _grid(R, C)
-        _situ_bwd[grid](go, u, g, du, dg, R, C, go.stride(0), u.stride(0), g.stride(0),
+        _situ_bwd[grid](go, u, g, du, dg, R, C, go.stride(0), u.stride(0), g.stride(0), C,
                         BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
     return du, dg
 
@@ -177,11 +177,84 @@ def _situ_backward(ctx, go):
 _situ = entry(_situ_op, _situ_impl, _situ_setup, _situ_backward, _situ_bwd_op, _situ_bwd_impl)
 
 
+# The packed form: u and g are the column halves of one [R, 2C] tensor (the fused up-gate
+# projection's output), read in place; backward writes their gradients as one [R, 2C]
+# tensor, so autograd skips the split's backward (a concatenation of 2C columns per token).
+
+def _situ_packed_impl(ug: torch.Tensor) -> torch.Tensor:
+    C = ug.shape[1] // 2
+    return _situ_impl(ug[:, :C], ug[:, C:])
+
+
+_situ_packed_op = torch.library.custom_op("kohakumoss::triton_situ_packed", _situ_packed_impl,
+                                          mutates_args=())
+
+
+@_situ_packed_op.register_fake
+def _(ug):
+    return torch.empty((ug.shape[0], ug.shape[1] // 2), dtype=ug.dtype, device=ug.device)
+
+
+def _situ_packed_bwd_impl(go: torch.Tensor, ug: torch.Tensor) -> torch.Tensor:
+    R, C2 = ug.shape
+    C = C2 // 2
+    go = rows2d(go, C)
+    d = torch.empty((R, C2), dtype=ug.dtype, device=ug.device)
+    if d.numel():
+        grid, br, bc = _grid(R, C)
+        _situ_bwd[grid](go, ug, ug[:, C:], d, d[:, C:], R, C, go.stride(0), ug.stride(0),
+                        ug.stride(0), C2, BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
+    return d
+
+
+_situ_packed_bwd_op = torch.library.custom_op("kohakumoss::triton_situ_packed_bwd",
+                                              _situ_packed_bwd_impl, mutates_args=())
+
+
+@_situ_packed_bwd_op.register_fake
+def _(go, ug):
+    return torch.empty(ug.shape, dtype=ug.dtype, device=ug.device)
+
+
+def _situ_packed_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _situ_packed_backward(ctx, go):
+    ug, = ctx.saved_tensors
+    return ctx.bwd(go, ug)
+
+
+_situ_packed = entry(_situ_packed_op, _situ_packed_impl, _situ_packed_setup, _situ_packed_backward,
+                     _situ_packed_bwd_op, _situ_packed_bwd_impl)
+
+
+def packed_halves(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``ug`` whose column halves ``u`` and ``g`` are (``ug.split(C, -1)``, up
+    first), when it is row-contiguous; else None."""
+    base = u._base
+    if base is None or g._base is not base or u.dim() == 0 or not base.is_contiguous():
+        return None
+    C = u.shape[-1]
+    if base.shape != (*u.shape[:-1], 2 * C) or u.stride() != base.stride() \
+            or g.stride() != base.stride():
+        return None
+    if (u.requires_grad or g.requires_grad) and not base.requires_grad:
+        return None  # a view made a leaf of its own: its gradient is not the base's
+    start = base.storage_offset()
+    return base if u.storage_offset() == start and g.storage_offset() == start + C else None
+
+
 def situ(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``ops.situ`` in Triton: u and g of one shape (column-strided views taken as they are)."""
+    """``ops.situ`` in Triton: u and g of one shape (column-strided views taken as they are).
+    When they are the two halves of one tensor (``packed_halves``) the kernel takes that
+    tensor, and its gradient is written whole."""
     check_tensors("situ", u, g)
     _check_pair("situ", u, g, "u and g")
     C = u.shape[-1] if u.dim() else 1
+    ug = packed_halves(u, g)
+    if ug is not None:
+        return _situ_packed(rows2d(ug, 2 * C)).view(u.shape)
     return _situ(rows2d(u, C), rows2d(g, C)).view(u.shape)
 
 
