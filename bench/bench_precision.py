@@ -59,6 +59,42 @@ def stream_hooks(model, massive: float) -> list[float]:
     return peak
 
 
+def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
+    """``--grads``: a rank-32 LoRA's gradients (of ``<v, r>`` for a fixed random r) under
+    bf16, fp8 compute (``on``: bf16 input gradients) and ``full`` (fp8 input gradients),
+    against the fp32 model's: ``||g - g_fp32|| / ||g_fp32||`` over all LoRA parameters."""
+    from kohakumoss.adapters import apply_adapters
+    from kohakumoss.config import AdapterConfig
+    from kohakumoss.precision import precision_policy
+    from kohakumoss.training.engines import EnginePlan, apply_engines
+
+    r = torch.randn(img.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(7))
+
+    def grads(base: str, fp8: str, dtype: torch.dtype) -> torch.Tensor:
+        m = copy.deepcopy(ref)
+        if base != "keep":
+            policy = precision_policy("bf16", full=False, base=base, fp8_compute=fp8 != "off",
+                                      fp8_grad=fp8 == "full")
+            apply_engines(m, EnginePlan(dev, policy))
+        cast_model(m, dtype)
+        aset = apply_adapters(m, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
+        params = list(aset.trainable_parameters())
+        with torch.no_grad():
+            for p in params:  # up matrices not zero: every gradient flows
+                p.copy_(torch.randn(p.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(p.numel())) * 0.01)
+        (m(img.to(dtype), txt.to(dtype), sigma, layout).float() * r).sum().backward()
+        out = torch.cat([p.grad.float().flatten() for p in params])
+        del m, aset
+        torch.cuda.empty_cache()
+        return out
+
+    g32 = grads("keep", "off", torch.float32)
+    for name, base, fp8 in [("bf16", "keep", "off"), ("fp8 compute on (bf16 input gradients)", "fp8", "on"),
+                            ("fp8 compute full (fp8 input gradients)", "fp8", "full")]:
+        err = float((grads(base, fp8, torch.bfloat16) - g32).norm() / g32.norm())
+        print(json.dumps({"lora_grad_rel_error": err, "precision": name}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--side", type=int, default=1024)
@@ -68,6 +104,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--flavor", default="base", help="tiny: a quick check of the script on the CPU")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--grads", action="store_true",
+                    help="also the LoRA gradients' error of bf16, fp8 compute on and full")
     a = ap.parse_args()
     dev = torch.device(a.device)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -110,7 +148,7 @@ def main() -> None:
 
             base = quant.removeprefix("base:")
             policy = precision_policy("bf16", full=False, base=base.removesuffix("-compute"),
-                                      fp8_compute=base == "fp8-compute")
+                                      fp8_compute=base == "fp8-compute")  # noqa: E501
             applied = apply_engines(m, EnginePlan(dev, policy))
             print(applied.quantized, {k: v for k, v in applied.kernels.items() if "linear" in k})
         elif quant:
@@ -126,6 +164,8 @@ def main() -> None:
         rows.append({"precision": name, "rel_error": err, "finite": finite, "stream_peak": peak})
         del m
         torch.cuda.empty_cache()
+    if a.grads:
+        grad_rows(ref, img, txt, sigma, layout, dev)
     bf16 = rows[1]["rel_error"]
     for r in rows:
         ratio = r["rel_error"] / bf16 if bf16 and r["finite"] else float("nan")

@@ -83,13 +83,18 @@ def held_gib() -> float:
     return (total - free) / 2**30
 
 
+# --bases: (precision.base, precision.fp8_compute)
+_BASES = {"keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
+          "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full")}
+
+
 def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
     """The base flavor with random weights and a training run's engines (bf16 compute);
-    ``base``: keep, int8, fp8 (weight-only) or fp8-compute (``precision.base`` and
-    ``precision.fp8_compute``)."""
+    ``base``: keep, int8, fp8 (weight-only), fp8-compute or fp8-full (``precision.base``
+    and ``precision.fp8_compute`` on / full)."""
     model = random_transformer(FLAVORS["base"], "cuda")
-    policy = precision_policy("bf16", full=full, base=base.removesuffix("-compute"),
-                              fp8_compute=base == "fp8-compute")
+    policy = precision_policy("bf16", full=full, base=_BASES[base][0],
+                              fp8_compute=_BASES[base][1] != "off", fp8_grad=_BASES[base][1] == "full")
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy,
                                               kernels=KERNEL_CHOICES, **ENGINES))
     torch.cuda.empty_cache()
@@ -147,7 +152,7 @@ def predicted_peak(batch: list[tuple[int, int]], full: bool, base: str = "keep")
     from kohakumoss.params import parse_params
     from kohakumoss.training.estimate import GiB, estimate
 
-    precision = {"base": base.removesuffix("-compute"), "fp8_compute": "on" if base == "fp8-compute" else "off"}
+    precision = {"base": _BASES[base][0], "fp8_compute": _BASES[base][1]}
     p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "unused"}]},
                       "adapter": {"algo": "full"} if full else {"algo": "lora", "dim": 32, "alpha": 32.0},
                       "train": {"dtype": "bf16"}, "precision": precision}, "bench")
@@ -367,7 +372,7 @@ def main() -> None:
                     help="cap the allocator at this many GiB (set_per_process_memory_fraction) "
                          "for the steps; several: each budget is measured under each cap")
     ap.add_argument("--bases", nargs="*", default=["keep"],
-                    help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute; each "
+                    help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full; each "
                          "budget is measured with each, in one run")
     ap.add_argument("--quant-backends", nargs="*", default=[],
                     help="a quantized base's quant_linear backends, in order (default: the "

@@ -325,7 +325,9 @@ class PrecisionConfig:  # fp16 training, a quantized frozen base, fp8 compute (d
         allowed="null (2^-8 with fp16, 1 otherwise) or a power of two (the joint residual stream "
                 "is carried times this, exactly undone by the norms)")
     base: Literal["keep", "int8", "fp8"] = "keep"  # the frozen base's block linears (docs/precision.md)
-    fp8_compute: Literal["off", "on"] = "off"  # on: those linears as fp8 GEMMs (sm89+, bf16, base fp8)
+    # on: those linears' forward as fp8 GEMMs (sm89+, bf16, base fp8), input gradients in
+    # bf16; full: the input gradients as fp8 GEMMs too (faster, coarser gradients)
+    fp8_compute: Literal["off", "on", "full"] = "off"
 
 
 @dataclasses.dataclass(frozen=True)

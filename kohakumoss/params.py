@@ -142,10 +142,10 @@ def check_precision(p: Params) -> None:
         fail(f"{where}.base", q.base, f"keep with profile {p.profile} (weight streaming moves "
              f"bf16 block weights; a quantized base does not stream yet: use profile speed, "
              f"balanced or manual without memory.stream_slots)")
-    if q.fp8_compute == "on" and q.base != "fp8":
+    if q.fp8_compute != "off" and q.base != "fp8":
         fail(f"{where}.fp8_compute", q.fp8_compute, f"off with precision.base: {q.base} (fp8 "
              f"GEMMs multiply fp8 weights: set precision.base: fp8)")
-    if q.fp8_compute == "on" and p.train.dtype != "bf16":
+    if q.fp8_compute != "off" and p.train.dtype != "bf16":
         fail(f"{where}.fp8_compute", q.fp8_compute, f"off with train.dtype: {p.train.dtype} (the "
              f"fp8 GEMMs write bf16: set train.dtype: bf16)")
 

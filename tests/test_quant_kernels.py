@@ -71,6 +71,13 @@ def test_fp8_rows(dtype):
     want_codes, want_scale = ops.fp8_rows(x)
     assert torch.equal(scale, want_scale) and scale[5] == 1
     assert torch.equal(codes.float(), want_codes.float())
+    # with a factor per column (fp8 compute's input gradient: dy times the weight's row
+    # scales), the product taken in fp32 before the row's amax
+    cols = (torch.rand(80, generator=g) * 0.02 + 1e-3).to(DEVICE)
+    codes, scale = tq.fp8_rows(x, cols)
+    want_codes, want_scale = ops.fp8_rows(x, cols)
+    assert torch.equal(scale, want_scale) and not torch.equal(scale, ops.fp8_rows(x)[1])
+    assert torch.equal(codes.float(), want_codes.float())
 
 
 @triton_test
@@ -159,6 +166,29 @@ def test_fp8_compute_matches_its_reference(shape):
     # and near the bf16 linear of the dequantized weight: fp8 activations cost ~2^-4 per element
     want = ops.quant_linear(x.detach(), codes, scale, None)
     assert rel(KERNELS.backend("fp8_linear", "scaled_mm").fn(x.detach(), codes, scale, None), want) < 6e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(37, 48, 32), *REAL], ids=str)
+def test_fp8_input_gradient_matches_its_reference(shape):
+    """``precision.fp8_compute: full``: the input gradient as a second fp8 GEMM, ``(dy *
+    scale)`` quantized per row times the transposed codes, against the emulated product; and
+    within e4m3's rounding of the bf16 input gradient."""
+    if not CUDA or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs CUDA sm89+")
+    g = torch.Generator().manual_seed(6)
+    M, K, N = shape
+    codes, scale = weights(g, N, K, "fp8")
+    x = leaf(g, M, K, dtype=torch.bfloat16)
+    fn = KERNELS.backend("fp8_linear", "scaled_mm").fn
+    compare(fn, ops.fp8_linear, (x, codes, scale, None, True), {"x": x}, TOL[torch.bfloat16])
+    dy = torch.randn(M, N, generator=g).to(DEVICE, torch.bfloat16)
+    grads = {}
+    for full in (False, True):
+        xi = x.detach().requires_grad_()
+        fn(xi, codes, scale, None, full).backward(dy)
+        grads[full] = xi.grad.float()
+    assert 0 < rel(grads[True], grads[False]) < 6e-2
 
 
 # ---- the interpreted suite on a CPU machine ------------------------------------------------

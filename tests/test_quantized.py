@@ -18,7 +18,8 @@ from kohakumoss.formats.model_files import save_comfy, stored_weights
 from kohakumoss.model import FLAVORS
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.params import load_params
-from kohakumoss.memory.quantized import QuantizedLinear, quantizable, quantize_base
+from kohakumoss.memory.quantized import QuantizedLinear, quantizable, quantize_base, quantize_rows
+from kohakumoss.model import ops
 from kohakumoss.training.engines import engine_plan
 from kohakumoss.training.estimate import estimate
 
@@ -79,6 +80,30 @@ def test_fp8_compute_reference_stays_near_the_weight_only_model():
         assert (a - b).norm() <= 0.2 * b.norm() + 1e-8
     with pytest.raises(ValueError, match="precision.base: fp8"):
         quantize_base(tiny_transformer(), "int8", fp8_compute=True)
+
+
+def test_fp8_input_gradients_change_only_the_gradients():
+    """``fp8_compute: full``: the forward is ``on``'s, bit for bit; the input gradients are
+    fp8 products (``dy`` times the weight's row scales, e4m3 per row), so the LoRA gradients
+    move by e4m3's rounding and no more."""
+    full, on = tiny_transformer(), tiny_transformer()
+    assert "input gradients too" in quantize_base(full, "fp8", fp8_compute=True, fp8_grad=True)
+    quantize_base(on, "fp8", fp8_compute=True)
+    assert "input gradient" in repr(full.layers[0].proj["q"]) and full.layers[0].proj["q"].fp8_grad
+    (out, grads), (want, want_grads) = _forward_and_grads(full), _forward_and_grads(on)
+    assert torch.equal(out, want)
+    assert any(not torch.equal(a, b) for a, b in zip(grads, want_grads))
+    for a, b in zip(grads, want_grads):
+        assert (a - b).norm() <= 0.1 * b.norm() + 1e-8
+    # the op alone: the input gradient within e4m3's rounding of the exact one, fp32
+    g = torch.Generator().manual_seed(3)
+    codes, scale = quantize_rows(torch.randn(24, 40, generator=g) * 0.05, "fp8")
+    x = torch.randn(9, 40, generator=g, requires_grad=True)
+    dy = torch.randn(9, 24, generator=g)
+    ops.fp8_linear(x, codes, scale, None, True).backward(dy)
+    exact = dy @ ops.dequantize_rows(codes, scale, torch.float32)
+    err = ((x.grad - exact).norm() / exact.norm()).item()
+    assert 1e-4 < err < 6e-2
 
 
 def test_codes_and_scales_keep_their_dtypes_and_the_weight_is_read_only():

@@ -75,14 +75,25 @@ def folded_forward(lyco, x: torch.Tensor) -> torch.Tensor:
     up(down(x))`` with the delta rounded once, inside a matmul. On a plain linear the whole
     layer is one autograd node (``lora_linear``). On another base (a quantized linear runs
     its own matmul; another adapter's wrapper) the delta is accumulated onto the base
-    output by one out-of-place ``addmm``: no full-width temporary for the delta, its scaled
-    copy or the sum, and a base output that selective checkpointing keeps is never mutated."""
+    output by one ``addmm``: no full-width temporary for the delta, its scaled copy or the
+    sum. In place onto a quantized linear's output (its kernel keeps only its inputs);
+    out of place onto another wrapper's (it may keep its output) and under a dispatch mode
+    (a base output that selective checkpointing keeps is never mutated)."""
     alpha = float(lyco.scale) * float(lyco.multiplier)
     if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:
         base = lyco.org_module[0]
         return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight, alpha)
     y = lyco.org_forward(x)
     h = F.linear(x, lyco.lora_down.weight.to(x))
-    out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype),
-                      lyco.lora_up.weight.to(y.dtype).t(), alpha=alpha)
-    return out.view(y.shape)
+    y2, h2, up = y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype), lyco.lora_up.weight.to(y.dtype)
+    if _owns_output(lyco) and not is_in_torch_dispatch_mode():
+        return y2.addmm_(h2, up.t(), alpha=alpha).view(y.shape)  # no copy of the base output
+    return torch.addmm(y2, h2, up.t(), alpha=alpha).view(y.shape)
+
+
+def _owns_output(lyco) -> bool:
+    """Whether the base output is the layer's own to accumulate into: a quantized linear's
+    kernel (it keeps only its inputs), not another adapter's wrapper (which may keep it)."""
+    base = lyco.org_module[0]
+    return getattr(base, "codes", None) is not None and \
+        getattr(lyco.org_forward, "__func__", None) is type(base).forward

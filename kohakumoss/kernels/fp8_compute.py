@@ -2,11 +2,15 @@
 the forward is one ``torch._scaled_mm`` of float8_e4m3fn activations (quantized per row by
 ``triton_quant.fp8_rows``) and weight codes (per output row), both row scales applied by
 the GEMM, bf16 out; the input gradient is the bf16 path, ``dy @ (codes * scale)``, the
-weight dequantized into a transient bf16 buffer (one layer's) and multiplied by cuBLAS.
+weight dequantized into a transient bf16 buffer (one layer's) and multiplied by cuBLAS, or
+with ``grad_fp8`` (``precision.fp8_compute: full``) a second fp8 GEMM:
+``(dy * scale)`` quantized per row (one Triton pass) times the codes, transposed into a
+transient fp8 buffer.
 Nothing is saved for backward but the codes and scales the layer holds anyway.
 
-``torch._scaled_mm`` wants both sizes of the weight and the sum a multiple of 16 (every
-MOSS-Image linear is) and takes any token count here: rows are padded to 16 with zeros.
+``torch._scaled_mm`` wants both sizes of the weight a multiple of 16 (every MOSS-Image
+linear's are) and takes any token count. Its output is returned as made, not a view: a
+LoRA accumulates onto it in place (``adapters/folded.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +19,6 @@ import torch
 
 from kohakumoss.kernels.backends import triton_module
 from kohakumoss.kernels.registry import register_backend
-
-_ALIGN = 16
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -28,20 +30,15 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class _ScaledMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, codes, scale, bias):
+    def forward(ctx, x2, codes, scale, bias, grad_fp8):
         tq = triton_module("triton_quant")
-        M = x2.shape[0]
         xq, xs = tq.fp8_rows(x2)
-        pad = -M % _ALIGN
-        if pad:
-            xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
-            xs = torch.cat([xs, xs.new_ones(pad)])
         y = torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scale[None, :],
-                             out_dtype=x2.dtype)[:M]
+                             out_dtype=x2.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(codes, scale)
-        ctx.bias_grad = bias is not None and bias.requires_grad
+        ctx.bias_grad, ctx.grad_fp8 = bias is not None and bias.requires_grad, grad_fp8
         return y
 
     @staticmethod
@@ -49,19 +46,28 @@ class _ScaledMM(torch.autograd.Function):
         codes, scale = ctx.saved_tensors
         go = go.contiguous()
         tq = triton_module("triton_quant")
-        dx = go @ tq.dequantize(codes, scale, go.dtype) if ctx.needs_input_grad[0] else None
-        return dx, None, None, go.float().sum(0) if ctx.bias_grad else None
+        dx = None
+        if ctx.needs_input_grad[0] and ctx.grad_fp8:
+            # dy W = (dy * scale) codes: the codes transposed into a transient buffer (the
+            # GEMM wants the summed dimension contiguous in both operands), no scale on them
+            gq, gs = tq.fp8_rows(go, scale)
+            ct = codes.t().contiguous()
+            ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=go.device)
+            dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=ones, out_dtype=go.dtype)
+        elif ctx.needs_input_grad[0]:
+            dx = go @ tq.dequantize(codes, scale, go.dtype)
+        return dx, None, None, go.float().sum(0) if ctx.bias_grad else None, None
 
 
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """``ops.fp8_linear`` as an fp8 GEMM (``torch._scaled_mm``, row-wise scales)."""
+               bias: torch.Tensor | None, grad_fp8: bool = False) -> torch.Tensor:
+    """``ops.fp8_linear`` as fp8 GEMMs (``torch._scaled_mm``, row-wise scales)."""
     if codes.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16:
         raise TypeError(f"fp8_linear (scaled_mm): codes {codes.dtype}, x {x.dtype}; want "
                         f"float8_e4m3fn codes and bf16 activations")
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    return _ScaledMM.apply(x2, codes, scale, bias).view(*x.shape[:-1], codes.shape[0])
+    return _ScaledMM.apply(x2, codes, scale, bias, grad_fp8).view(*x.shape[:-1], codes.shape[0])
 
 
 register_backend("fp8_linear", "scaled_mm", fp8_linear, available, keeps_inputs_only=True)

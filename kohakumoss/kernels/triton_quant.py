@@ -14,7 +14,8 @@ for cuBLAS instead, and ``dequantize`` is that pass alone.
 - input gradient ``dx = dy W``: the sum runs over the rows ``n`` the scales belong to, so
   each tile is dequantized in registers, ``(codes[n, k] * scale[n])`` rounded to dy's dtype
   (the weight a bf16 model would hold), then multiplied on the tensor cores;
-- ``fp8_rows``: each row's amax, scale ``amax / 448``, and the row in float8_e4m3fn.
+- ``fp8_rows``: each row's amax, scale ``amax / 448``, and the row in float8_e4m3fn (each
+  column first times its own factor where one is given: fp8 compute's input gradient).
 
 fp32 inputs are multiplied in full fp32 (``input_precision="ieee"``), not TF32. Compiled,
 each kernel is autotuned per (token bucket, N, K); interpreted (``TRITON_INTERPRET=1``, the
@@ -122,18 +123,23 @@ def _to_e4m3(x):
 
 
 @jit
-def _fp8_rows(X, Q, S, K, sx, BLOCK: tl.constexpr):
+def _fp8_rows(X, CS, Q, S, K, sx, COLS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
-        x = tl.load(X + row * sx + k0 + cols, mask=(k0 + cols) < K, other=0.0).to(tl.float32)
+        m = (k0 + cols) < K
+        x = tl.load(X + row * sx + k0 + cols, mask=m, other=0.0).to(tl.float32)
+        if COLS:
+            x = x * tl.load(CS + k0 + cols, mask=m, other=0.0)
         amax = tl.maximum(amax, tl.abs(x))
     s = tl.max(amax, axis=0) / 448.0
     s = tl.where(s > 0.0, s, 1.0)
     for k0 in range(0, K, BLOCK):
         m = (k0 + cols) < K
         x = tl.load(X + row * sx + k0 + cols, mask=m, other=0.0).to(tl.float32)
+        if COLS:
+            x = x * tl.load(CS + k0 + cols, mask=m, other=0.0)
         q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
         tl.store(Q + row * K + k0 + cols, _to_e4m3(q), mask=m)
     tl.store(S + row, s)
@@ -252,15 +258,18 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return _linear(x2, codes, scale, bias).view(*x.shape[:-1], codes.shape[0])
 
 
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ops.fp8_rows`` in Triton: one program per row (amax, then the codes)."""
+def fp8_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops.fp8_rows`` in Triton: one program per row (amax, then the codes); with
+    ``col_scale`` [K] (fp32) the rows of ``x * col_scale`` (the product in fp32)."""
     check_tensors("fp8_rows", x)
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M and K:
         block = 16 if INTERPRETED else min(2048, triton.next_power_of_2(K))
-        _fp8_rows[(M,)](x, q, s, K, x.stride(0), BLOCK=block, num_warps=4)
+        cs = x if col_scale is None else col_scale.float().contiguous()
+        _fp8_rows[(M,)](x, cs, q, s, K, x.stride(0), COLS=col_scale is not None, BLOCK=block,
+                        num_warps=4)
     return q, s
 
 

@@ -50,13 +50,14 @@ class QuantizedLinear(nn.Linear):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype, owner: nn.Module | None = None, group: int = 0,
-                 fp8_compute: bool = False):
+                 fp8_compute: bool = False, fp8_grad: bool = False):
         nn.Module.__init__(self)  # not nn.Linear's: no weight parameter is made
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.float().reshape(-1).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_dtype, self.group, self.fp8_compute = dtype, group, fp8_compute
+        self.fp8_grad = fp8_compute and fp8_grad  # the input gradient as an fp8 GEMM too
         self._owner = weakref.ref(owner) if owner is not None else None
 
     @property
@@ -82,6 +83,8 @@ class QuantizedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group:
             x = rotate_input(x, self.group)
+        if self.fp8_grad:
+            return self._op()(x, self.codes, self.scale, self.bias, True)
         return self._op()(x, self.codes, self.scale, self.bias)
 
     def _apply(self, fn, recurse=True):
@@ -95,7 +98,7 @@ class QuantizedLinear(nn.Linear):
         return self
 
     def extra_repr(self) -> str:
-        kind = "fp8 compute" if self.fp8_compute else str(self.codes.dtype).removeprefix("torch.")
+        kind = ("fp8 compute" + (" and input gradient" if self.fp8_grad else "")) if self.fp8_compute else str(self.codes.dtype).removeprefix("torch.")
         rot = f", convrot={self.group}" if self.group else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{rot}"
 
@@ -132,11 +135,13 @@ def quantizable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 @torch.no_grad()
 def quantize_base(model: nn.Module, base: str, fp8_compute: bool = False,
                   device: torch.device | str | None = None,
-                  stored: Callable[[str], QuantizedWeight | None] | None = None) -> str:
+                  stored: Callable[[str], QuantizedWeight | None] | None = None,
+                  fp8_grad: bool = False) -> str:
     """Replace ``quantizable(model)`` by ``QuantizedLinear``s (see the module); each weight is
     quantized on ``device`` (default: where it is) and its codes stay there. ``stored``: a
     checkpoint's quantized form of a weight, by state-dict name (a ComfyUI file's codes).
-    Returns a one-line account."""
+    ``fp8_grad`` (with ``fp8_compute``): the input gradients as fp8 GEMMs too. Returns a
+    one-line account."""
     if base not in CODE_DTYPES:
         raise ValueError(f"precision.base {base!r}: one of {', '.join(BASES)}")
     if fp8_compute and base != "fp8":
@@ -153,12 +158,14 @@ def quantize_base(model: nn.Module, base: str, fp8_compute: bool = False,
         else:
             (codes, scale), group = quantize_rows(w.detach().to(dev), base), 0
         bias = None if lin.bias is None else lin.bias.to(dev)
-        q = QuantizedLinear(codes.to(dev), scale.to(dev), bias, w.dtype, model, group, fp8_compute)
+        q = QuantizedLinear(codes.to(dev), scale.to(dev), bias, w.dtype, model, group, fp8_compute,
+                            fp8_grad)
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, q)
         before += w.numel() * w.element_size()
         after += q.codes.numel() * q.codes.element_size() + q.scale.numel() * 4
-    how = "fp8 compute (e4m3 GEMMs)" if fp8_compute else f"{base} weight-only"
+    how = f"fp8 compute (e4m3 GEMMs{', input gradients too' if fp8_grad else ''})" if fp8_compute \
+        else f"{base} weight-only"
     src = f", {kept} taken from the checkpoint as stored" if kept else ""
     return (f"{how}: {len(layers)} block linears in {after / 2**30:.2f} GiB "
             f"(was {before / 2**30:.2f} GiB){src}")

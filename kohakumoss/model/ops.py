@@ -153,10 +153,11 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return F.linear(x, dequantize_rows(codes, scale, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise float8_e4m3fn codes of ``x`` [M, K] and their float32 scales [M]:
-    ``scale = amax(|row|) / 448`` (a zero row: scale 1), codes rounded to nearest."""
-    xf = x.float()
+    ``scale = amax(|row|) / 448`` (a zero row: scale 1), codes rounded to nearest. With
+    ``col_scale`` [K]: those of ``x * col_scale``, the product in float32."""
+    xf = x.float() if col_scale is None else x.float() * col_scale.float()[None, :]
     s = xf.abs().amax(dim=-1) / FP8_MAX
     s = torch.where(s > 0, s, torch.ones_like(s))
     return (xf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
@@ -164,30 +165,37 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, codes, scale, bias):
-        x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = fp8_rows(x2)
-        y = (xq.float() @ codes.float().t()) * xs[:, None] * scale.float()[None, :]
+    def forward(ctx, x, codes, scale, bias, grad_fp8):
+        xq, xs = fp8_rows(x.reshape(-1, x.shape[-1]))
+        xq, xs = xq.view(x.shape), xs.view(*x.shape[:-1], 1)  # the output made in x's shape:
+        y = (xq.float() @ codes.float().t()) * xs * scale.float()  # not a view (accumulated into)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(codes, scale)
-        ctx.bias_grad = bias is not None and bias.requires_grad
-        return y.to(x.dtype).view(*x.shape[:-1], codes.shape[0])
+        ctx.bias_grad, ctx.grad_fp8 = bias is not None and bias.requires_grad, grad_fp8
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, go):
         codes, scale = ctx.saved_tensors
-        dx = go @ dequantize_rows(codes, scale, go.dtype)  # the input gradient in the compute dtype
-        db = go.reshape(-1, go.shape[-1]).float().sum(0) if ctx.bias_grad else None
-        return dx, None, None, db
+        g2 = go.reshape(-1, go.shape[-1])
+        if ctx.grad_fp8:  # dy W = (dy * s) codes: dy * s quantized per row, exact products
+            gq, gs = fp8_rows(g2, scale)
+            dx = ((gq.float() @ codes.float()) * gs[:, None]).to(go.dtype)
+        else:  # the input gradient in the compute dtype
+            dx = g2 @ dequantize_rows(codes, scale, go.dtype)
+        db = g2.float().sum(0) if ctx.bias_grad else None
+        return dx.view(*go.shape[:-1], codes.shape[1]), None, None, db, None
 
 
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               bias: torch.Tensor | None, grad_fp8: bool = False) -> torch.Tensor:
     """fp8 compute: x quantized per row to float8_e4m3fn, multiplied with the fp8 weight codes
-    (exact products, float32 sums), scaled by both row scales, rounded once to x's dtype; the
-    input gradient is that of the dequantized weight (x's rounding passes straight through)."""
-    return _Fp8Linear.apply(x, codes, scale, bias)
+    (exact products, float32 sums), scaled by both row scales, rounded once to x's dtype. The
+    input gradient is that of the dequantized weight (x's rounding passes straight through)
+    in x's dtype or, with ``grad_fp8``, an fp8 product too: ``dy W = (dy * scale) codes``,
+    ``dy * scale`` quantized per row to float8_e4m3fn, rescaled and rounded once."""
+    return _Fp8Linear.apply(x, codes, scale, bias, grad_fp8)
 
 
 REFERENCE: dict[str, Callable] = {

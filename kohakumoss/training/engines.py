@@ -105,7 +105,8 @@ def engine_plan(params: Params, device: torch.device,
     policy = precision_policy(params.train.dtype, full=params.adapter.full,
                               stream_scale=stream_scale(params.precision, compute),
                               base=params.precision.base,
-                              fp8_compute=params.precision.fp8_compute == "on")
+                              fp8_compute=params.precision.fp8_compute != "off",
+                              fp8_grad=params.precision.fp8_compute == "full")
     try:
         policy.check_device(device)
     except ValueError as e:
@@ -146,7 +147,8 @@ def hold_quantized(model: MOSSImageTransformer, policy: PrecisionPolicy, device:
     ``QUANT_BACKENDS`` unless ``chosen`` names theirs. Returns the account ("" for keep)."""
     if policy.base == "keep":
         return ""
-    quantized = quantize_base(model, policy.base, policy.fp8_compute, device, stored)
+    quantized = quantize_base(model, policy.base, policy.fp8_compute, device, stored,
+                              fp8_grad=policy.fp8_grad)
     model.to(device)
     for op, backends in QUANT_BACKENDS.items():
         if op not in (chosen or {}):  # no tuning: the kernel is the one that pays here

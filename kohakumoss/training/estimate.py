@@ -174,7 +174,7 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
     if params.precision.base != "keep" and not params.adapter.full:
         from kohakumoss.memory.quantized import quantize_base
 
-        quantize_base(model, params.precision.base, params.precision.fp8_compute == "on")
+        quantize_base(model, params.precision.base, params.precision.fp8_compute != "off")
         for op in ("quant_linear", "fp8_linear"):
             model.ops.override(op, _QuantLike.apply)
     apply_rebuild(model)  # counted apart (``_BlockBytes.rebuilt``), taken off with ``rebuild``
