@@ -24,6 +24,7 @@ from kohakumoss.training.engines import engine_plan
 from kohakumoss.training.estimate import estimate
 
 from test_checkpoints import WIDE, random_model
+from test_kernel_backends import _graph
 from test_fp16 import _inputs, _run, data  # noqa: F401  (the module's training data fixture)
 from test_train import _write_params
 
@@ -59,6 +60,9 @@ def test_a_quantized_base_is_the_model_of_its_dequantized_weights(base):
     assert qm.layers[0].proj["q"].codes.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[base]
     twin = _dequantized_twin(qm)
     (out, grads), (want, want_grads) = _forward_and_grads(qm), _forward_and_grads(twin)
+    # each LoRA delta accumulated in place onto its quantized linear's own output, not onto
+    # a view of it (autograd would copy the whole gradient back through CopySlices)
+    assert "CopySlices" not in _graph(qm(*_inputs())) and "AddmmBackward0" in _graph(qm(*_inputs()))
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6 * b.abs().max()) for a, b in zip(grads, want_grads))
     # and the quantization itself is close to the original weights (per-row scales)

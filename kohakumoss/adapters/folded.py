@@ -85,9 +85,12 @@ def folded_forward(lyco, x: torch.Tensor) -> torch.Tensor:
         return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight, alpha)
     y = lyco.org_forward(x)
     h = F.linear(x, lyco.lora_down.weight.to(x))
-    y2, h2, up = y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype), lyco.lora_up.weight.to(y.dtype)
-    if _owns_output(lyco) and not is_in_torch_dispatch_mode():
-        return y2.addmm_(h2, up.t(), alpha=alpha).view(y.shape)  # no copy of the base output
+    up = lyco.lora_up.weight.to(y.dtype)
+    if y.dim() == 2 and _owns_output(lyco) and not is_in_torch_dispatch_mode():
+        # no copy of the base output; y itself, not a view of it (an in-place op on a view
+        # makes autograd copy the whole gradient in backward)
+        return y.addmm_(h.to(y.dtype), up.t(), alpha=alpha)
+    y2, h2 = y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]).to(y.dtype)
     return torch.addmm(y2, h2, up.t(), alpha=alpha).view(y.shape)
 
 

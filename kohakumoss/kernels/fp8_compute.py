@@ -10,7 +10,8 @@ Nothing is saved for backward but the codes and scales the layer holds anyway.
 
 ``torch._scaled_mm`` wants both sizes of the weight a multiple of 16 (every MOSS-Image
 linear's are) and takes any token count. Its output is returned as made, not a view: a
-LoRA accumulates onto it in place (``adapters/folded.py``).
+LoRA accumulates onto it in place (``adapters/folded.py``); an in-place op on a view of it
+would make autograd copy the whole gradient in backward.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                         f"float8_e4m3fn codes and bf16 activations")
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    return _ScaledMM.apply(x2, codes, scale, bias, grad_fp8).view(*x.shape[:-1], codes.shape[0])
+    y = _ScaledMM.apply(x2, codes, scale, bias, grad_fp8)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], codes.shape[0])  # 2-D: no view (see above)
 
 
 register_backend("fp8_linear", "scaled_mm", fp8_linear, available, keeps_inputs_only=True)

@@ -255,7 +255,8 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     _check("quant_linear", x, codes, scale)
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    return _linear(x2, codes, scale, bias).view(*x.shape[:-1], codes.shape[0])
+    y = _linear(x2, codes, scale, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], codes.shape[0])  # 2-D: no view (accumulated into)
 
 
 def fp8_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,4 +314,5 @@ def dequant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     ``out x in`` elements: 96 MiB in bf16 for MOSS-Image's widest linear)."""
     _check("quant_linear", x, codes, scale)
     x2 = x.reshape(-1, x.shape[-1])
-    return _DequantMM.apply(x2, codes, scale, bias).view(*x.shape[:-1], codes.shape[0])
+    y = _DequantMM.apply(x2, codes, scale, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], codes.shape[0])  # 2-D: no view (accumulated into)
