@@ -110,10 +110,17 @@ def _gated_bwd(GO, Y, GATE, ORDER, STARTS, DY, PGATE, C, sgo, sy, s_gate, K,
         tl.store(PGATE + pid * C + cols, acc, mask=cmask)
 
 
-def _grid(R: int, C: int) -> tuple[tuple[int, int], int, int]:
-    block_c = min(_BLOCK_C, pow2(C))
-    block_r = max(1, min(64, _TILE // block_c))
+def _grid(R: int, C: int, tile: int = _TILE, widest: int = _BLOCK_C) -> tuple[tuple[int, int], int, int]:
+    block_c = min(widest, pow2(C))
+    block_r = max(1, min(64, tile // block_c))
     return (triton.cdiv(R, block_r), triton.cdiv(C, block_c)), block_r, block_c
+
+
+def _situ_grid(R: int, C: int) -> tuple[tuple[int, int], int, int]:
+    """SiTU's tiles: 2048 elements, one row of 2048 columns at the FFN's width. Measured on
+    the H200 at [8318, 8192] (the column halves of [8318, 16384]): 0.160 ms forward and
+    0.208 ms backward, against 0.179 and 0.287 ms with the 4 x 1024 tiles of the other ops."""
+    return _grid(R, C, tile=2048, widest=2048)
 
 
 def _check_pair(op: str, a: torch.Tensor, b: torch.Tensor, names: str) -> None:
@@ -128,7 +135,7 @@ def _situ_impl(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     R, C = u.shape
     out = torch.empty((R, C), dtype=u.dtype, device=u.device)
     if out.numel():
-        grid, br, bc = _grid(R, C)
+        grid, br, bc = _situ_grid(R, C)
         _situ_fwd[grid](u, g, out, R, C, u.stride(0), g.stride(0), BLOCK_R=br, BLOCK_C=bc,
                         num_warps=warps(br * bc))
     return out
@@ -149,7 +156,7 @@ def _situ_bwd_impl(go: torch.Tensor, u: torch.Tensor, g: torch.Tensor
     du = torch.empty((R, C), dtype=u.dtype, device=u.device)
     dg = torch.empty((R, C), dtype=g.dtype, device=g.device)
     if du.numel():
-        grid, br, bc = _grid(R, C)
+        grid, br, bc = _situ_grid(R, C)
         _situ_bwd[grid](go, u, g, du, dg, R, C, go.stride(0), u.stride(0), g.stride(0), C,
                         BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
     return du, dg
@@ -201,7 +208,7 @@ def _situ_packed_bwd_impl(go: torch.Tensor, ug: torch.Tensor) -> torch.Tensor:
     go = rows2d(go, C)
     d = torch.empty((R, C2), dtype=ug.dtype, device=ug.device)
     if d.numel():
-        grid, br, bc = _grid(R, C)
+        grid, br, bc = _situ_grid(R, C)
         _situ_bwd[grid](go, ug, ug[:, C:], d, d[:, C:], R, C, go.stride(0), ug.stride(0),
                         ug.stride(0), C2, BLOCK_R=br, BLOCK_C=bc, num_warps=warps(br * bc))
     return d
