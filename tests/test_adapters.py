@@ -3,6 +3,8 @@ presets at real size; LoRA+ and weight-decay groups; per-step randomness; the Lo
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -360,6 +362,76 @@ def test_the_folded_lora_linear_is_the_separate_ops_with_bias_base_gradients_and
     assert y.dtype == torch.bfloat16 and d32.grad.dtype == u32.grad.dtype == torch.float32
 
 
+def test_linears_sharing_an_input_as_one_node_are_the_separate_ops():
+    """``folded.lora_linears`` (q, k and v as one node) against the separate ops in float64:
+    every output, and every gradient (input, base weights, downs, ups) with ranks and
+    scales that differ per linear and one output left unused."""
+    from kohakumoss.adapters.folded import lora_linears
+
+    g = torch.Generator().manual_seed(2)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+    x = leaf(3, 5, 7)
+    parts = [(leaf(4, 7), leaf(r, 7), leaf(4, r), a) for r, a in ((2, 0.7), (3, 1.0), (1, 2.0))]
+    outs = lora_linears(x, parts)
+    refs = [F.linear(x, w) + a * F.linear(F.linear(x, d), u) for w, d, u, a in parts]
+    for out, ref in zip(outs, refs):
+        assert out.shape == ref.shape and torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    gos = [torch.randn(r.shape, generator=g, dtype=torch.float64) for r in refs]
+    leaves = [x, *(t for w, d, u, _ in parts for t in (w, d, u))]
+    used = (0, 2)  # k's output unused: its weights get no gradient, the rest theirs alone
+    got = torch.autograd.grad([outs[i] for i in used], leaves, [gos[i] for i in used], allow_unused=True)
+    want = torch.autograd.grad([refs[i] for i in used], leaves, [gos[i] for i in used], allow_unused=True)
+    for a, e in zip(got, want):
+        assert (a is None) == (e is None) or torch.count_nonzero(a if e is None else e) == 0
+        if a is not None and e is not None:
+            assert torch.allclose(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_a_model_runs_q_k_and_v_as_one_lora_node_where_all_three_fold(monkeypatch):
+    """``apply_adapters`` puts the shared-input node in the model's own op table; the model
+    then matches the one-by-one route (float64), and a module hook on one of the three
+    (a weight ring's pre-hook, a user's) sends that block's group through the modules."""
+    from kohakumoss.adapters import folded
+    from kohakumoss.model import ops
+
+    from test_kernel_backends import _graph
+
+    model = _model()
+    aset = apply_adapters(model, _cfg("lora", mode="bypass"), seed=0)
+    with torch.no_grad():
+        for p in aset.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    inputs, target = _batch()
+    calls = []
+    apply = folded._LoraLinears.apply
+    monkeypatch.setattr(folded._LoraLinears, "apply", lambda *a: calls.append(1) or apply(*a))
+
+    def run():
+        for p in aset.trainable_parameters():
+            p.grad = None
+        out = model(*inputs)
+        F.mse_loss(out, target).backward()
+        return out, [p.grad.clone() for p in aset.trainable_parameters()]
+
+    out, grads = run()
+    assert len(calls) == len(model.layers) and "_LoraLinearsBackward" in _graph(out)
+    hook = model.layers[0].proj["k"].register_forward_pre_hook(lambda m, a: None)
+    calls.clear()
+    hooked, hooked_grads = run()
+    assert len(calls) == len(model.layers) - 1
+    hook.remove()
+    model.ops.override("linears", ops.linears)  # one by one
+    ref, ref_grads = run()
+    for o in (out, hooked):
+        assert torch.allclose(o, ref, rtol=1e-12, atol=1e-14)
+    for gs in (grads, hooked_grads):
+        for a, e in zip(gs, ref_grads):
+            assert torch.allclose(a, e, rtol=1e-10, atol=1e-14)
+
+
 def test_a_stacked_adapter_keeps_the_separate_path(monkeypatch):
     """A LoRA wrapped around another adapter's forward is not folded into the base weight's
     matmul (that would skip the inner adapter): both adapters act on the output."""
@@ -369,8 +441,9 @@ def test_a_stacked_adapter_keeps_the_separate_path(monkeypatch):
     inner = apply_adapters(model, _cfg("loha", mode="bypass"), seed=0)
     outer = apply_adapters(model, _cfg("lora", mode="bypass"), seed=1)
     calls = []
-    apply = folded._LoraLinear.apply
-    monkeypatch.setattr(folded._LoraLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    for node in (folded._LoraLinear, folded._LoraLinears):
+        monkeypatch.setattr(node, "apply", functools.partial(
+            lambda apply, *a: calls.append(1) or apply(*a), node.apply))
     inputs, _ = _batch()
     outs = []
     with torch.no_grad():

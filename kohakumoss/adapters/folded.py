@@ -70,6 +70,68 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+class _LoraLinears(torch.autograd.Function):
+    """``lora_linear`` for several bias-free linears on one input, as one node: one narrow
+    product ``x A^T`` for all their down matrices (stacked), and one input gradient."""
+
+    @staticmethod
+    def forward(ctx, x2, ranks, down, *tensors):
+        n = len(ranks)
+        weights, ups = tensors[:n], tensors[n:]
+        h = torch.mm(x2, down.t())  # [tokens, sum of ranks]: x read once for every down
+        outs = []
+        for w, up, hi in zip(weights, ups, h.split(ranks, dim=1)):
+            y = torch.mm(hi, up.t())
+            outs.append(torch.addmm(y, x2, w.t()) if is_in_torch_dispatch_mode() else y.addmm_(x2, w.t()))
+        ctx.ranks = ranks
+        ctx.save_for_backward(x2, h, down, *weights, *ups)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x2, h, down, *rest = ctx.saved_tensors
+        n = len(ctx.ranks)
+        weights, ups = rest[:n], rest[n:]
+        need_x, _, need_down = ctx.needs_input_grad[:3]
+        need_w, need_up = ctx.needs_input_grad[3:3 + n], ctx.needs_input_grad[3 + n:]
+        # t = dy (alpha B) per linear, side by side; an unused output contributes nothing
+        t = torch.cat([torch.mm(dy, up) if dy is not None else x2.new_zeros(x2.shape[0], r)
+                       for dy, up, r in zip(dys, ups, ctx.ranks)], dim=1)
+        dx = None
+        if need_x:  # dx = t A, then each dy W accumulated onto it in place
+            dx = torch.mm(t, down)
+            for dy, w in zip(dys, weights):
+                if dy is not None:
+                    dx.addmm_(dy, w)
+        d_down = torch.mm(t.t(), x2) if need_down else None
+        hs = h.split(ctx.ranks, dim=1)
+        d_w = [torch.mm(dy.t(), x2) if need and dy is not None else None
+               for dy, need in zip(dys, need_w)]
+        d_up = [torch.mm(dy.t(), hi) if need and dy is not None else None
+                for dy, hi, need in zip(dys, hs, need_up)]
+        return (dx, None, d_down, *d_w, *d_up)
+
+
+def lora_linears(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]
+                 ) -> list[torch.Tensor]:
+    """``[lora_linear(x, w, None, down, up, alpha) for (w, down, up, alpha) in parts]`` as
+    one autograd node (``_LoraLinears``): the linears share their input (q, k and v)."""
+    dev = x.device.type
+    autocast = torch.amp.is_autocast_available(dev)
+    dt = torch.get_autocast_dtype(dev) if autocast and torch.is_autocast_enabled(dev) else x.dtype
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == dt else t.to(dt)
+
+    down = torch.cat([cast(d) for _, d, _, _ in parts])
+    ups = [cast(up * alpha if alpha != 1.0 else up) for _, _, up, alpha in parts]
+    weights = [cast(w) for w, _, _, _ in parts]
+    ranks = tuple(d.shape[0] for _, d, _, _ in parts)
+    with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+        ys = _LoraLinears.apply(cast(x).reshape(-1, x.shape[-1]), ranks, down, *weights, *ups)
+    return [y.view(*x.shape[:-1], w.shape[0]) for y, (w, _, _, _) in zip(ys, parts)]
+
+
 def folded_forward(lyco, x: torch.Tensor) -> torch.Tensor:
     """A folding LoRA/LoCon module's forward (``runtime.folds``): ``base(x) + m * scale *
     up(down(x))`` with the delta rounded once, inside a matmul. On a plain linear the whole

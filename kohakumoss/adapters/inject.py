@@ -22,6 +22,7 @@ from kohakumoss.adapters.norms import NormDelta
 from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
 from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
+from kohakumoss.adapters.shared import shared_input_linears
 from kohakumoss.model.dit import RMSNormWeight
 
 PREFIX = "lora_unet"
@@ -116,7 +117,11 @@ def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
     for path in norm_paths:
         w = model.get_submodule(path).weight
         norms[path] = NormDelta(lora_name(path), model.get_submodule(path), master_dtype(w))
-    return AdapterSet(cfg, seed, network, modules, norms)
+    aset = AdapterSet(cfg, seed, network, modules, norms)
+    ops = getattr(model, "ops", None)
+    if ops is not None:  # q, k and v as one LoRA node where all three fold (adapters/shared.py)
+        ops.override("linears", shared_input_linears)
+    return aset
 
 
 class AdapterSet:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kohakumoss.model.config import FLAVORS, DiTConfig
-from kohakumoss.model.dit import MOSSImageTransformer, cast_model
+from kohakumoss.model.dit import MOSSImageTransformer
 
 TINY_SEED = 20261130
 

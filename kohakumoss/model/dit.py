@@ -129,9 +129,10 @@ class JointBlock(nn.Module):
         shift_a, scale_a = mod_B6D[:, 0], mod_B6D[:, 1]
         eps, gate_a = self._stream(mod_B6D[:, 2])
         y = ops.modulated_rms_norm(x_ND, self.norm1.weight, shift_a, scale_a, seg_N, eps)
-        q = ops.qk_norm_rope(p["q"](y).view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
-        k = ops.qk_norm_rope(p["k"](y).view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
-        v = p["v"](y).view(N, self.heads, Dh)
+        q, k, v = ops.linears(y, (p["q"], p["k"], p["v"]))
+        q = ops.qk_norm_rope(q.view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
+        k = ops.qk_norm_rope(k.view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
+        v = v.view(N, self.heads, Dh)
         o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
         return ops.gated_residual(x_ND, p["o"](o), gate_a, seg_N)
 

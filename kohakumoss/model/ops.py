@@ -198,6 +198,12 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return _Fp8Linear.apply(x, codes, scale, bias, grad_fp8)
 
 
+def linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
+    """The linears ``modules`` that read one input, each on ``x``. An adapter may put one
+    node for the group in a model's table (``kohakumoss/adapters/shared.py``)."""
+    return [m(x) for m in modules]
+
+
 REFERENCE: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "modulated_rms_norm": modulated_rms_norm,
@@ -211,6 +217,7 @@ REFERENCE: dict[str, Callable] = {
     "flow_loss": flow_loss,
     "quant_linear": quant_linear,
     "fp8_linear": fp8_linear,
+    "linears": linears,
 }
 
 

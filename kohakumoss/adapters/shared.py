@@ -1,0 +1,57 @@
+"""Linears that read one input (a joint block's q, k and v) run as one LoRA node when each
+carries a folding LoRA (``folded.lora_linears``); otherwise one by one, as the model's own
+``ops.linears`` does.
+
+``apply_adapters`` puts ``shared_input_linears`` in the model's op table (``linears``). Per
+call it checks each linear as ``runtime._run`` would route it: LyCORIS's forward installed
+by this package, the fold's conditions (``runtime.folds``: a LoRA or LoCon in bypass mode,
+no DoRA, Tucker core, trained scalar or drawing dropout), a plain ``nn.Linear`` base
+without bias, a multiplier other than 0, not skipped this step, and no module hooks (a
+weight ring's pre-hooks, a user's) that calling the module would run. One that fails sends
+the whole group through the modules themselves, so the result never depends on the route
+beyond the order of fp32 sums.
+
+What one node saves over three: the input is read once for the three down products and
+once for their gradient, and the input gradient is one tensor (``t A`` with each
+``dy W`` accumulated in place) instead of three added by autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+from kohakumoss.adapters.folded import lora_linears
+from kohakumoss.adapters.runtime import _run, folds
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks)
+
+
+def fold_parts(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+    """``(weight, down, up, alpha)`` when ``m``'s forward now is a folding LoRA on a plain
+    bias-free linear, else None."""
+    fwd = m.__dict__.get("forward")
+    if not (isinstance(fwd, functools.partial) and fwd.func is _run) or _hooked(m):
+        return None
+    lyco = fwd.args[0]
+    if lyco.multiplier == 0 or (lyco.training and lyco.kmoss_skip) or not folds(lyco):
+        return None
+    if getattr(lyco.org_forward, "__func__", None) is not nn.Linear.forward or m.bias is not None:
+        return None
+    return m.weight, lyco.lora_down.weight, lyco.lora_up.weight, float(lyco.scale) * float(lyco.multiplier)
+
+
+def shared_input_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``, as one node where every module folds (see the module)."""
+    parts = [fold_parts(m) for m in modules]
+    if len(parts) < 2 or any(p is None for p in parts):
+        return [m(x) for m in modules]
+    return lora_linears(x, parts)
