@@ -392,8 +392,9 @@ def test_linears_sharing_an_input_as_one_node_are_the_separate_ops():
 
 def test_a_model_runs_q_k_and_v_as_one_lora_node_where_all_three_fold(monkeypatch):
     """``apply_adapters`` puts the shared-input node in the model's own op table; the model
-    then matches the one-by-one route (float64), and a module hook on one of the three
-    (a weight ring's pre-hook, a user's) sends that block's group through the modules."""
+    then matches the one-by-one route (float64). A forward pre-hook on one of the three (a
+    weight ring's load) runs and keeps the node; a hook on its output sends that block's
+    group through the modules."""
     from kohakumoss.adapters import folded
     from kohakumoss.model import ops
 
@@ -418,16 +419,23 @@ def test_a_model_runs_q_k_and_v_as_one_lora_node_where_all_three_fold(monkeypatc
 
     out, grads = run()
     assert len(calls) == len(model.layers) and "_LoraLinearsBackward" in _graph(out)
-    hook = model.layers[0].proj["k"].register_forward_pre_hook(lambda m, a: None)
+    k = model.layers[0].proj["k"]
+    seen = []
+    hook = k.register_forward_pre_hook(lambda m, a: seen.append(m) and None)  # runs, keeps the node
+    calls.clear()
+    pre, pre_grads = run()
+    assert seen == [k] and len(calls) == len(model.layers)
+    hook.remove()
+    hook = k.register_forward_hook(lambda m, a, y: None)  # a hook on the output: the modules' route
     calls.clear()
     hooked, hooked_grads = run()
     assert len(calls) == len(model.layers) - 1
     hook.remove()
     model.ops.override("linears", ops.linears)  # one by one
     ref, ref_grads = run()
-    for o in (out, hooked):
+    for o in (out, pre, hooked):
         assert torch.allclose(o, ref, rtol=1e-12, atol=1e-14)
-    for gs in (grads, hooked_grads):
+    for gs in (grads, pre_grads, hooked_grads):
         for a, e in zip(gs, ref_grads):
             assert torch.allclose(a, e, rtol=1e-10, atol=1e-14)
 

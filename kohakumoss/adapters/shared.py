@@ -6,10 +6,10 @@ carries a folding LoRA (``folded.lora_linears``); otherwise one by one, as the m
 call it checks each linear as ``runtime._run`` would route it: LyCORIS's forward installed
 by this package, the fold's conditions (``runtime.folds``: a LoRA or LoCon in bypass mode,
 no DoRA, Tucker core, trained scalar or drawing dropout), a plain ``nn.Linear`` base
-without bias, a multiplier other than 0, not skipped this step, and no module hooks (a
-weight ring's pre-hooks, a user's) that calling the module would run. One that fails sends
-the whole group through the modules themselves, so the result never depends on the route
-beyond the order of fp32 sums.
+without bias, a multiplier other than 0, not skipped this step. Each module's forward
+pre-hooks run first, as a call of the module would run them (a weight ring's loads); a
+pre-hook that changes the input, or any other hook, sends the group through the modules
+themselves, so the result never depends on the route beyond the order of fp32 sums.
 
 What one node saves over three: the input is read once for the three down products and
 once for their gradient, and the input gradient is one tensor (``t A`` with each
@@ -29,17 +29,28 @@ from kohakumoss.adapters.runtime import _run, folds
 
 
 def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+    """Hooks other than plain forward pre-hooks, which a call of ``m`` would run."""
+    return bool(m._forward_hooks or m._forward_pre_hooks_with_kwargs or m._backward_hooks
                 or m._backward_pre_hooks or _module._global_forward_hooks
                 or _module._global_forward_pre_hooks or _module._global_backward_hooks
                 or _module._global_backward_pre_hooks)
+
+
+def _pre_hooked(m: nn.Module, x: torch.Tensor) -> tuple:
+    """``m``'s forward pre-hooks run on ``(x,)`` as its call would: the arguments after them."""
+    args = (x,)
+    for hook in m._forward_pre_hooks.values():
+        out = hook(m, args)
+        if out is not None:
+            args = out if isinstance(out, tuple) else (out,)
+    return args
 
 
 def fold_parts(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
     """``(weight, down, up, alpha)`` when ``m``'s forward now is a folding LoRA on a plain
     bias-free linear, else None."""
     fwd = m.__dict__.get("forward")
-    if not (isinstance(fwd, functools.partial) and fwd.func is _run) or _hooked(m):
+    if not (isinstance(fwd, functools.partial) and fwd.func is _run):
         return None
     lyco = fwd.args[0]
     if lyco.multiplier == 0 or (lyco.training and lyco.kmoss_skip) or not folds(lyco):
@@ -50,8 +61,13 @@ def fold_parts(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 
 
 def shared_input_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
-    """``[m(x) for m in modules]``, as one node where every module folds (see the module)."""
-    parts = [fold_parts(m) for m in modules]
-    if len(parts) < 2 or any(p is None for p in parts):
+    """``[m(x) for m in modules]``, as one node where every module folds (see the module).
+    Each module's forward pre-hooks run first, as its call would run them (a weight ring's
+    loads); one that changes the input, or any other hook, takes the modules' own route."""
+    if len(modules) < 2 or any(_hooked(m) for m in modules):
         return [m(x) for m in modules]
-    return lora_linears(x, parts)
+    args = [_pre_hooked(m, x) for m in modules]
+    parts = [fold_parts(m) for m in modules]
+    if all(len(a) == 1 and a[0] is x for a in args) and all(p is not None for p in parts):
+        return lora_linears(x, parts)
+    return [m.forward(*a) for m, a in zip(modules, args)]
