@@ -151,43 +151,31 @@ def test_quant_linear_at_the_real_sizes(shape, base, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
 @pytest.mark.parametrize("shape", [(37, 48, 32), *REAL], ids=str)
-def test_fp8_compute_matches_its_reference(shape):
+def test_fp8_compute_matches_its_reference(shape, full):
     """``torch._scaled_mm`` with row-wise scales against the emulated fp8 product: the same
-    codes, exact products, fp32 sums in another order; the input gradient is the bf16 path."""
+    codes, exact products, fp32 sums in another order. ``on``: the input gradient is the
+    bf16 path; ``full`` (``precision.fp8_compute: full``): a second fp8 GEMM, ``(dy *
+    scale)`` quantized per row times the transposed codes, within e4m3's rounding of it."""
     if not CUDA or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs CUDA sm89+")
     g = torch.Generator().manual_seed(5)
     M, K, N = shape
     codes, scale = weights(g, N, K, "fp8")
     x = leaf(g, M, K, dtype=torch.bfloat16)
-    compare(KERNELS.backend("fp8_linear", "scaled_mm").fn, ops.fp8_linear, (x, codes, scale, None),
-            {"x": x}, TOL[torch.bfloat16])
-    # and near the bf16 linear of the dequantized weight: fp8 activations cost ~2^-4 per element
-    want = ops.quant_linear(x.detach(), codes, scale, None)
-    assert rel(KERNELS.backend("fp8_linear", "scaled_mm").fn(x.detach(), codes, scale, None), want) < 6e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(37, 48, 32), *REAL], ids=str)
-def test_fp8_input_gradient_matches_its_reference(shape):
-    """``precision.fp8_compute: full``: the input gradient as a second fp8 GEMM, ``(dy *
-    scale)`` quantized per row times the transposed codes, against the emulated product; and
-    within e4m3's rounding of the bf16 input gradient."""
-    if not CUDA or torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("needs CUDA sm89+")
-    g = torch.Generator().manual_seed(6)
-    M, K, N = shape
-    codes, scale = weights(g, N, K, "fp8")
-    x = leaf(g, M, K, dtype=torch.bfloat16)
     fn = KERNELS.backend("fp8_linear", "scaled_mm").fn
-    compare(fn, ops.fp8_linear, (x, codes, scale, None, True), {"x": x}, TOL[torch.bfloat16])
+    compare(fn, ops.fp8_linear, (x, codes, scale, None, full), {"x": x}, TOL[torch.bfloat16])
+    if not full:  # near the bf16 linear of the dequantized weight: ~2^-4 per activation
+        want = ops.quant_linear(x.detach(), codes, scale, None)
+        assert rel(fn(x.detach(), codes, scale, None), want) < 6e-2
+        return
     dy = torch.randn(M, N, generator=g).to(DEVICE, torch.bfloat16)
     grads = {}
-    for full in (False, True):
+    for fp8_grad in (False, True):
         xi = x.detach().requires_grad_()
-        fn(xi, codes, scale, None, full).backward(dy)
-        grads[full] = xi.grad.float()
+        fn(xi, codes, scale, None, fp8_grad).backward(dy)
+        grads[fp8_grad] = xi.grad.float()
     assert 0 < rel(grads[True], grads[False]) < 6e-2
 
 
