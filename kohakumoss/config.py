@@ -15,11 +15,9 @@ from typing import Any, Literal
 from kohakumoss.configlib import knob, to_plain
 
 # Defaults of the data.max_* knobs (docs/data.md, "Hostile and broken input"):
-# - 16384 characters per caption field: caption.max_text_tokens (4096) at ~4 characters a
-#   token of English, so the cap never cuts what the text encoder would read; it only stops
-#   a runaway file (a 10 MB caption once took `kmoss plan` to 5.6 GB).
-# - 178,956,970 pixels (13377 x 13377, above any camera sensor): PIL's own hard limit
-#   (2 x Image.MAX_IMAGE_PIXELS), so nothing PIL opens today is refused.
+# - 16384 characters per caption field: 4096 text tokens at ~4 characters each, never cutting
+#   what the encoder reads; it stops a runaway file (a 10 MB caption took plan to 5.6 GB).
+# - 178,956,970 pixels (13377 x 13377): PIL's hard limit, 2 x Image.MAX_IMAGE_PIXELS.
 MAX_CAPTION_CHARS = 16384
 MAX_IMAGE_PIXELS = 178_956_970
 
@@ -325,9 +323,7 @@ class PrecisionConfig:  # fp16 training, a quantized frozen base, fp8 compute (d
         allowed="null (2^-8 with fp16, 1 otherwise) or a power of two (the joint residual stream "
                 "is carried times this, exactly undone by the norms)")
     base: Literal["keep", "int8", "fp8"] = "keep"  # the frozen base's block linears (docs/precision.md)
-    # on: those linears' forward as fp8 GEMMs (sm89+, bf16, base fp8), input gradients in
-    # bf16; full: the input gradients as fp8 GEMMs too (faster, coarser gradients)
-    fp8_compute: Literal["off", "on", "full"] = "off"
+    fp8_compute: Literal["off", "on", "full"] = "off"  # fp8 GEMMs (sm89+, base fp8); full: dgrad too
 
 
 @dataclasses.dataclass(frozen=True)
