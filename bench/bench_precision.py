@@ -148,7 +148,7 @@ def main() -> None:
 
             base = quant.removeprefix("base:")
             policy = precision_policy("bf16", full=False, base=base.removesuffix("-compute"),
-                                      fp8_compute=base == "fp8-compute")  # noqa: E501
+                                      fp8_compute=base == "fp8-compute")
             applied = apply_engines(m, EnginePlan(dev, policy))
             print(applied.quantized, {k: v for k, v in applied.kernels.items() if "linear" in k})
         elif quant:

@@ -54,14 +54,20 @@ class _LoraLinear(torch.autograd.Function):
                 torch.mm(t.t(), x2) if need_down else None, torch.mm(dy.t(), h) if need_up else None)
 
 
+def _compute_dtype(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
+    """(device type, autocast available there, the dtype a linear computes in: autocast's
+    where it is on, else ``x``'s). Not available on the estimator's meta device."""
+    dev = x.device.type
+    autocast = torch.amp.is_autocast_available(dev)
+    return dev, autocast, torch.get_autocast_dtype(dev) if autocast and torch.is_autocast_enabled(dev) else x.dtype
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 down: torch.Tensor, up: torch.Tensor, alpha: float) -> torch.Tensor:
     """``F.linear(x, weight, bias) + alpha * F.linear(F.linear(x, down), up)`` in the
     dtype the linear computes in (autocast's where it is on, else ``x``'s); ``down`` [r, in]
     and ``up`` [out, r] may be held in another dtype (their gradients come back in it)."""
-    dev = x.device.type
-    autocast = torch.amp.is_autocast_available(dev)  # not on the estimator's meta device
-    dt = torch.get_autocast_dtype(dev) if autocast and torch.is_autocast_enabled(dev) else x.dtype
+    dev, autocast, dt = _compute_dtype(x)
     up = up * alpha if alpha != 1.0 else up
     x_c, w_c, b_c, down_c, up_c = (t if t is None or t.dtype == dt else t.to(dt)
                                    for t in (x, weight, bias, down, up))
@@ -116,9 +122,7 @@ def lora_linears(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, 
                  ) -> list[torch.Tensor]:
     """``[lora_linear(x, w, None, down, up, alpha) for (w, down, up, alpha) in parts]`` as
     one autograd node (``_LoraLinears``): the linears share their input (q, k and v)."""
-    dev = x.device.type
-    autocast = torch.amp.is_autocast_available(dev)
-    dt = torch.get_autocast_dtype(dev) if autocast and torch.is_autocast_enabled(dev) else x.dtype
+    dev, autocast, dt = _compute_dtype(x)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == dt else t.to(dt)

@@ -98,7 +98,9 @@ class QuantizedLinear(nn.Linear):
         return self
 
     def extra_repr(self) -> str:
-        kind = ("fp8 compute" + (" and input gradient" if self.fp8_grad else "")) if self.fp8_compute else str(self.codes.dtype).removeprefix("torch.")
+        kind = str(self.codes.dtype).removeprefix("torch.")
+        if self.fp8_compute:
+            kind = "fp8 compute and input gradient" if self.fp8_grad else "fp8 compute"
         rot = f", convrot={self.group}" if self.group else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{rot}"
 

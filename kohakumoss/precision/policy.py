@@ -52,7 +52,8 @@ class PrecisionPolicy:
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if cap is None or cap < (8, 9):
             where = f"{torch.cuda.get_device_name(device)} (sm{cap[0]}{cap[1]})" if cap else str(device)
-            raise ValueError(f"precision.fp8_compute: {'full' if self.fp8_grad else 'on'} needs fp8 tensor cores (CUDA compute "
+            knob = "full" if self.fp8_grad else "on"
+            raise ValueError(f"precision.fp8_compute: {knob} needs fp8 tensor cores (CUDA compute "
                              f"capability 8.9+: Ada, Hopper, Blackwell); this run is on {where}. "
                              f"Set precision.fp8_compute: off (precision.base: fp8 still halves "
                              f"the base's memory)")
