@@ -364,6 +364,9 @@ def main() -> None:
                     help="keep the elementwise ops' intermediates instead of recomputing them")
     ap.add_argument("--compile-blocks", action="store_true",
                     help="torch.compile each block with its adapters (dynamic token counts)")
+    ap.add_argument("--offload", action="store_true",
+                    help="with --checkpointing block / sub-block: the kept inputs (and attention "
+                         "outputs) in host memory")
     ap.add_argument("--stream-slots", type=int, default=0,
                     help="stream the frozen base's block weights through this many device slots")
     ap.add_argument("--memory-profile", default="",
@@ -385,7 +388,7 @@ def main() -> None:
     if a.quant_backends:
         KERNEL_CHOICES["quant_linear"] = a.quant_backends
     ENGINES["memory"] = MemoryEngines(a.checkpointing, a.checkpoint_blocks, not a.no_recompute,
-                                      a.stream_slots)
+                                      a.stream_slots, offload=a.offload)
     if a.memory_profile:
         from kohakumoss.memory.profiles import PROFILE_ENGINES
 

@@ -10,7 +10,9 @@ import torch
 
 from kohakumoss.memory import apply_checkpointing, repeated_blocks
 from kohakumoss.memory.offload import apply_activation_offload
-from kohakumoss.model import FLAVORS, MOSSImageTransformer
+from kohakumoss.memory.replay import is_attention_kernel
+from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_streaming import _model as _streamed_model
 from test_streaming import _same, _step
@@ -68,3 +70,100 @@ def test_offload_refuses_to_stack_on_another_checkpointing():
     apply_activation_offload(m, "cpu")
     with pytest.raises(ValueError, match="already"):
         apply_activation_offload(m, "cpu")
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the attention kernels' forwards that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.attention += is_attention_kernel(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _tails_seen(model):
+    """Per call of each part's tail: (in a joint block, left uncomputed, its output's largest
+    magnitude)."""
+    seen = []
+    for name, block in repeated_blocks(model):
+        for path in block.TAILS.values():
+            tail = block.get_submodule(path)
+            tail.register_forward_hook(lambda m, a, out, joint=name.startswith("layers."): seen.append(
+                (joint, bool(getattr(m, "kmoss_unevaluated", False)), out.abs().max().item())))
+    return seen
+
+
+@pytest.mark.parametrize("preset", ["attn-mlp", "attn", "all"])
+@pytest.mark.parametrize("halves", [False, True], ids=["block", "sub-block"])
+def test_recomputation_replays_attention_and_leaves_tails_out(preset, halves):
+    """Backward runs no attention kernel (forward's outputs come back with the input), and a
+    tail whose gate is frozen is left uncomputed (a LoRA on it, or a plain frozen linear
+    with ``attn``), with gradients bit-identical to plain autograd's; with the modulation
+    trained (``all``) the joint blocks' tails are computed (their gate's gradient reads them)."""
+    plain = _model(preset=preset)
+    model, aset, off = _model(offload=True, halves=halves, preset=preset)
+    for _ in range(2):  # the second step finds the text refiner untrained (its input's too)
+        _same(_step(model, aset), _step(*plain[:2]))
+    seen = _tails_seen(model)
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    img = torch.randn(layout.n_img, c.latent_channels, generator=g)
+    txt = torch.randn(layout.n_txt, c.text_dim, generator=g)
+    out = model(img, txt, torch.rand(2, generator=g), layout)
+    forward_calls = len(seen)
+    assert forward_calls and not any(skipped for _, skipped, _ in seen)
+    with _Kernels() as counted:
+        out.float().square().mean().backward()
+    assert counted.attention == 0
+    recomputed = seen[forward_calls:]
+    parts = 2 if halves else 1
+    joint = [m for j, s, m in recomputed if j and s]
+    text = [m for j, s, m in recomputed if not j and s]
+    if preset == "all":  # the modulation trains: the joint gates need their tails' outputs
+        assert not joint and len(text) == c.text_blocks * parts
+    else:
+        assert len(joint) == c.depth * parts
+    assert all(m == 0 for m in joint + text)
+    assert off.bytes > 0
+
+
+def test_recomputation_of_a_plain_checkpoint_runs_attention_again():
+    """The counter sees the kernels: block checkpointing without offload runs attention in
+    backward again, once per segment of every block."""
+    model, aset, _ = _streamed_model(mode="block", preset="attn-mlp")
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    with _Kernels() as counted:
+        out.float().square().mean().backward()
+    assert counted.attention == c.depth * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["block", "sub-block"])
+def test_offload_on_cuda_replays_the_fused_attention(offload):
+    """On the GPU the fused attention kernels (cuDNN or flash) run once per step, in forward,
+    and the tails of the joint blocks are left uncomputed; gradients within bf16 round-off
+    of the resident run (the fused backwards sum with atomics: not bit for bit)."""
+    import dataclasses
+
+    from test_streaming import _cuda_run
+
+    c = dataclasses.replace(FLAVORS["tiny"], dim=1024, heads=8, ffn_dim=4096, depth=6, text_blocks=2)
+    plain = _cuda_run(c, 0, False, preset="attn-mlp")
+    with _Kernels() as counted:
+        kept = _cuda_run(c, 0, offload, preset="attn-mlp")
+    # forward only: two steps, two segments per joint block (the text refiner's too)
+    assert counted.attention == 2 * 2 * (c.depth + c.text_blocks)
+    for (out_a, grads_a), (out_b, grads_b) in zip(plain, kept):
+        # (under the counting mode the LoRA accumulates out of place: the same sums)
+        torch.testing.assert_close(out_a, out_b, rtol=1e-2, atol=1e-2)
+        for n in grads_a:
+            err = (grads_a[n].float() - grads_b[n].float()).norm() / grads_a[n].float().norm()
+            assert err < 2e-2, (n, err.item())

@@ -185,7 +185,7 @@ def _deterministic():
     return ctx()
 
 
-def _cuda_run(c, stream: int, offload: str | bool = False):
+def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all"):
     """Two steps of a bf16 LoRA on a mid-size model on the GPU, streamed through
     ``stream`` slots (0: resident), the blocks' inputs offloaded to the host or not: each
     step's output and adapter gradients. ``offload`` may instead name ``rebuild`` (the
@@ -211,7 +211,7 @@ def _cuda_run(c, stream: int, offload: str | bool = False):
         apply_rebuild(m)
     elif offload in ("block", "sub-block"):
         apply_activation_offload(m, "cuda", halves=offload == "sub-block")
-    aset = apply_adapters(m, AdapterConfig(algo="lora", preset="all", dim=8, alpha=8.0), seed=0)
+    aset = apply_adapters(m, AdapterConfig(algo="lora", preset=preset, dim=8, alpha=8.0), seed=0)
     with torch.no_grad():
         for p in aset.trainable_parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).cuda() * 0.02)

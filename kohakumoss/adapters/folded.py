@@ -34,24 +34,27 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, down, up):
+    def forward(ctx, x2, weight, bias, down, up, evaluate=True):
         h = torch.mm(x2, down.t())
+        ctx.save_for_backward(x2, h, weight, down, up)
+        if not evaluate:  # nobody reads the output (memory.replay.unevaluated): backward only
+            return x2.new_zeros(x2.shape[0], weight.shape[0])
         y = torch.mm(h, up.t()) if bias is None else torch.addmm(bias, h, up.t())
         if is_in_torch_dispatch_mode():  # selective checkpointing caches outputs as its
             y = torch.addmm(y, x2, weight.t())  # mode sees them: in-place ones look mutated
         else:
             y.addmm_(x2, weight.t())
-        ctx.save_for_backward(x2, h, weight, down, up)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x2, h, weight, down, up = ctx.saved_tensors
-        need_x, need_w, need_b, need_down, need_up = ctx.needs_input_grad
+        need_x, need_w, need_b, need_down, need_up = ctx.needs_input_grad[:5]
         t = torch.mm(dy, up)
         dx = torch.mm(t, down).addmm_(dy, weight) if need_x else None
         return (dx, torch.mm(dy.t(), x2) if need_w else None, dy.sum(0) if need_b else None,
-                torch.mm(t.t(), x2) if need_down else None, torch.mm(dy.t(), h) if need_up else None)
+                torch.mm(t.t(), x2) if need_down else None, torch.mm(dy.t(), h) if need_up else None,
+                None)
 
 
 def _compute_dtype(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
@@ -63,16 +66,17 @@ def _compute_dtype(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                down: torch.Tensor, up: torch.Tensor, alpha: float) -> torch.Tensor:
+                down: torch.Tensor, up: torch.Tensor, alpha: float, evaluate: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias) + alpha * F.linear(F.linear(x, down), up)`` in the
     dtype the linear computes in (autocast's where it is on, else ``x``'s); ``down`` [r, in]
-    and ``up`` [out, r] may be held in another dtype (their gradients come back in it)."""
+    and ``up`` [out, r] may be held in another dtype (their gradients come back in it).
+    ``evaluate=False``: zeros out, the same gradients back (an output nobody reads)."""
     dev, autocast, dt = _compute_dtype(x)
     up = up * alpha if alpha != 1.0 else up
     x_c, w_c, b_c, down_c, up_c = (t if t is None or t.dtype == dt else t.to(dt)
                                    for t in (x, weight, bias, down, up))
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-        y = _LoraLinear.apply(x_c.reshape(-1, x.shape[-1]), w_c, b_c, down_c, up_c)
+        y = _LoraLinear.apply(x_c.reshape(-1, x.shape[-1]), w_c, b_c, down_c, up_c, evaluate)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -147,8 +151,9 @@ def folded_forward(lyco, x: torch.Tensor) -> torch.Tensor:
     (a base output that selective checkpointing keeps is never mutated)."""
     alpha = float(lyco.scale) * float(lyco.multiplier)
     if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:
-        base = lyco.org_module[0]
-        return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight, alpha)
+        base = lyco.org_module[0]  # kmoss_unevaluated: a recomputation reads no output
+        return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight, alpha,
+                           evaluate=not getattr(base, "kmoss_unevaluated", False))
     y = lyco.org_forward(x)
     h = F.linear(x, lyco.lora_down.weight.to(x))
     up = lyco.lora_up.weight.to(y.dtype)

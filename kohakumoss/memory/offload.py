@@ -26,19 +26,25 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from kohakumoss.memory.checkpointing import repeated_blocks
+from kohakumoss.memory.replay import KeptAttention, unevaluated
 from kohakumoss.model.dit import HALVES
 
 
 @dataclasses.dataclass
 class _Kept:
-    host: torch.Tensor  # the block input's host copy
-    ready: torch.cuda.Event | None = None  # the copy to the host is done
-    back: torch.Tensor | None = None  # on the device again (prefetched)
+    host: list[torch.Tensor]  # the host copies: the part's input, then what it kept besides
+    device: list  # the same places: what stays on the device (None where the host has it)
+    ready: torch.cuda.Event | None = None  # the copies to the host are done
+    back: list[torch.Tensor] | None = None  # on the device again (prefetched)
     arrived: torch.cuda.Event | None = None
+    added: list = dataclasses.field(default_factory=list)  # (how many tensors, meta) per ``add``
 
 
 class Offloader:
-    """The host copies of the blocks' inputs of one forward, in forward order."""
+    """The host copies of the checkpointed parts' inputs of one forward, in forward order,
+    and beside each what its recomputation need not compute again (``memory.replay``)."""
+
+    SMALL = 1 << 20  # bytes: a kept tensor this small stays on the device
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -46,87 +52,130 @@ class Offloader:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.kept: list[_Kept] = []
         self.bytes = 0  # host bytes of the last forward (a benchmark reads it)
+        # the part running: (its entry, None) in forward, (its entry, what it kept besides
+        # its input: a list of (tensors, meta) per ``add``) in the recomputation; None outside
+        self.part: tuple[int, list | None] | None = None
 
     def start_forward(self) -> None:
         self.kept, self.bytes = [], 0
 
-    def keep(self, x: torch.Tensor) -> int:
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
-        entry = _Kept(host)
-        if self.cuda:
+    def _to_host(self, entry: _Kept, tensors: list[torch.Tensor]) -> None:
+        big = [t for t in tensors if t.numel() * t.element_size() >= self.SMALL or not self.cuda]
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in big]
+        if self.cuda and big:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                host.copy_(x, non_blocking=True)
+                for h, t in zip(hosts, big):
+                    h.copy_(t, non_blocking=True)
                 entry.ready = self.stream.record_event()
-            x.record_stream(self.stream)  # its memory is not reused before the copy is done
+            for t in big:  # its memory is not reused before the copy is done
+                t.record_stream(self.stream)
         else:
-            host.copy_(x)
+            for h, t in zip(hosts, big):
+                h.copy_(t)
+        it = iter(hosts)
+        for t in tensors:
+            on_host = any(t is b for b in big)
+            entry.host.append(next(it) if on_host else None)
+            entry.device.append(None if on_host else t)
+        self.bytes += sum(h.numel() * h.element_size() for h in hosts)
+
+    def keep(self, x: torch.Tensor) -> int:
+        entry = _Kept([], [])
+        self._to_host(entry, [x])
         self.kept.append(entry)
-        self.bytes += host.numel() * host.element_size()
         return len(self.kept) - 1
+
+    def add(self, i: int, tensors: list[torch.Tensor], meta=None) -> None:
+        """Part ``i`` keeps ``tensors`` too (to the host beside its input, or on the device
+        if small), with ``meta`` (how to read them); ``fetch(i)`` returns both."""
+        self._to_host(self.kept[i], list(tensors))
+        self.kept[i].added.append((len(tensors), meta))
 
     def _bring(self, i: int) -> None:
         entry = self.kept[i]
         if entry.back is not None:
             return
         if not self.cuda:
-            entry.back = entry.host.clone()
+            entry.back = [h.clone() if h is not None else d for h, d in zip(entry.host, entry.device)]
             return
-        back = torch.empty(entry.host.shape, dtype=entry.host.dtype, device=self.device)
+        back = [torch.empty(h.shape, dtype=h.dtype, device=self.device) if h is not None else d
+                for h, d in zip(entry.host, entry.device)]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(entry.ready)
-            back.copy_(entry.host, non_blocking=True)
+            if entry.ready is not None:
+                self.stream.wait_event(entry.ready)
+            for h, b in zip(entry.host, back):
+                if h is not None:
+                    b.copy_(h, non_blocking=True)
             entry.arrived = self.stream.record_event()
-        back.record_stream(self.stream)
+        for h, b in zip(entry.host, back):
+            if h is not None:
+                b.record_stream(self.stream)
         entry.back = back
 
-    def fetch(self, i: int) -> torch.Tensor:
-        """Block ``i``'s input on the device (waiting for its copy), block ``i - 1``'s
-        prefetched; the entry is released."""
+    def fetch(self, i: int) -> tuple[torch.Tensor, list[tuple[list[torch.Tensor], object]]]:
+        """Part ``i``'s input and what it kept besides (``(tensors, meta)`` per ``add``), on
+        the device (waiting for their copy), part ``i - 1``'s prefetched; the entry is
+        released."""
         self._bring(i)
         entry = self.kept[i]
         if entry.arrived is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.arrived)
-        x = entry.back
+        back, groups, at = entry.back, [], 1
+        for n, meta in entry.added:
+            groups.append((back[at:at + n], meta))
+            at += n
         if i > 0:
             self._bring(i - 1)
-        self.kept[i] = dataclasses.replace(entry, back=None, host=entry.host[:0])
-        return x
+        self.kept[i] = _Kept([], [])
+        return back[0], groups
 
 
 class _OffloadedBlock(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call, offloader, trains, x, *tensors):
-        ctx.call, ctx.offloader, ctx.trains = call, offloader, trains
+    def forward(ctx, call, offloader, trains, tail, x, *tensors):
+        ctx.call, ctx.offloader, ctx.trains, ctx.tail = call, offloader, trains, tail
         ctx.index = offloader.keep(x)
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(offloader.device) if offloader.cuda else None
         ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return call(x, *tensors)
+        offloader.part = (ctx.index, None)
+        try:
+            with torch.no_grad():
+                return call(x, *tensors)
+        finally:
+            offloader.part = None
 
     @staticmethod
     def backward(ctx, grad):
-        x = ctx.offloader.fetch(ctx.index).detach().requires_grad_(ctx.needs_input_grad[3])
+        off = ctx.offloader
+        x, kept = off.fetch(ctx.index)
+        x = x.detach().requires_grad_(ctx.needs_input_grad[4])
         tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        devices = [ctx.offloader.device] if ctx.offloader.cuda else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.offloader.device)
-            out = ctx.call(x, *tensors)
+        devices = [off.device] if off.cuda else []
+        off.part = (ctx.index, kept)
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad(), unevaluated(ctx.tail):
+                torch.set_rng_state(ctx.cpu_rng)
+                if ctx.cuda_rng is not None:
+                    torch.cuda.set_rng_state(ctx.cuda_rng, off.device)
+                out = ctx.call(x, *tensors)
+        finally:
+            off.part = None
         if out.requires_grad:
             torch.autograd.backward(out, grad)
         else:  # nothing in the block trains: its later forwards skip this backward
             ctx.trains[0] = False
-        return (None, None, None, x.grad if x.requires_grad else None,
+        return (None, None, None, None, x.grad if x.requires_grad else None,
                 *[t.grad if t.requires_grad else None for t in tensors])
 
 
-def offloaded(forward: Callable, offloader: Offloader) -> Callable:
+def offloaded(forward: Callable, offloader: Offloader, tail: torch.nn.Module | None = None) -> Callable:
     """``forward(x, *rest)`` as an offloaded checkpoint while grad is enabled; ``rest``'s
-    tensors (inside tuples and lists too) are autograd inputs, the rest static."""
+    tensors (inside tuples and lists too) are autograd inputs, the rest static; ``tail``:
+    the part's last linear, left uncomputed by the recomputation where it may be
+    (``memory.replay.unevaluated``)."""
     # whether backward must run the block even when no input needs a gradient: tensors
     # trained inside it (an adapter's, which live outside the block's modules) do; the
     # first backward finds out
@@ -146,7 +195,10 @@ def offloaded(forward: Callable, offloader: Offloader) -> Callable:
 
         # a leaf that needs a gradient makes autograd call backward for the block
         extra = [torch.empty(0, requires_grad=True)] if trains[0] else []
-        return _OffloadedBlock.apply(call, offloader, trains, x, *tensors, *extra)
+        # nothing but the input needs a gradient: the tail's output feeds only a residual add
+        # whose gradient then reads none of its values (memory.replay.unevaluated)
+        free = None if any(t.requires_grad for t in tensors) else tail
+        return _OffloadedBlock.apply(call, offloader, trains, free, x, *tensors, *extra)
 
     run.checkpointed = forward
     return run
@@ -157,7 +209,9 @@ def apply_activation_offload(model: torch.nn.Module, device: torch.device | str,
     """Checkpoint every repeated block with its input offloaded to the host (see the
     module), or with ``halves`` each of its halves (``HALVES``: the attention half and the
     MLP half, as ``sub-block`` checkpointing: backward holds half a block's intermediates
-    at a time); returns the offloader (``model.offloader``)."""
+    at a time); the attention kernels' outputs wait beside the inputs and each part's tail
+    is left out of its recomputation (``memory.replay``). Returns the offloader
+    (``model.offloader``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -170,7 +224,10 @@ def apply_activation_offload(model: torch.nn.Module, device: torch.device | str,
             raise ValueError("activation offload checkpoints the blocks itself: apply it "
                              "instead of another checkpointing mode, not on top of one")
         for method in parts:
-            setattr(block, method, offloaded(getattr(block, method), offloader))
+            tail = block.TAILS.get(HALVES[-1] if method == "forward" else method)
+            setattr(block, method, offloaded(getattr(block, method), offloader,
+                                             block.get_submodule(tail) if tail else None))
+    model.ops.override("varlen_attention", KeptAttention(model.ops.varlen_attention, offloader))
     inner = model.forward
 
     def forward(*args, **kwargs):

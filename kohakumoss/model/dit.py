@@ -60,6 +60,10 @@ class RopeBands(nn.Module):
 
 
 class TextBlock(nn.Module):
+    # each half's tail: its last linear, whose output only the half's residual add reads
+    # (engines that recompute a half may leave it out, ``kohakumoss.memory.replay``)
+    TAILS = {"attention": "proj", "mlp": "ffn_down"}
+
     def __init__(self, c: DiTConfig):
         super().__init__()
         D, F = c.dim, c.ffn_dim
@@ -97,6 +101,9 @@ class TextEmbedder(nn.Module):
 
 
 class JointBlock(nn.Module):
+    # each half's tail, as ``TextBlock.TAILS``: read by the half's gated residual add alone
+    TAILS = {"attention": "proj.o", "mlp": "proj.ffn_down"}
+
     def __init__(self, c: DiTConfig):
         super().__init__()
         D, F = c.dim, c.ffn_dim
