@@ -167,3 +167,29 @@ def test_offload_on_cuda_replays_the_fused_attention(offload):
         for n in grads_a:
             err = (grads_a[n].float() - grads_b[n].float()).norm() / grads_a[n].float().norm()
             assert err < 2e-2, (n, err.item())
+
+
+def test_forward_keeps_no_graph_of_the_recorded_attention_under_an_outer_pack_hook():
+    """Forward runs attention with grad to record what backward needs, then drops that
+    graph. Under an outer pack hook that returns the tensor (weight streaming's) the saved
+    output and its node would hold each other: nothing may stay alive after the forward."""
+    import gc
+    import weakref
+
+    model, aset, _ = _model(offload=True, preset="attn-mlp")
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    made = []  # the inputs the recording runs the attention on: its graph saves them
+    inner = model.ops.varlen_attention.attention
+
+    def spy(q, k, v, lengths):
+        made.extend(weakref.ref(t) for t in (q, k, v))
+        return inner(q, k, v, lengths)
+
+    model.ops.varlen_attention.attention = spy
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+              torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    gc.collect()
+    assert made and all(r() is None for r in made)

@@ -45,6 +45,9 @@ class Offloader:
     and beside each what its recomputation need not compute again (``memory.replay``)."""
 
     SMALL = 1 << 20  # bytes: a kept tensor this small stays on the device
+    # parts whose copies to the host may be under way: forward waits for the oldest beyond
+    # (its device memory is freed only once the copy is done; 0: no bound)
+    IN_FLIGHT = 2
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -61,7 +64,9 @@ class Offloader:
 
     def _to_host(self, entry: _Kept, tensors: list[torch.Tensor]) -> None:
         big = [t for t in tensors if t.numel() * t.element_size() >= self.SMALL or not self.cuda]
-        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in big]
+        # in the same strides: a kernel's backward may take its saved output's layout as given
+        hosts = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=self.cuda)
+                 for t in big]
         if self.cuda and big:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -84,6 +89,9 @@ class Offloader:
         entry = _Kept([], [])
         self._to_host(entry, [x])
         self.kept.append(entry)
+        back = len(self.kept) - 1 - self.IN_FLIGHT
+        if self.IN_FLIGHT and back >= 0 and self.kept[back].ready is not None:
+            self.kept[back].ready.synchronize()
         return len(self.kept) - 1
 
     def add(self, i: int, tensors: list[torch.Tensor], meta=None) -> None:
@@ -99,8 +107,8 @@ class Offloader:
         if not self.cuda:
             entry.back = [h.clone() if h is not None else d for h, d in zip(entry.host, entry.device)]
             return
-        back = [torch.empty(h.shape, dtype=h.dtype, device=self.device) if h is not None else d
-                for h, d in zip(entry.host, entry.device)]
+        back = [torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
+                if h is not None else d for h, d in zip(entry.host, entry.device)]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if entry.ready is not None:

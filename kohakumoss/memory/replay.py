@@ -69,6 +69,10 @@ class _Replay(TorchDispatchMode):
         return out
 
 
+def _dropped(_):
+    return None
+
+
 class KeptAttention:
     """``ops.varlen_attention`` whose kernels' outputs wait with the part's offloaded input
     (see the module): forward records them, the recomputation replays them."""
@@ -83,7 +87,10 @@ class KeptAttention:
             return self.attention(q, k, v, lengths)
         index, kept = part
         if kept is None:  # forward (without grad): run as backward will need it, and record
-            with torch.enable_grad(), _Record() as rec:
+            # the graph this builds never runs backward: it saves nothing (an outer pack hook,
+            # weight streaming's, would hold the kernel's output and its node in a cycle)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_dropped, _dropped), \
+                    _Record() as rec:
                 o = self.attention(*(t.detach().requires_grad_() for t in (q, k, v)), lengths)
             leaves, meta = [], []
             for func, out in rec.calls:

@@ -197,6 +197,8 @@ class _BlockBytes:
     kept: int  # everything autograd keeps for the block's backward
     inputs: int  # the block's input
     half_inputs: int  # the inputs of its halves (sub-block checkpointing)
+    attention: int  # the attention's output (activation offload keeps it with the input)
+    lse: int  # its log-sum-exp (kept on the device: small)
     selective: int  # the input plus the matmul and attention outputs
     rebuilt: int  # of ``kept``, the elementwise outputs ``rebuild`` does not keep
     row: int  # one token row of its widest intermediates (the MLP's, both halves' outputs)
@@ -231,6 +233,7 @@ def _block_bytes(block, args, mlp_width: int, shared: Sequence[torch.Tensor], re
     linears = sum(m.out_features for m in block.modules() if isinstance(m, torch.nn.Linear))
     rebuilt = sum(b for s, b in recipes.items() if s not in storages)
     return _BlockBytes(kept=sum(storages.values()) + rebuilt, inputs=inputs, half_inputs=2 * inputs,
+                       attention=n * d * size, lse=n * block.heads * 4,
                        selective=inputs + n * linears * size + attention, rebuilt=rebuilt,
                        row=n * (2 * mlp_width + 2 * d) * size)
 
@@ -281,8 +284,10 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         own = b.kept - (b.rebuilt if engines.rebuild else 0)  # a block not checkpointed
         if mode == "none":
             kept += count * own
-        elif engines.offload and mode in ("block", "sub-block"):  # the inputs around the
-            kept += min(2, count) * b.inputs  # part backward is in
+        elif engines.offload and mode in ("block", "sub-block"):  # the inputs (and attention
+            # outputs) around the part backward is in; every log-sum-exp
+            kept += min(2, count) * b.inputs + count * b.lse + \
+                (min(2, count) if mode == "block" else 1) * b.attention
         elif mode in ("block", "partial"):
             ckpt = count if mode == "block" else min(k, count)
             kept += ckpt * b.inputs + (count - ckpt) * own
@@ -309,9 +314,9 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     master = 4  # fp32 masters, gradients and optimizer states
     streamed = 0  # a full finetune's parameters held in the compute dtype in the ring
     host = 0  # what the engines keep in host memory
-    if engines.offload:  # every checkpointed part's input, in the compute dtype
+    if engines.offload:  # every checkpointed part's input and attention output (compute dtype)
         for b, count in lists:
-            host += count * (b.half_inputs if mode == "sub-block" else b.inputs)
+            host += count * ((b.half_inputs if mode == "sub-block" else b.inputs) + b.attention)
     if engines.stream_slots:
         # the streamed block weights are on the host; the device holds the slots
         from kohakumoss.memory.streaming import streamed_weights, unit_numel
