@@ -367,6 +367,8 @@ def main() -> None:
     ap.add_argument("--offload", action="store_true",
                     help="with --checkpointing block / sub-block: the kept inputs (and attention "
                          "outputs) in host memory")
+    ap.add_argument("--host-optimizer", action="store_true",
+                    help="the optimizer on the host (gradients offloaded, AdamW on the CPU)")
     ap.add_argument("--stream-slots", type=int, default=0,
                     help="stream the frozen base's block weights through this many device slots")
     ap.add_argument("--memory-profile", default="",
@@ -388,7 +390,8 @@ def main() -> None:
     if a.quant_backends:
         KERNEL_CHOICES["quant_linear"] = a.quant_backends
     ENGINES["memory"] = MemoryEngines(a.checkpointing, a.checkpoint_blocks, not a.no_recompute,
-                                      a.stream_slots, offload=a.offload)
+                                      a.stream_slots, optimizer="host" if a.host_optimizer else "device",
+                                      offload=a.offload)
     if a.memory_profile:
         from kohakumoss.memory.profiles import PROFILE_ENGINES
 
