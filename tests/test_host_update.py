@@ -110,7 +110,7 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
 PROFILES_ON_CUDA = {  # what each profile runs on a CUDA device, forced here on the CPU
     "speed": MemoryEngines("none"),
     "balanced": MemoryEngines("none", rebuild=True),
-    "low": MemoryEngines("block", stream_slots=4, optimizer="host"),
+    "low": MemoryEngines("block", stream_slots=4, optimizer="host", offload=True),
     "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),
 }
 
@@ -141,11 +141,13 @@ def test_a_resumed_run_equals_an_uninterrupted_one_under_every_profile(tmp_path,
     _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")
 
 
-def test_a_streamed_full_finetune_is_the_resident_one_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["block", "block-offload"])
+def test_a_streamed_full_finetune_is_the_resident_one_bit_for_bit(tmp_path, offload):
     """A full finetune whose block matrices stream in bf16 (fp32 masters, gradients and
-    AdamW on the host) computes what the resident fp32-master autocast run computes: the
-    same values meet the same kernels. Resumed from the resident run's step-2 checkpoint it
-    writes that run's step-4 checkpoint (masters, not bf16 copies), bit for bit."""
+    AdamW on the host; with ``offload`` the blocks' kept inputs and attention outputs on the
+    host too, ``low``'s engines) computes what the resident fp32-master autocast run
+    computes: the same values meet the same kernels. Resumed from the resident run's step-2
+    checkpoint it writes that run's step-4 checkpoint (masters, not bf16 copies), bit for bit."""
     from kohakumoss.params import load_params
     from kohakumoss.training.build import RunPaths, build_components
     from kohakumoss.training.trainer import Trainer
@@ -159,7 +161,8 @@ def test_a_streamed_full_finetune_is_the_resident_one_bit_for_bit(tmp_path):
     p, paths = load_params(params), _prepare(tmp_path, params)
     policy = precision_policy("bf16", full=True)
     plain = Trainer(p, paths, build_components(p, paths, EnginePlan(CPU, policy))).run(progress=False)
-    streamed_plan = EnginePlan(CPU, policy, memory=MemoryEngines("block", stream_slots=2, optimizer="host"))
+    streamed_plan = EnginePlan(CPU, policy, memory=MemoryEngines("block", stream_slots=2, optimizer="host",
+                                                                 offload=offload))
     other = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "s")
     c = build_components(p, other, streamed_plan)
     ring = c.model.weight_ring

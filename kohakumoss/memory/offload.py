@@ -19,6 +19,7 @@ under weight streaming (the recomputed block loads itself).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -140,11 +141,20 @@ class Offloader:
         return back[0], groups
 
 
+def _autocast_state(device_type: str) -> dict[str, tuple[bool, torch.dtype, bool]]:
+    """Autocast as forward runs it, on the device and the CPU: the recomputation in backward
+    runs under the same (backward itself runs outside the forward's autocast region)."""
+    cache = torch.is_autocast_cache_enabled()
+    return {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), cache)
+            for kind in dict.fromkeys((device_type, "cpu"))}
+
+
 class _OffloadedBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, offloader, trains, tail, x, *tensors):
         ctx.call, ctx.offloader, ctx.trains, ctx.tail = call, offloader, trains, tail
         ctx.index = offloader.keep(x)
+        ctx.autocast = _autocast_state(offloader.device.type)
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(offloader.device) if offloader.cuda else None
         ctx.save_for_backward(*tensors)
@@ -164,7 +174,10 @@ class _OffloadedBlock(torch.autograd.Function):
         devices = [off.device] if off.cuda else []
         off.part = (ctx.index, kept)
         try:
-            with torch.random.fork_rng(devices=devices), torch.enable_grad(), unevaluated(ctx.tail):
+            with torch.random.fork_rng(devices=devices), torch.enable_grad(), unevaluated(ctx.tail), \
+                    contextlib.ExitStack() as autocast:
+                for kind, (enabled, dtype, cache) in ctx.autocast.items():  # as forward ran
+                    autocast.enter_context(torch.autocast(kind, dtype, enabled, cache))
                 torch.set_rng_state(ctx.cpu_rng)
                 if ctx.cuda_rng is not None:
                     torch.cuda.set_rng_state(ctx.cuda_rng, off.device)

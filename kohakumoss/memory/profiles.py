@@ -11,11 +11,14 @@ speed      nothing checkpointed (every activation kept: fastest, most memory)
 balanced   nothing checkpointed, but the norms', RoPE's and SiTU's outputs are not kept:
            backward runs those ops again on their kept inputs (``rebuild``; no matmul runs
            twice)
-low        every block keeps only its input (``block`` checkpointing), the frozen base's block
-           weights streamed through 4 device slots, the optimizer on the host (gradients
-           offloaded, states and update on the CPU)
+low        every block keeps only its input (``block`` checkpointing), in host memory with its
+           attention output (activation offload: the recomputation skips the attention and
+           the block's last linear), the frozen base's block weights streamed through 4
+           device slots, the optimizer on the host (gradients offloaded, states and update
+           on the CPU)
 minimal    ``sub-block`` checkpointing (half a block recomputed at a time) whose kept inputs
-           wait in host memory, weights streamed through 2 slots, the optimizer on the host
+           wait in host memory as ``low``'s, weights streamed through 2 slots, the optimizer
+           on the host
 =========  ==============================================================================
 
 Weight streaming needs a CUDA device and a frozen base, the host update and activation
@@ -53,19 +56,21 @@ class MemoryEngines:
 PROFILE_ENGINES: dict[str, MemoryEngines] = {
     "speed": MemoryEngines("none"),
     "balanced": MemoryEngines("none", rebuild=True),
-    "low": MemoryEngines("block", stream_slots=4, optimizer="host"),
+    "low": MemoryEngines("block", stream_slots=4, optimizer="host", offload=True),
     "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),
 }
-FASTEST_FIRST = ("speed", "balanced", "low", "minimal")  # the distinct profiles, fastest first (auto's order)
+FASTEST_FIRST = ("speed", "balanced", "low", "minimal")  # the distinct profiles, by memory (auto sorts by slowdown)
 
 
 # what each engine adds to the step time of ``speed`` (nothing checkpointed, resident), as
-# measured on the H200 (rank-32 LoRA at 1 MP, four samples per step, 2026-12-02,
-# docs/performance.md, the capped table): recomputing every block's forward (block or
-# sub-block checkpointing) +53%, selective checkpointing +22%, rebuilding the elementwise
-# outputs +6%; streaming, the host update and activation offload a little more on top.
-# Only the order matters: ``profile: auto`` tries the engines fastest first.
-RECOMPUTE_ALL, RECOMPUTE_ELEMENTWISE, REBUILD, PER_HOST_ENGINE = 0.53, 0.22, 0.06, 0.01
+# measured on the H200 (rank-32 LoRA at 1 MP, four samples per step, docs/performance.md):
+# recomputing every block's forward +40% (block or sub-block checkpointing, 2026-12-03),
+# +29% (block) and +26% (sub-block) when activation offload replays the attention and skips
+# the tails (2026-12-03), selective checkpointing +22%, rebuilding the elementwise outputs
+# +6% (2026-12-02); streaming, the host update and activation offload's copies a little
+# more on top. Only the order matters: ``profile: auto`` tries the engines fastest first.
+RECOMPUTE_ALL, RECOMPUTE_ELEMENTWISE, REBUILD, PER_HOST_ENGINE = 0.40, 0.22, 0.06, 0.01
+RECOMPUTE_REPLAYED = {"block": 0.29, "sub-block": 0.26}
 
 
 def slowdown(engines: MemoryEngines, depth: int) -> float:
@@ -74,6 +79,8 @@ def slowdown(engines: MemoryEngines, depth: int) -> float:
     if mode == "partial":
         share = min(engines.checkpoint_blocks, depth) / depth
         cost = RECOMPUTE_ALL * share + REBUILD * (1 - share) * engines.rebuild
+    elif engines.offload and mode in RECOMPUTE_REPLAYED:
+        cost = RECOMPUTE_REPLAYED[mode]
     else:
         cost = {"none": REBUILD * engines.rebuild, "selective": RECOMPUTE_ELEMENTWISE}.get(mode, RECOMPUTE_ALL)
     host = (engines.stream_slots > 0) + (engines.optimizer == "host") + engines.offload

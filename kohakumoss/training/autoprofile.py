@@ -1,8 +1,8 @@
 """``profile: auto`` and the named profiles, resolved for a run: the fastest engines whose
 memory estimate (``kohakumoss.training.estimate``) fits the memory the device has free, in
 the order ``kohakumoss.memory.profiles.slowdown`` predicts (``speed``; ``balanced``'s
-rebuilt outputs; ``partial`` checkpointing of 1, 2, ... blocks; ``block``; ``low``;
-``minimal``), and why (``docs/memory.md#estimator``).
+rebuilt outputs; ``partial`` checkpointing of 1, 2, ... blocks; on CUDA, checkpointing with
+activation offload, ``minimal`` and ``low``; ``block``), and why (``docs/memory.md#estimator``).
 """
 
 from __future__ import annotations
@@ -60,9 +60,13 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     depth = built[0].config.depth
     candidates = [("speed", PROFILE_ENGINES["speed"]), ("auto", MemoryEngines("block"))]
     candidates += [("auto", MemoryEngines("partial", k, rebuild=True)) for k in range(1, depth)]
-    seen = set()
-    for name in FASTEST_FIRST[1:]:  # those this run cannot place (streaming on the CPU) drop out
-        engines = placed(PROFILE_ENGINES[name], params, device)[0]
+    seen = {MemoryEngines("block")}
+    # the named profiles, then checkpointing with activation offload and resident weights
+    # (on CUDA: the recomputation replays the attention); what this run cannot place
+    # (streaming or offload on the CPU) drops out
+    named = [(name, PROFILE_ENGINES[name]) for name in FASTEST_FIRST[1:]]
+    for name, wanted in named + [("auto", MemoryEngines(m, offload=True)) for m in ("sub-block", "block")]:
+        engines = placed(wanted, params, device)[0]
         if engines.optimizer == "host" and params.parallel.world_size > 1:
             continue  # the host update does not reduce gradients across ranks yet
         if engines.stream_slots and params.precision.base != "keep":
@@ -79,7 +83,7 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
                    f"whose {size(est.peak)} estimate fits {size(budget)} "
                    f"({HEADROOM:.0%} of {size(free)} free on {device})")
             return name, engines, est, why
-    name, engines = candidates[-1]
+    name, engines = min(candidates, key=lambda c: estimates[c[1]].peak)  # the leanest
     est = estimates[engines]
     why = (f"profile auto: nothing fits {size(budget)} ({HEADROOM:.0%} of {size(free)} free on "
            f"{device}); running {name}, the leanest, at {size(est.peak)} estimated: it may run "
