@@ -31,6 +31,19 @@ from kohakumoss.memory.replay import KeptAttention, unevaluated
 from kohakumoss.model.dit import HALVES
 
 
+def _like(t: torch.Tensor, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
+    """An empty tensor for a copy of ``t`` on ``device``, in ``t``'s strides when they cover its
+    elements densely (a kernel's backward may take its saved output's layout as given), else
+    contiguous."""
+    order = sorted(range(t.dim()), key=t.stride)
+    step, dense = 1, True
+    for d in order:
+        dense = dense and (t.shape[d] == 1 or t.stride(d) == step)
+        step *= t.shape[d]
+    stride = t.stride() if dense else torch.empty(t.shape, device="meta").stride()
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=device, pin_memory=pin_memory)
+
+
 @dataclasses.dataclass
 class _Kept:
     host: list[torch.Tensor]  # the host copies: the part's input, then what it kept besides
@@ -65,9 +78,7 @@ class Offloader:
 
     def _to_host(self, entry: _Kept, tensors: list[torch.Tensor]) -> None:
         big = [t for t in tensors if t.numel() * t.element_size() >= self.SMALL or not self.cuda]
-        # in the same strides: a kernel's backward may take its saved output's layout as given
-        hosts = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=self.cuda)
-                 for t in big]
+        hosts = [_like(t, pin_memory=self.cuda) for t in big]
         if self.cuda and big:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -108,8 +119,8 @@ class Offloader:
         if not self.cuda:
             entry.back = [h.clone() if h is not None else d for h, d in zip(entry.host, entry.device)]
             return
-        back = [torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
-                if h is not None else d for h, d in zip(entry.host, entry.device)]
+        back = [_like(h, device=self.device) if h is not None else d
+                for h, d in zip(entry.host, entry.device)]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if entry.ready is not None:
