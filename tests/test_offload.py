@@ -193,3 +193,32 @@ def test_forward_keeps_no_graph_of_the_recorded_attention_under_an_outer_pack_ho
               torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
     gc.collect()
     assert made and all(r() is None for r in made)
+
+
+def test_a_backend_the_mode_cannot_see_is_recomputed_as_before():
+    """Flex attention is compiled: the dispatch mode would not see its kernel as one op.
+    An op table entry that says it runs flex is left alone: nothing recorded, backward runs
+    the attention again, the gradients are still plain autograd's."""
+    plain = _model(preset="attn-mlp")
+    model, aset, off = _model(offload=True, preset="attn-mlp")
+    reference = model.ops.varlen_attention.attention
+
+    class Flexish:
+        def backend_for(self, *args):
+            return "flex"
+
+        def __call__(self, *args):
+            return reference(*args)
+
+    model.ops.varlen_attention.attention = Flexish()
+    for _ in range(2):
+        _same(_step(model, aset), _step(*plain[:2]))
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    assert off.kept and all(not entry.added for entry in off.kept)  # nothing beside the inputs
+    with _Kernels() as counted:
+        out.float().square().mean().backward()
+    assert counted.attention == c.depth * 2

@@ -69,6 +69,11 @@ class _Replay(TorchDispatchMode):
         return out
 
 
+# backends whose kernels a dispatch mode does not see as one op (flex is compiled): run as
+# they are, and recomputed
+UNSEEN = ("flex",)
+
+
 def _dropped(_):
     return None
 
@@ -83,8 +88,9 @@ class KeptAttention:
 
     def __call__(self, q, k, v, lengths):
         part = self.offloader.part
-        if part is None:
-            return self.attention(q, k, v, lengths)
+        chosen = getattr(self.attention, "backend_for", None)  # a kernel table's op
+        if part is None or (part[1] is None and chosen is not None and chosen(q, k, v, lengths) in UNSEEN):
+            return self.attention(q, k, v, lengths)  # (nothing recorded: the part recomputes it)
         index, kept = part
         if kept is None:  # forward (without grad): run as backward will need it, and record
             # the graph this builds never runs backward: it saves nothing (an outer pack hook,
