@@ -246,9 +246,30 @@ def test_auto_leaves_the_streamed_profiles_to_an_unquantized_base(tmp_path):
 
     base, batch, cuda = FLAVORS["base"], [(4096, 104)], torch.device("cuda")
     int8 = params(base="int8")
-    resident = estimate(int8, batch, MemoryEngines("sub-block"), config=base)
-    free = int(resident.peak * 0.9 / HEADROOM)
+    offloaded = estimate(int8, batch, MemoryEngines("sub-block", offload=True), config=base)
+    free = int(offloaded.peak * 0.9 / HEADROOM)
     _, engines, _, _ = resolve_profile(params(), batch, cuda, free=free, config=base, host_free=64 * 2**30)
     assert engines.stream_slots  # bf16: streaming fits
     _, engines, _, why = resolve_profile(int8, batch, cuda, free=free, config=base, host_free=64 * 2**30)
     assert not engines.stream_slots and "nothing fits" in why, (engines, why)
+    # with a little more room the int8 base's leanest resident engines fit: offloaded halves
+    free = int(offloaded.peak * 1.01 / HEADROOM)
+    _, engines, _, why = resolve_profile(int8, batch, cuda, free=free, config=base, host_free=64 * 2**30)
+    assert engines == MemoryEngines("sub-block", offload=True), (engines, why)
+
+
+@pytest.mark.parametrize("base", ["int8", "fp8"])
+@pytest.mark.parametrize("halves", [False, True], ids=["block", "sub-block"])
+def test_activation_offload_over_a_quantized_base_is_exact(base, halves):
+    """Offload's recomputation (the attention replayed; the quantized tails run as they are:
+    they keep only their inputs) gives the resident quantized model's output and LoRA
+    gradients bit for bit."""
+    from kohakumoss.memory.offload import apply_activation_offload
+
+    plain, offloaded = tiny_transformer(), tiny_transformer()
+    quantize_base(plain, base)
+    quantize_base(offloaded, base)
+    apply_activation_offload(offloaded, "cpu", halves=halves)
+    (out, grads), (want, want_grads) = _forward_and_grads(offloaded), _forward_and_grads(plain)
+    assert torch.equal(out, want) and offloaded.offloader.bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
