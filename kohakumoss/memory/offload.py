@@ -31,19 +31,6 @@ from kohakumoss.memory.replay import KeptAttention, unevaluated
 from kohakumoss.model.dit import HALVES
 
 
-def _like(t: torch.Tensor, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
-    """An empty tensor for a copy of ``t`` on ``device``, in ``t``'s strides when they cover its
-    elements densely (a kernel's backward may take its saved output's layout as given), else
-    contiguous."""
-    order = sorted(range(t.dim()), key=t.stride)
-    step, dense = 1, True
-    for d in order:
-        dense = dense and (t.shape[d] == 1 or t.stride(d) == step)
-        step *= t.shape[d]
-    stride = t.stride() if dense else torch.empty(t.shape, device="meta").stride()
-    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=device, pin_memory=pin_memory)
-
-
 @dataclasses.dataclass
 class _Kept:
     host: list[torch.Tensor]  # the host copies: the part's input, then what it kept besides
@@ -78,7 +65,9 @@ class Offloader:
 
     def _to_host(self, entry: _Kept, tensors: list[torch.Tensor]) -> None:
         big = [t for t in tensors if t.numel() * t.element_size() >= self.SMALL or not self.cuda]
-        hosts = [_like(t, pin_memory=self.cuda) for t in big]
+        # in the same strides where dense (preserve_format): a kernel's backward may take its
+        # saved output's layout as given
+        hosts = [torch.empty_like(t, device="cpu", pin_memory=self.cuda) for t in big]
         if self.cuda and big:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -90,11 +79,9 @@ class Offloader:
         else:
             for h, t in zip(hosts, big):
                 h.copy_(t)
-        it = iter(hosts)
-        for t in tensors:
-            on_host = any(t is b for b in big)
-            entry.host.append(next(it) if on_host else None)
-            entry.device.append(None if on_host else t)
+        on_host = {id(t): h for t, h in zip(big, hosts)}
+        entry.host += [on_host.get(id(t)) for t in tensors]
+        entry.device += [None if id(t) in on_host else t for t in tensors]
         self.bytes += sum(h.numel() * h.element_size() for h in hosts)
 
     def keep(self, x: torch.Tensor) -> int:
@@ -119,7 +106,7 @@ class Offloader:
         if not self.cuda:
             entry.back = [h.clone() if h is not None else d for h, d in zip(entry.host, entry.device)]
             return
-        back = [_like(h, device=self.device) if h is not None else d
+        back = [torch.empty_like(h, device=self.device) if h is not None else d
                 for h, d in zip(entry.host, entry.device)]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):

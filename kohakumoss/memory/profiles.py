@@ -59,7 +59,7 @@ PROFILE_ENGINES: dict[str, MemoryEngines] = {
     "low": MemoryEngines("block", stream_slots=4, optimizer="host", offload=True),
     "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),
 }
-FASTEST_FIRST = ("speed", "balanced", "low", "minimal")  # the distinct profiles, by memory (auto sorts by slowdown)
+PROFILES_BY_MEMORY = ("speed", "balanced", "low", "minimal")  # the distinct profiles, most memory first (auto sorts by slowdown)
 
 
 # what each engine adds to the step time of ``speed`` (nothing checkpointed, resident), as

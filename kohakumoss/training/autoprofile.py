@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kohakumoss.config import Params
-from kohakumoss.memory.profiles import FASTEST_FIRST, PROFILE_ENGINES, MemoryEngines, slowdown
+from kohakumoss.memory.profiles import PROFILES_BY_MEMORY, PROFILE_ENGINES, MemoryEngines, slowdown
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.training.estimate import Estimate, _meta_model, estimate, placed, profile_engines, size
 
@@ -64,7 +64,7 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     # the named profiles, then checkpointing with activation offload and resident weights
     # (on CUDA: the recomputation replays the attention); what this run cannot place
     # (streaming or offload on the CPU) drops out
-    named = [(name, PROFILE_ENGINES[name]) for name in FASTEST_FIRST[1:]]
+    named = [(name, PROFILE_ENGINES[name]) for name in PROFILES_BY_MEMORY[1:]]
     for name, wanted in named + [("auto", MemoryEngines(m, offload=True)) for m in ("sub-block", "block")]:
         engines = placed(wanted, params, device)[0]
         if engines.optimizer == "host" and params.parallel.world_size > 1:

@@ -228,13 +228,13 @@ def _block_bytes(block, args, mlp_width: int, shared: Sequence[torch.Tensor], re
     n, d = args[0].shape
     size = args[0].element_size()
     inputs = n * d * size
-    attention = n * d * size + n * block.heads * 4  # its output and log-sum-exp
+    out, lse = n * d * size, n * block.heads * 4  # attention's output and log-sum-exp
     # selective keeps each linear's output (an adapter's delta is added into it) and attention's
     linears = sum(m.out_features for m in block.modules() if isinstance(m, torch.nn.Linear))
     rebuilt = sum(b for s, b in recipes.items() if s not in storages)
     return _BlockBytes(kept=sum(storages.values()) + rebuilt, inputs=inputs, half_inputs=2 * inputs,
-                       attention=n * d * size, lse=n * block.heads * 4,
-                       selective=inputs + n * linears * size + attention, rebuilt=rebuilt,
+                       attention=out, lse=lse,
+                       selective=inputs + n * linears * size + out + lse, rebuilt=rebuilt,
                        row=n * (2 * mlp_width + 2 * d) * size)
 
 
