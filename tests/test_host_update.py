@@ -226,3 +226,23 @@ def test_a_streamed_full_finetune_on_cuda_gives_the_resident_gradients():
     assert a.keys() == b.keys()
     bad = [n for n in a if not torch.equal(a[n], b[n])]
     assert not bad, bad[:5]
+
+
+def test_a_finished_host_update_frees_its_parameters_and_gradients():
+    """The landing hooks live on the parameters (autograd's C++ side, out of the garbage
+    collector's sight): they must not hold the update, or a dropped run's parameters, device
+    gradients and masters stay alive (0.55 GiB a run for the published LoRA, measured)."""
+    import gc
+    import weakref
+
+    net, named = _toy()
+    update = HostUpdate(named, CPU)
+    opt = build_optimizer(update.named_masters, OptimConfig(lr=1e-2))
+    update.attach(opt)
+    net(torch.randn(5, 6)).square().mean().backward()
+    update.finish_backward()
+    opt.step()
+    alive = [weakref.ref(t) for _, t in named] + [weakref.ref(update)]
+    del net, named, update, opt
+    gc.collect()
+    assert [r() for r in alive] == [None] * len(alive)

@@ -26,6 +26,7 @@ GPU's (fp32 round-off apart).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -49,29 +50,33 @@ class HostUpdate:
         self.before_push: list = []  # called before the masters are written back (ring.invalidate)
         self.pushed: torch.cuda.Event | None = None
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # the hooks reach this object through a weak reference: a parameter's hooks live in
+        # autograd's C++ side, where the garbage collector cannot see a cycle back to the
+        # parameter (a strong one kept every parameter and gradient alive after the run)
+        me = weakref.ref(self)
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._hook(i))
+            p.register_post_accumulate_grad_hook(_landing_hook(me, i))
         self.copied = 0  # bytes copied to the host (a benchmark reads it)
 
     @property
     def named_masters(self) -> list[tuple[str, torch.Tensor]]:
         return list(zip(self.names, self.masters))
 
-    def _hook(self, i: int):
-        def hook(p: torch.Tensor) -> None:
-            grad, p.grad = p.grad, None
-            if self.staging[i] is None or self.staging[i].dtype != grad.dtype:
-                self.staging[i] = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.cuda)
-            if self.cuda:
-                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.copy_stream):
-                    self.staging[i].copy_(grad, non_blocking=True)
-                grad.record_stream(self.copy_stream)  # not reused before the copy is done
-            else:
-                self.staging[i].copy_(grad)
-            self.arrived[i] = True
-            self.copied += grad.numel() * grad.element_size()
-        return hook
+    def land(self, i: int, p: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient, just accumulated: copied to its landing buffer on the
+        side stream, and dropped from the device."""
+        grad, p.grad = p.grad, None
+        if self.staging[i] is None or self.staging[i].dtype != grad.dtype:
+            self.staging[i] = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.cuda)
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                self.staging[i].copy_(grad, non_blocking=True)
+            grad.record_stream(self.copy_stream)  # not reused before the copy is done
+        else:
+            self.staging[i].copy_(grad)
+        self.arrived[i] = True
+        self.copied += grad.numel() * grad.element_size()
 
     @torch.no_grad()
     def finish_backward(self) -> None:
@@ -129,3 +134,10 @@ class HostUpdate:
         dtype: counted as the parameters')."""
         return sum(m.numel() * (2 * m.element_size() + p.element_size())
                    for m, p in zip(self.masters, self.params))
+
+
+def _landing_hook(update: weakref.ref, i: int):
+    def hook(p: torch.Tensor) -> None:
+        if (live := update()) is not None:
+            live.land(i, p)
+    return hook
