@@ -53,8 +53,11 @@ OPTIMIZER_STATES = {"adamw": 2, "muon": 1}  # fp32 states per trained parameter
 WORKING_SET = 6
 RECOMPUTED_WORKING_SET = {"block": 0.25, "sub-block": 1.7}
 # streamed steps: device buffers the side streams (weight slots, offloaded inputs, gradients
-# leaving for the host) still hold until the copy stream has passed them (H200, 1-4 samples)
-SIDE_STREAM_BYTES = int(0.43 * 2**30)
+# leaving for the host) still hold until the copy stream has passed them: a constant and
+# rows per token (fitted on `low` and `minimal`, 1 and 4 samples, H200: docs/performance.md,
+# "The capped table, rerun")
+SIDE_STREAM_BYTES = int(0.07 * 2**30)
+SIDE_STREAM_ROWS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +310,8 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         extra = max(0, joint.kept - joint.selective)
     else:  # partial short of every block: a kept block's activations are freed before the
         extra = 0  # first recomputation starts, and one block's recomputation needs no more
+    if engines.stream_slots:
+        rows += SIDE_STREAM_ROWS
     transient = int(rows * joint.row) + extra + (SIDE_STREAM_BYTES if engines.stream_slots else 0)
     # the step's own tensors: latents, noise, target and prediction (fp32), the text states
     n_img = n_joint - n_txt
