@@ -34,6 +34,7 @@ from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
 from kohakumoss.precision import precision_policy
+from kohakumoss.memory.allocator import tight_allocator
 from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.training.engines import EnginePlan, apply_engines
 from kohakumoss.training.optim import build_optimizer
@@ -382,6 +383,9 @@ def main() -> None:
     ap.add_argument("--quant-backends", nargs="*", default=[],
                     help="a quantized base's quant_linear backends, in order (default: the "
                          "engines' own, dequant_mm from 1024 rows, else the fused triton kernel)")
+    ap.add_argument("--fixed-segments", action="store_true",
+                    help="leave the allocator as it is (by default a streamed or offloaded run "
+                         "takes expandable segments, as kmoss train does)")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
@@ -396,6 +400,7 @@ def main() -> None:
         from kohakumoss.memory.profiles import PROFILE_ENGINES
 
         ENGINES["memory"] = PROFILE_ENGINES[a.memory_profile]
+    expandable = False if a.fixed_segments else tight_allocator(ENGINES["memory"], torch.device("cuda"))
     caps = a.cap or [0.0]
     COMPILE_BLOCKS[0] = a.compile_blocks
     rate = matmul_rate()
@@ -403,7 +408,7 @@ def main() -> None:
            "checkpointing": a.checkpointing, "checkpoint_blocks": a.checkpoint_blocks,
            "recompute": not a.no_recompute, "memory": ENGINES["memory"].describe(),
            "memory_profile": a.memory_profile, "cap_gib": caps, "quant_backends": a.quant_backends,
-           "compile_blocks": a.compile_blocks,
+           "compile_blocks": a.compile_blocks, "expandable_segments": expandable,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:
         for cap in caps:

@@ -29,6 +29,7 @@ from kohakumoss.diffusion.timesteps import LogitNormalTimesteps, MossTimesteps, 
 from kohakumoss.formats import load_dit
 from kohakumoss.formats.model_files import stored_weights
 from kohakumoss.kernels.table import device_signature
+from kohakumoss.memory.allocator import tight_allocator
 from kohakumoss.memory.host_update import HostUpdate
 from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.model.dit import MOSSImageTransformer
@@ -118,18 +119,20 @@ def run_kernels(path: Path, engines: EnginePlan, plan_hash: str,
 def run_memory(params: Params, batches: list[list[tuple[int, int]]],
                device: torch.device) -> MemoryEngines:
     """The memory engines of the run's profile (``auto``: resolved against the device's free
-    memory), with the estimate for the plan's largest micro-batch logged."""
+    memory), with the estimate for the plan's largest micro-batch logged; the allocator set
+    for them (``tight_allocator``) before the model comes to the device."""
     batch = max(batches, key=lambda b: sum(i + t for i, t in b), default=[])
     try:
         _, memory, est, why = resolve_profile(params, batch, device)
     except Exception as e:  # the estimate is advice: a run never fails for want of it
         from kohakumoss.training.estimate import placed
 
-        fallback = placed(engine_plan(params, device).memory, params, device)[0]
-        log.warning("no memory estimate (%s: %s); running %s", type(e).__name__, e, fallback.describe())
-        return fallback
-    log.info("%s", why)
-    log.info("memory: %s", est.describe())
+        memory = placed(engine_plan(params, device).memory, params, device)[0]
+        log.warning("no memory estimate (%s: %s); running %s", type(e).__name__, e, memory.describe())
+    else:
+        log.info("%s", why)
+        log.info("memory: %s", est.describe())
+    tight_allocator(memory, device)
     return memory
 
 
