@@ -44,6 +44,7 @@ from _report import report  # bench/_report.py (the script's folder is on sys.pa
 KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in order}
 ENGINES = {}  # --checkpointing, --checkpoint-blocks, --no-recompute: the EnginePlan's memory
 COMPILE_BLOCKS: list[bool] = [False]  # --compile-blocks
+NO_OVERLAP: list[bool] = [False]  # --no-overlap
 CAP: list[float] = [0.0]  # --cap: the allocator's limit in GiB (0: none)
 
 
@@ -142,8 +143,10 @@ def step_fn(model, opt, lat, txt, keys, step, device="cuda", update=None):
     loss.backward()
     if update is not None:  # memory.optimizer host: the gradients gathered on the host
         update.finish_backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+        update.step(opt)  # overlapped: beside the next step's forward
+    else:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return layout
 
 
@@ -243,9 +246,12 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     named = list(adapters.named_trainable())
     update = None
     if memory.optimizer == "host":
+        from kohakumoss.adapters.inject import lora_name
         from kohakumoss.memory.host_update import HostUpdate
+        from kohakumoss.memory.overlap import OverlappedUpdate
 
-        update = HostUpdate(named, torch.device("cuda"))
+        update = HostUpdate(named, torch.device("cuda")) if NO_OVERLAP[0] else \
+            OverlappedUpdate(named, torch.device("cuda"), model, renamed=lora_name)
         opt = build_optimizer(update.named_masters, OptimConfig(lr=1e-4))
         update.attach(opt)
     else:
@@ -263,6 +269,8 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
             held = max(held, held_gib())
             if s >= 2:
                 times.append(time.perf_counter() - t0)
+        if update is not None:
+            update.wait()
     except torch.OutOfMemoryError as e:
         out = {"budget": budget, "samples_per_step": per, "cap_gib": CAP[0], "error": "out of memory",
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -309,7 +317,7 @@ def bench_full(text_len: int, root: str, steps: int = 3) -> dict:
     if memory.optimizer == "host":
         from kohakumoss.memory.host_update import HostUpdate
 
-        update = HostUpdate(named, torch.device("cuda"))
+        update = HostUpdate(named, torch.device("cuda"))  # streamed blocks: not overlapped
         named = update.named_masters
     if memory.stream_slots:
         from kohakumoss.memory.streaming import apply_weight_streaming
@@ -383,6 +391,9 @@ def main() -> None:
     ap.add_argument("--quant-backends", nargs="*", default=[],
                     help="a quantized base's quant_linear backends, in order (default: the "
                          "engines' own, dequant_mm from 1024 rows, else the fused triton kernel)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="with the host optimizer: the update between steps, not beside the next "
+                         "forward (kmoss train overlaps an adapter's)")
     ap.add_argument("--fixed-segments", action="store_true",
                     help="leave the allocator as it is (by default a streamed or offloaded run "
                          "takes expandable segments, as kmoss train does)")
@@ -403,12 +414,14 @@ def main() -> None:
     expandable = False if a.fixed_segments else tight_allocator(ENGINES["memory"], torch.device("cuda"))
     caps = a.cap or [0.0]
     COMPILE_BLOCKS[0] = a.compile_blocks
+    NO_OVERLAP[0] = a.no_overlap
     rate = matmul_rate()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
            "checkpointing": a.checkpointing, "checkpoint_blocks": a.checkpoint_blocks,
            "recompute": not a.no_recompute, "memory": ENGINES["memory"].describe(),
            "memory_profile": a.memory_profile, "cap_gib": caps, "quant_backends": a.quant_backends,
            "compile_blocks": a.compile_blocks, "expandable_segments": expandable,
+           "overlapped_update": not a.no_overlap,
            "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
     with tempfile.TemporaryDirectory() as root:
         for cap in caps:

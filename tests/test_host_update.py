@@ -94,7 +94,10 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
                            optim={"lr": 3e-3, "ema": 0.9})
     p, paths = load_params(params), _prepare(tmp_path, params)
     lean = Trainer(p, paths, build_components(p, paths, _lean()))
-    assert lean.update is not None and lean.run(progress=False).start_step == 0
+    from kohakumoss.memory.overlap import OverlappedUpdate
+
+    assert isinstance(lean.update, OverlappedUpdate)  # an adapter's update: beside the forward
+    assert lean.run(progress=False).start_step == 0
     other = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "b")
     plain = Trainer(p, other, build_components(p, other, EnginePlan(CPU, precision_policy("fp32", full=False))))
     assert plain.update is None

@@ -27,7 +27,7 @@ GPU's (fp32 round-off apart).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -128,6 +128,19 @@ class HostUpdate:
         """Copy the masters back to the device after each of ``optimizer``'s steps."""
         optimizer.register_step_pre_hook(lambda *_: self._settle())
         optimizer.register_step_post_hook(lambda *_: self.push())
+
+    def step(self, optimizer: torch.optim.Optimizer, after: Callable[[], None] | None = None) -> None:
+        """One update: ``optimizer``'s step over the masters (the device's tensors follow
+        through ``attach``'s hook), then ``after`` (the EMA's update), then the masters'
+        gradients dropped."""
+        optimizer.step()
+        if after is not None:
+            after()
+        optimizer.zero_grad(set_to_none=True)
+
+    def wait(self) -> None:
+        """The update done (``OverlappedUpdate`` runs it beside the next forward; here it
+        is done when ``step`` returns)."""
 
     def host_bytes(self) -> int:
         """Masters, their gradients and the landing buffers (the last in the gradients'

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kohakumoss.adapters.inject import lora_name
 from kohakumoss.artifacts import Manifest, atomic_write_json
 from kohakumoss.cache.build import check_sources, text_identity, vae_identity
 from kohakumoss.cache.lookup import BatchCaches
@@ -31,6 +32,7 @@ from kohakumoss.formats.model_files import stored_weights
 from kohakumoss.kernels.table import device_signature
 from kohakumoss.memory.allocator import tight_allocator
 from kohakumoss.memory.host_update import HostUpdate
+from kohakumoss.memory.overlap import OverlappedUpdate
 from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.parallel import Dist
@@ -169,7 +171,10 @@ def build_components(params: Params, paths: RunPaths,
     update = None
     if engines.memory.optimizer == "host":  # the optimizer, clipping and EMA on host masters
         # (taken before placement: a streamed full finetune holds its blocks in bf16 after it)
-        update = HostUpdate(named, device)
+        # an adapter's update runs beside the next forward, block by block (a full
+        # finetune's streamed blocks take theirs through the weight ring: not overlapped)
+        update = HostUpdate(named, device) if p.adapter.full else \
+            OverlappedUpdate(named, device, model, renamed=lora_name)
         named = update.named_masters
         log.info("optimizer on the host: %d tensors (%s of masters, gradients and landing "
                  "buffers in host memory); the device keeps no gradient or optimizer state",

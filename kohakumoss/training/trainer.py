@@ -95,6 +95,8 @@ class Trainer:
     def save(self, step: int, log: dict[str, Any] | None = None) -> Path | None:
         """Write the checkpoint of ``step``; ``log`` (the metrics so far) goes with it. A
         sharded run's ranks all gather the state; rank 0 writes it."""
+        if self.update is not None:  # an overlapped update still at work
+            self.update.wait()
         # the EMA's averages go to ema.safetensors only, its counters with the optimiser
         ema = {k: v for k, v in self.ema.state_dict().items() if k != "shadow"} if self.ema else None
         shadow = self.ema.shadow if self.ema else None
@@ -218,11 +220,15 @@ class Trainer:
         grad_norm, finite = clip_and_check(self.trained_tensors, p.optim.grad_clip)
         if self.scaler is not None:  # an overflow: this step is skipped and the scale halves
             self.scaler.update(finite)
-        if finite:
-            self.optimizer.step()
-            if self.ema is not None:
-                self.ema.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        after = self.ema.update if self.ema is not None else None
+        if finite and self.update is not None:  # steps, then the EMA, then drops the gradients
+            self.update.step(self.optimizer, after)  # (overlapped: beside the next forward)
+        else:
+            if finite:
+                self.optimizer.step()
+                if after is not None:
+                    after()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return total, grad_norm, finite, samples
 
