@@ -19,6 +19,7 @@ AdamW) and its peak memory. Both models get the engines a training run applies
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -237,7 +238,8 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     if memory.stream_slots:
         from kohakumoss.memory.streaming import apply_weight_streaming
 
-        ring = apply_weight_streaming(model, torch.device("cuda"), memory.stream_slots)
+        ring = apply_weight_streaming(model, torch.device("cuda"), memory.stream_slots,
+                                      resident=memory.resident_blocks)
         torch.cuda.empty_cache()
     if CAP[0]:  # the allocator capped from here on (the model was built on the card uncapped)
         torch.cuda.set_per_process_memory_fraction(CAP[0] * 2**30 / torch.cuda.mem_get_info()[1])
@@ -391,6 +393,8 @@ def main() -> None:
     ap.add_argument("--quant-backends", nargs="*", default=[],
                     help="a quantized base's quant_linear backends, in order (default: the "
                          "engines' own, dequant_mm from 1024 rows, else the fused triton kernel)")
+    ap.add_argument("--resident-blocks", type=int, default=0,
+                    help="streaming: the first blocks' weights stay on the device (auto fills this)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="with the host optimizer: the update between steps, not beside the next "
                          "forward (kmoss train overlaps an adapter's)")
@@ -411,6 +415,8 @@ def main() -> None:
         from kohakumoss.memory.profiles import PROFILE_ENGINES
 
         ENGINES["memory"] = PROFILE_ENGINES[a.memory_profile]
+    if a.resident_blocks:
+        ENGINES["memory"] = dataclasses.replace(ENGINES["memory"], resident_blocks=a.resident_blocks)
     expandable = False if a.fixed_segments else tight_allocator(ENGINES["memory"], torch.device("cuda"))
     caps = a.cap or [0.0]
     COMPILE_BLOCKS[0] = a.compile_blocks

@@ -177,8 +177,25 @@ def test_streaming_profiles_hold_fewer_weights_and_auto_reaches_them_on_cuda():
     assert est["minimal"].host == pytest.approx(est["low"].host + offloaded / 2, rel=0.01)
     cuda = torch.device("cuda")
     free = int((est["low"].peak + est["block"].peak) / 2 / A.HEADROOM)
-    name, engines, _, _ = A.resolve_profile(p, batch, cuda, free=free, config=base, host_free=64 * 2**30)
-    assert (name, engines) == ("minimal", PROFILE_ENGINES["minimal"])  # as fast as low, leaner
+    name, engines, chosen, why = A.resolve_profile(p, batch, cuda, free=free, config=base,
+                                                   host_free=64 * 2**30)
+    # as fast as low, leaner; the room left filled with resident blocks, as many as fit
+    k = engines.resident_blocks
+    assert (name, dataclasses.replace(engines, resident_blocks=0)) == ("minimal", PROFILE_ENGINES["minimal"])
+    assert 0 < k < base.depth + base.text_blocks - 1 and f"the first {k} blocks' weights resident" in why
+    budget = int(free * A.HEADROOM)
+    assert chosen.peak <= budget < E.estimate(p, batch, dataclasses.replace(engines, resident_blocks=k + 1),
+                                              config=base).peak
+    assert chosen.weights - est["minimal"].weights == pytest.approx(k * block_bytes, rel=0.01)
+    assert est["minimal"].host - chosen.host == pytest.approx(k * block_bytes, rel=0.01)
+    # with room for every block, all but one stay resident (streaming streams at least one);
+    # a full finetune streams every block
+    built = E._meta_model(p, PROFILE_ENGINES["speed"], base)
+    roomy = A._fill_resident(p, batch, PROFILE_ENGINES["minimal"], est["minimal"], built, 2**50)[0]
+    assert roomy.resident_blocks == base.depth + base.text_blocks - 1
+    full = dataclasses.replace(p, adapter=dataclasses.replace(p.adapter, algo="full"))
+    assert A._fill_resident(full, batch, PROFILE_ENGINES["low"], est["low"], built, 2**50)[0] \
+        == PROFILE_ENGINES["low"]
     # a host without the RAM the streamed profiles need: auto does not take them, and a
     # named one is warned about
     name, engines, est, why = A.resolve_profile(p, batch, cuda, free=free, config=base,

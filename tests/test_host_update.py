@@ -74,14 +74,16 @@ def test_masters_follow_a_loaded_state_and_skip_tensors_without_gradient():
     assert got == [False, False, True, True]
 
 
-def _lean(stream=2):
+def _lean(stream=2, resident=0):
     return EnginePlan(CPU, precision_policy("fp32", full=False),
-                      memory=MemoryEngines("block", stream_slots=stream, optimizer="host"))
+                      memory=MemoryEngines("block", stream_slots=stream, optimizer="host",
+                                           resident_blocks=resident))
 
 
 def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
     """4 steps with the lean engines (streamed base, host update) equal 2 steps with the
     device optimizer followed by 2 resumed with the lean engines: one checkpoint format."""
+    from kohakumoss.memory import repeated_blocks
     from kohakumoss.params import load_params
     from kohakumoss.training.build import RunPaths, build_components
     from kohakumoss.training.trainer import Trainer
@@ -105,7 +107,8 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
     _same_checkpoints(paths.checkpoints / "step-000004", other.checkpoints / "step-000004")
     resumed = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "c")
     shutil.copytree(other.checkpoints / "step-000002", resumed.checkpoints / "step-000002")
-    again = Trainer(p, resumed, build_components(p, resumed, _lean(stream=1)))
+    again = Trainer(p, resumed, build_components(p, resumed, _lean(stream=1, resident=2)))
+    assert len(again.model.weight_ring.units) == len(repeated_blocks(again.model)) - 2
     assert again.run(progress=False).start_step == 2
     _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")
 

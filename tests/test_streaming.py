@@ -15,9 +15,10 @@ from kohakumoss.memory.streaming import apply_weight_streaming, streamed_weights
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
 
 
-def _model(dtype=torch.float32, algo="lora", mode="none", stream=0, offload=None, **adapter):
+def _model(dtype=torch.float32, algo="lora", mode="none", stream=0, offload=None, resident=0, **adapter):
     """The tiny DiT with a trained-looking adapter; ``mode`` checkpointing, or ``offload``
-    (block / sub-block) activation offload; ``stream`` slots (0: resident)."""
+    (block / sub-block) activation offload; ``stream`` slots (0: resident), the first
+    ``resident`` blocks kept out of the ring."""
     torch.manual_seed(0)
     m = MOSSImageTransformer(FLAVORS["tiny"])
     with torch.no_grad():
@@ -34,7 +35,7 @@ def _model(dtype=torch.float32, algo="lora", mode="none", stream=0, offload=None
     with torch.no_grad():  # a trained-looking adapter: every factor non-zero
         for p in aset.trainable_parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    ring = apply_weight_streaming(m, "cpu", stream) if stream else None
+    ring = apply_weight_streaming(m, "cpu", stream, resident=resident) if stream else None
     return m, aset, ring
 
 
@@ -135,6 +136,24 @@ def test_only_the_frozen_block_matrices_stream():
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("resident", [1, 3, 4])
+@pytest.mark.parametrize("offload", [None, "sub-block"])
+def test_resident_blocks_stay_out_of_the_ring_and_change_nothing(resident, offload):
+    """The first blocks' weights stay where the rest of the model is; the ring streams the
+    others, and the step is the resident model's, bit for bit."""
+    ref = _step(*_model(offload=offload)[:2])
+    model, aset, ring = _model(stream=2, offload=offload, resident=resident)
+    for _ in range(2):
+        _same(_step(model, aset), ref)
+    blocks = [b for _, b in repeated_blocks(model)]
+    assert len(ring.units) == len(blocks) - resident
+    streamed = {id(p) for unit in ring.units for _, _, p in unit}
+    kept = [p for b in blocks[:resident] for p in b.parameters() if p.dim() == 2]
+    assert kept and not any(id(p) in streamed for p in kept)
+    assert all(any(id(p) in streamed for p in b.parameters()) for b in blocks[resident:])
+    assert ring.loads > 0
+
+
 def test_streaming_refuses_a_full_finetune_and_a_second_ring():
     m = MOSSImageTransformer(FLAVORS["tiny"])
     with pytest.raises(ValueError, match="full finetune"):
@@ -142,6 +161,9 @@ def test_streaming_refuses_a_full_finetune_and_a_second_ring():
     model, _, _ = _model(stream=2)
     with pytest.raises(ValueError, match="already"):
         apply_weight_streaming(model, "cpu", 2)
+    model, _, _ = _model()
+    with pytest.raises(ValueError, match=r"resident blocks 5: there are 5 blocks"):
+        apply_weight_streaming(model, "cpu", 2, resident=5)
 
 
 @pytest.mark.gpu

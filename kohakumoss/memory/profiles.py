@@ -42,10 +42,13 @@ class MemoryEngines:
     optimizer: str = "device"  # host: gradients offloaded, the update on the CPU (HostUpdate)
     offload: bool = False  # block checkpointing's kept inputs in host memory (activation offload)
     rebuild: bool = False  # the norms', RoPE's and SiTU's outputs rebuilt in backward, not kept
+    resident_blocks: int = 0  # streaming: the first blocks' weights stay on the device (auto fills it)
 
     def describe(self) -> str:
         what = self.checkpointing + (f" {self.checkpoint_blocks}" if self.checkpointing == "partial" else "")
-        streamed = f", weights streamed through {self.stream_slots} slots" if self.stream_slots else ""
+        streamed = (f", weights streamed through {self.stream_slots} slots"
+                    + (f" (the first {self.resident_blocks} blocks resident)" if self.resident_blocks else "")
+                    if self.stream_slots else "")
         host = ", optimizer on the host" if self.optimizer == "host" else ""
         offload = ", inputs offloaded to the host" if self.offload else ""
         rebuild = ", elementwise outputs rebuilt" if self.rebuild else ""

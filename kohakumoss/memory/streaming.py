@@ -233,21 +233,26 @@ class WeightRing:
 
 def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: int,
                            blocks: Sequence[nn.Module] | None = None, trainable: bool = False,
-                           dtype: torch.dtype | None = None) -> WeightRing:
+                           dtype: torch.dtype | None = None, resident: int = 0) -> WeightRing:
     """Stream ``model``'s frozen block weights through ``slots`` device buffers; everything
     else moves to ``device`` (see the module). ``blocks``: the blocks in the order the
     forward runs them (default the DiT's repeated blocks; a text encoder's layers).
 
     ``trainable`` (a full finetune): every block matrix streams, held in ``dtype`` (the
     compute dtype; its fp32 masters live in ``HostUpdate``, which writes the host copies
-    after each step); its gradients reach it as autograd's. Returns the ring
-    (``model.weight_ring``)."""
+    after each step); its gradients reach it as autograd's. ``resident``: the first blocks
+    that stay on the device with the rest of the model (fewer copies a step, where memory
+    allows). Returns the ring (``model.weight_ring``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the index a tensor's .device carries
         device = torch.device("cuda", torch.cuda.current_device())
     if getattr(model, "weight_ring", None) is not None:
         raise ValueError("the model streams its weights already")
     blocks = _blocks(model, blocks)
+    if not 0 <= resident < len(blocks):
+        raise ValueError(f"resident blocks {resident}: there are {len(blocks)} blocks, and weight "
+                         f"streaming streams at least one (0 <= resident < {len(blocks)})")
+    blocks = blocks[resident:]
     units = streamed_weights(model, blocks, trainable)
     if not any(units):
         raise ValueError("weight streaming found no frozen block weights to stream: it streams a "

@@ -7,12 +7,14 @@ activation offload, ``minimal`` and ``low``; ``block``), and why (``docs/memory.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
 import torch
 
 from kohakumoss.config import Params
+from kohakumoss.memory.checkpointing import repeated_blocks
 from kohakumoss.memory.profiles import PROFILES_BY_MEMORY, PROFILE_ENGINES, MemoryEngines, slowdown
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.training.estimate import Estimate, _meta_model, estimate, placed, profile_engines, size
@@ -38,6 +40,26 @@ def _host_note(est: Estimate, host_free: int) -> str:
     return (f"; its engines need {size(est.host)} of host memory and {size(host_free)} is "
             f"available: it may run out of host memory (close other programs, add swap, or "
             f"choose a profile that streams less)")
+
+
+def _fill_resident(params: Params, batch, engines: MemoryEngines, est: Estimate, built,
+                   budget: int) -> tuple[MemoryEngines, Estimate]:
+    """A streamed adapter run that fits with room to spare: the most leading blocks whose
+    weights stay on the device within ``budget`` (each one streamed is two host copies a
+    step that the link may not hide: one sample per step is bound by them)."""
+    if not engines.stream_slots or params.adapter.full:
+        return engines, est
+    lo, hi = 0, len(repeated_blocks(built[0])) - 1  # at least one block streams
+    best = (engines, est)
+    while lo < hi:  # the peak grows with each resident block: the largest count that fits
+        k = (lo + hi + 1) // 2
+        wider = dataclasses.replace(engines, resident_blocks=k)
+        wide = estimate(params, batch, wider, _model=built)
+        if wide.peak <= budget:
+            lo, best = k, (wider, wide)
+        else:
+            hi = k - 1
+    return best
 
 
 def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: torch.device,
@@ -79,9 +101,12 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     for name, engines in candidates:
         est = estimates[engines] = estimate(params, batch, engines, _model=built)
         if est.peak <= budget and not _host_note(est, host_free):
+            engines, est = _fill_resident(params, batch, engines, est, built, budget)
             why = (f"profile auto: {name if name != 'auto' else engines.describe()} is the fastest "
                    f"whose {size(est.peak)} estimate fits {size(budget)} "
-                   f"({HEADROOM:.0%} of {size(free)} free on {device})")
+                   f"({HEADROOM:.0%} of {size(free)} free on {device})"
+                   + (f", with the first {engines.resident_blocks} blocks' weights resident (fewer "
+                      f"copies a step)" if engines.resident_blocks else ""))
             return name, engines, est, why
     name, engines = min(candidates, key=lambda c: estimates[c[1]].peak)  # the leanest
     est = estimates[engines]

@@ -170,8 +170,12 @@ def apply_placement(model: MOSSImageTransformer, trainable, plan: EnginePlan,
     if not slots:
         return
     full = any(p.requires_grad for p in model.parameters())  # a full finetune's blocks stream too
+    if full and plan.memory.resident_blocks:
+        raise ValueError("resident blocks keep a frozen base's weights on the device; a full "
+                         "finetune streams every block (resident_blocks 0)")
     ring = apply_weight_streaming(model, plan.device, slots, trainable=full,
-                                  dtype=plan.precision.compute if full else None)
+                                  dtype=plan.precision.compute if full else None,
+                                  resident=plan.memory.resident_blocks)
     trainable.to(plan.device)
     applied.streaming = (f"{len(ring.units)} blocks' weights ({size(ring.host_bytes())}) in "
                          f"{'pinned ' if ring.cuda else ''}host memory, streamed through "

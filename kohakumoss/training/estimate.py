@@ -113,7 +113,7 @@ def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tupl
     notes = []
     if engines.stream_slots and device.type != "cuda":
         why = f"it needs a CUDA device: on {device.type} the weights are in host memory already"
-        engines = dataclasses.replace(engines, stream_slots=0)
+        engines = dataclasses.replace(engines, stream_slots=0, resident_blocks=0)
         notes.append(f"weight streaming is off ({why}); the base's weights stay where they are")
     if engines.optimizer == "host" and device.type != "cuda":
         engines = dataclasses.replace(engines, optimizer="device")
@@ -327,6 +327,7 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         from kohakumoss.memory.streaming import streamed_weights, unit_numel
 
         units = streamed_weights(model, trainable=params.adapter.full)
+        units = units[engines.resident_blocks:]  # the first blocks' weights stay resident
         if any(units):
             slot_bytes = min(engines.stream_slots, len(units)) * max(
                 unit_numel(u) * size for u in units if u)
