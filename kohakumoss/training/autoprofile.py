@@ -106,7 +106,7 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
                    f"whose {size(est.peak)} estimate fits {size(budget)} "
                    f"({HEADROOM:.0%} of {size(free)} free on {device})"
                    + (f", with the first {engines.resident_blocks} blocks' weights resident (fewer "
-                      f"copies a step)" if engines.resident_blocks else ""))
+                      f"copies a step)" if engines.resident_blocks and name != "auto" else ""))
             return name, engines, est, why
     name, engines = min(candidates, key=lambda c: estimates[c[1]].peak)  # the leanest
     est = estimates[engines]
