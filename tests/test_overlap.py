@@ -167,6 +167,10 @@ def test_the_snapshot_keeps_the_learning_rate_it_was_taken_with():
         g["lr"] = 123.0
     assert all(g["lr"] != 123.0 for g in view.param_groups)
     assert all(v.state is o.state for v, o in zip(view.optimizers, opt.optimizers))  # shared
+    some = {id(p) for _, p in named[:3]} | {id(named[-1][1])}  # a chunk's view: only its tensors
+    part = overlap.snapshot(opt, some)
+    assert {id(p) for g in part.param_groups for p in g["params"]} == some
+    assert all(g["params"] for g in part.param_groups)  # no empty group reaches a fused kernel
 
 
 @pytest.mark.gpu

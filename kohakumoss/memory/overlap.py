@@ -10,9 +10,10 @@ forward needs the tensors:
   forward order (``repeated_blocks``). A tensor belongs to a block by its name: the
   model's path (a full finetune's), or the block path as ``renamed`` writes it (an
   adapter's: its LyCORIS name, ``kohakumoss.adapters.inject.lora_name``);
-- **the worker** steps each chunk on a snapshot of the optimizer (its hyperparameters as
-  they were when the step began, its state shared), pushes the chunk's masters to the
-  device on a side stream, records an event and signals the chunk ready;
+- **the worker** steps each chunk on a view of the optimizer that holds only the chunk's
+  tensors (its state shared, its hyperparameters as they were when the step began),
+  pushes the chunk's masters to the device on a side stream, records an event and signals
+  the chunk ready;
 - **gates**: a forward pre-hook on the model waits for the first chunk, one on each block
   for its own. The CPU waits for the chunk's signal, the compute stream for its event, so
   a block never reads a tensor before its update has landed;
@@ -21,8 +22,8 @@ forward needs the tensors:
   checkpoint and a resume wait for it first.
 
 Each chunk's step is the optimizer's own arithmetic on those tensors (AdamW and Muon
-update each tensor on its own, and skip tensors without a gradient), so the masters and the
-optimizer's state are bit-identical to ``HostUpdate``'s (``tests/test_overlap.py``).
+update each tensor on its own), so the masters and the optimizer's state are bit-identical
+to ``HostUpdate``'s (``tests/test_overlap.py``).
 """
 
 from __future__ import annotations
@@ -60,20 +61,22 @@ def forward_chunks(names: Sequence[str], model: nn.Module, renamed: Callable[[st
     return chunks, gates
 
 
-def snapshot(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A view of ``optimizer`` that steps its parameters with its state, but with the group
-    hyperparameters as they are now (a scheduler may change the optimizer's own meanwhile)
-    and without its step hooks."""
+def snapshot(optimizer: torch.optim.Optimizer, keep: set[int] | None = None) -> torch.optim.Optimizer:
+    """A view of ``optimizer`` that steps its parameters (those whose ``id`` is in ``keep``,
+    default all) with its state, but with the group hyperparameters as they are now (a
+    scheduler may change the optimizer's own meanwhile) and without its step hooks."""
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
     view.__dict__.pop("step", None)  # an LR scheduler's wrapper of the optimizer's bound step
     view._optimizer_step_pre_hooks, view._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
     parts = getattr(optimizer, "optimizers", None)
     if parts is not None:  # kohakumoss.training.optim.CombinedOptimizer
-        view.optimizers = [snapshot(o) for o in parts]
+        view.optimizers = [snapshot(o, keep) for o in parts]
         view._link()
     else:
-        view.param_groups = [dict(g) for g in optimizer.param_groups]
+        groups = [{**g, "params": [p for p in g["params"] if keep is None or id(p) in keep]}
+                  for g in optimizer.param_groups]
+        view.param_groups = [g for g in groups if g["params"]]
     return view
 
 
@@ -116,34 +119,29 @@ class OverlappedUpdate(HostUpdate):
         """Start the update on the worker and return; ``after`` (the EMA's update) runs there
         once every chunk is stepped. The masters' gradients are dropped as it goes."""
         self.wait()
-        view = snapshot(optimizer)
+        views = [snapshot(optimizer, {id(self.masters[i]) for i in chunk}) for chunk in self.chunks]
         optimizer._opt_called = True  # stepped, as far as an LR scheduler's check goes
         released = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         for r in self.ready:
             r.clear()
-        self.worker = threading.Thread(target=self._work, args=(view, after, released),
+        self.worker = threading.Thread(target=self._work, args=(views, optimizer, after, released),
                                        name="kmoss-host-update", daemon=True)
         self.worker.start()
 
-    def _work(self, view, after, released) -> None:
+    def _work(self, views, optimizer, after, released) -> None:
         try:
             self._settle()  # the last step's pushes have read the masters
-            grads = [m.grad for m in self.masters]
-            for m in self.masters:
-                m.grad = None
             if released is not None:  # the device is done with the tensors it overwrites
                 self.push_stream.wait_event(released)
-            for k, chunk in enumerate(self.chunks):
-                for i in chunk:
-                    self.masters[i].grad = grads[i]
-                type(view).step(view)  # the tensors without a gradient are left alone
-                for i in chunk:
-                    self.masters[i].grad = None
+            for k, (chunk, view) in enumerate(zip(self.chunks, views)):
+                type(view).step(view)
                 self._push(k, chunk)
                 self.ready[k].set()
-            _in_parameter_order(view)
+            _in_parameter_order(optimizer)
             if after is not None:
                 after()
+            for m in self.masters:  # the optimizer's zero_grad(set_to_none=True)
+                m.grad = None
         except BaseException as e:  # raised again in the main thread, by a gate or wait()
             self.error = e
         finally:
