@@ -51,11 +51,12 @@ def _inputs(step, micro, device=CPU):
     return tuple(x.to(device) for x in inputs)
 
 
-def _trained(full: bool, device=CPU):
+def _trained(full: bool, device=CPU, **engines):
     """The tiny model and what trains: a LoRA's tensors (LyCORIS names), or every weight
-    (the model's paths: Muon takes the blocks' matrices)."""
+    (the model's paths: Muon takes the blocks' matrices). ``engines``: ``_model``'s
+    checkpointing, offload and streaming."""
     if not full:
-        model, aset, _ = _model()
+        model, aset, _ = _model(**engines)
         aset.to(device)
         return model.to(device), aset.named_trainable()
     torch.manual_seed(0)
@@ -64,8 +65,8 @@ def _trained(full: bool, device=CPU):
 
 
 def _train(overlapped: bool, name="adamw", steps=4, accum=2, slow=0.0, gated=True, monkeypatch=None,
-           full=False, device=CPU):
-    model, named = _trained(full, device)
+           full=False, device=CPU, **engines):
+    model, named = _trained(full, device, **engines)
     update = OverlappedUpdate(named, device, model, lora_name) if overlapped else HostUpdate(named, device)
     if overlapped and not gated:
         for h in update.gates:
@@ -114,9 +115,13 @@ def test_the_overlapped_update_is_the_host_updates_arithmetic(name, full):
     _same_run(_train(False, name, full=full), _train(True, name, full=full))
 
 
-def test_a_slow_worker_is_waited_for_block_by_block(monkeypatch):
-    plain = _train(False)
-    _same_run(plain, _train(True, slow=0.02, monkeypatch=monkeypatch))
+@pytest.mark.parametrize("engines", [{}, {"offload": "sub-block", "stream": 2}, {"mode": "block"}],
+                         ids=["plain", "minimal", "block"])
+def test_a_slow_worker_is_waited_for_block_by_block(monkeypatch, engines):
+    """Under checkpointing, offload and streaming too (their recomputation runs the blocks
+    again: the gates let it through)."""
+    plain = _train(False, **engines)
+    _same_run(plain, _train(True, slow=0.02, monkeypatch=monkeypatch, **engines))
 
 
 def test_without_the_gates_the_forward_reads_stale_tensors(monkeypatch):
