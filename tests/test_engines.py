@@ -185,3 +185,16 @@ def test_a_runs_kernel_choices_are_kept_for_its_resume(tmp_path):
     assert run_kernels(path, plan, "plan-b", lambda: next(draws)) == {"situ": ["reference"]}
     path.write_text("{not json")
     assert run_kernels(path, plan, "plan-b", lambda: next(draws)) == {"situ": ["triton"]}
+
+
+def test_a_full_finetune_refuses_resident_blocks():
+    """Resident blocks keep a frozen base's weights on the device; a full finetune streams
+    every block (its masters are the host update's), so the engines refuse the mix."""
+    from kohakumoss.model import MOSSImageTransformer
+    from kohakumoss.training.engines import EnginePlan, apply_placement
+
+    model = MOSSImageTransformer(FLAVORS["tiny"])  # every weight trains
+    plan = EnginePlan(torch.device("cpu"), precision_policy("bf16", full=True),
+                      memory=MemoryEngines("block", stream_slots=2, optimizer="host", resident_blocks=1))
+    with pytest.raises(ValueError, match="a full finetune streams every block"):
+        apply_placement(model, None, plan, None)
