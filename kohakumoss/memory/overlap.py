@@ -130,6 +130,8 @@ class OverlappedUpdate(HostUpdate):
 
     def _work(self, views, optimizer, after, released) -> None:
         try:
+            if self.cuda:  # a new thread starts on device 0: this rank's device instead
+                torch.cuda.set_device(self.device)
             self._settle()  # the last step's pushes have read the masters
             if released is not None:  # the device is done with the tensors it overwrites
                 self.push_stream.wait_event(released)
