@@ -31,10 +31,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kohakumoss.memory.placement import indexed
+
 
 class HostUpdate:
     def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], device: torch.device):
-        self.device = torch.device(device)
+        self.device = indexed(device)  # the overlapped update's worker thread needs the index
         self.cuda = self.device.type == "cuda"
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]

@@ -27,6 +27,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from kohakumoss.memory.checkpointing import repeated_blocks
+from kohakumoss.memory.placement import indexed
 from kohakumoss.memory.replay import KeptAttention, unevaluated
 from kohakumoss.model.dit import HALVES
 
@@ -231,9 +232,7 @@ def apply_activation_offload(model: torch.nn.Module, device: torch.device | str,
     at a time); the attention kernels' outputs wait beside the inputs and each part's tail
     is left out of its recomputation (``memory.replay``). Returns the offloader
     (``model.offloader``)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed(device)
     if getattr(model, "offloader", None) is not None:
         raise ValueError("the model offloads its activations already")
     offloader = Offloader(device)

@@ -96,8 +96,6 @@ class OverlappedUpdate(HostUpdate):
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]], device: torch.device,
                  model: nn.Module, renamed: Callable[[str], str] | None = None):
         super().__init__(named, device)
-        if self.cuda and self.device.index is None:  # the worker thread needs the index
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.chunks, gates = forward_chunks(self.names, model, renamed)
         self.ready = [threading.Event() for _ in self.chunks]
         for r in self.ready:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from kohakumoss.memory.checkpointing import repeated_blocks
+from kohakumoss.memory.placement import indexed
 
 # elements: each weight starts at least 512-byte aligned in its block's buffer, as the
 # allocator aligns a resident one (cuBLAS picks its kernels by alignment)
@@ -243,9 +244,7 @@ def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: 
     after each step); its gradients reach it as autograd's. ``resident``: the first blocks
     that stay on the device with the rest of the model (fewer copies a step, where memory
     allows). Returns the ring (``model.weight_ring``)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # the index a tensor's .device carries
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed(device)
     if getattr(model, "weight_ring", None) is not None:
         raise ValueError("the model streams its weights already")
     blocks = _blocks(model, blocks)
