@@ -60,6 +60,32 @@ def test_the_host_update_is_the_device_optimizers_arithmetic_on_the_cpu(name):
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+def test_a_first_gradient_is_its_landing_buffer_and_the_next_lands_in_the_spare():
+    """No host copy of a first micro-batch's gradient: its landing buffer becomes the
+    master's gradient, the previous gradient's buffer takes the next landing, and a second
+    micro-batch adds into the gradient (the arithmetic: the test above)."""
+    net, named = _toy()
+    update = HostUpdate(named, CPU)
+    x = torch.randn(5, 6)
+    seen = []
+    for _ in range(3):
+        net(x).square().mean().backward()
+        landed = [s.data_ptr() for s in update.staging]
+        update.finish_backward()
+        grads = [m.grad for m in update.masters]
+        assert [g.data_ptr() for g in grads] == landed  # taken, not copied
+        first = [g.clone() for g in grads]
+        net(x).square().mean().backward()  # a second micro-batch: the spare, then added
+        assert all(s.data_ptr() not in landed for s in update.staging)
+        update.finish_backward()
+        assert all(torch.equal(m.grad, 2 * f) for m, f in zip(update.masters, first))
+        assert [m.grad.data_ptr() for m in update.masters] == landed
+        seen.append(landed)
+        for m in update.masters:
+            m.grad = None  # as a step's zero_grad
+    assert seen[0] != seen[1] and seen[0] == seen[2]  # two buffers per tensor, alternating
+
+
 def test_masters_follow_a_loaded_state_and_skip_tensors_without_gradient():
     net, named = _toy()
     update = HostUpdate(named, CPU)
