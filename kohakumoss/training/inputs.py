@@ -60,8 +60,17 @@ def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torc
     eps = noise_for(global_batch, p.run.seed, x0.shape[0], x0.shape[1])
     z, target = noised(x0, eps, sigma[layout.seg_img])
     weight = batch.loss_weight * sigma_weight(sigma, p.objective.weighting)
-    return StepInputs(z.to(device), target.to(device), torch.cat(text_rows).to(device),
-                      sigma.to(device), layout.to(device), weight.to(device), layout.n_img)
+    return StepInputs(_moved(z, device), _moved(target, device),
+                      _moved(torch.cat(text_rows), device), sigma.to(device), layout.to(device),
+                      weight.to(device), layout.n_img)
+
+
+def _moved(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; to a CUDA device through page-locked memory, so the copy is
+    queued behind the device's work instead of waiting for it (``training.ahead``)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def make_timesteps(p: Params):

@@ -32,6 +32,7 @@ from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
                                             list_checkpoints, load_newest, save_checkpoint)
+from kohakumoss.training.ahead import Ahead
 from kohakumoss.training.build import Components, RunPaths, build_components
 from kohakumoss.training.inputs import build_inputs
 from kohakumoss.training.metrics import RunLog, rows_of
@@ -181,21 +182,30 @@ class Trainer:
         return ckpt.step
 
     # -- one optimiser step ----------------------------------------------------------------
-    def step(self, step: int, micro_batches: list) -> tuple[float, float, bool, int]:
+    def make_inputs(self, batch, step: int):
+        """A micro-batch's usable samples and their inputs on the device (``None``: none)."""
+        keep = self.caches.usable(batch)
+        if len(keep) < len(batch.captions):
+            batch = batch.select(keep)
+        if not batch.captions:
+            return batch, None
+        # keyed by the plan's global batch: the draws a single device would make for
+        # these samples, on any number of processes
+        return batch, build_inputs(batch, self.encoder.latents(batch), self.encoder.texts(batch),
+                                   self.params, self.timesteps, batch.global_index, step,
+                                   self.device)
+
+    def step(self, step: int, ahead: Ahead) -> tuple[float, float, bool, int]:
+        """One optimiser step over the next ``micro_per_step`` micro-batches of ``ahead``."""
         p = self.params
         n_tokens = self.batches.step_image_tokens(step)
         total, samples = 0.0, 0
-        for micro, batch in enumerate(micro_batches):
-            keep = self.caches.usable(batch)
-            if len(keep) < len(batch.captions):
-                batch = batch.select(keep)
-            if not batch.captions:
+        for _ in range(self.micro_per_step):
+            batch, inputs = ahead.take()
+            if inputs is None:
+                ahead.prepare()
                 continue
-            # keyed by the plan's global batch and slot (micro-batch, rank): the draws a
-            # single device would make for these samples, on any number of processes
-            g, slot = batch.global_index, batch.micro * p.parallel.world_size + batch.rank
-            inputs = build_inputs(batch, self.encoder.latents(batch), self.encoder.texts(batch), p,
-                                  self.timesteps, g, step, self.device)
+            slot = batch.micro * p.parallel.world_size + batch.rank  # (micro-batch, rank)
             self.trainable.prepare_step(step, slot, inputs.sigma, inputs.layout)
             # dropout draws from torch's global RNG: make them a pure function of the step too
             torch.manual_seed(seed_of("dropout", p.run.seed, step, slot) & (2**63 - 1))
@@ -205,6 +215,7 @@ class Trainer:
                              p.objective.loss, p.objective.huber_delta, ops=self.model.ops)
             back = loss * self.dist.world if self.sharded else loss  # FSDP2 averages: make it the sum
             (self.scaler.scaled(back) if self.scaler is not None else back).backward()
+            ahead.prepare()  # the next micro-batch, while the device runs this backward
             if self.update is not None:
                 self.update.finish_backward()
             total += float(loss.detach())
@@ -262,14 +273,15 @@ class Trainer:
                 previews.run(0, self.log)
         losses, skipped = [], []
         if start < steps:
-            loader = iter(make_loader(self.batches, start=start * acc, end=steps * acc,
-                                      num_workers=p.data.num_workers, prefetch=p.data.prefetch))
+            ahead = Ahead(iter(make_loader(self.batches, start=start * acc, end=steps * acc,
+                                           num_workers=p.data.num_workers,
+                                           prefetch=p.data.prefetch)),
+                          self.make_inputs, start, acc)
         bar = progress_bar(steps, "train", "step", initial=start, enabled=progress)
         t0 = time.perf_counter()
         faults.point("train.start")
         for step in range(start, steps):
-            micro = [next(loader) for _ in range(acc)]
-            loss, grad_norm, finite, samples = self.step(step, micro)
+            loss, grad_norm, finite, samples = self.step(step, ahead)
             losses.append(loss)
             if not finite:
                 skipped.append(step + 1)
