@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -129,26 +130,36 @@ def fill_caches(root: str, n: int, text_len: int) -> tuple[TensorStore, TensorSt
     return TensorStore(f"{root}/lat", "bf16"), TensorStore(f"{root}/txt", "bf16")
 
 
-def step_fn(model, opt, lat, txt, keys, step, device="cuda", update=None):
-    x0 = torch.cat([lat.get(k) for k in keys]).to(device, non_blocking=True)
+def step_inputs(lat, txt, keys, step, device="cuda"):
+    """One step's batch on the device as ``kmoss train`` makes it (``training.ahead``): read
+    from the caches, through page-locked memory, queued behind the device's work."""
+    x0 = torch.cat([lat.get(k) for k in keys]).pin_memory().to(device, non_blocking=True)
     texts = [txt.get(k) for k in keys]
     layout = build_layout([(64, 64)] * len(keys), [len(t) for t in texts]).to(device)
-    text = torch.cat(texts).to(device, non_blocking=True)
+    text = torch.cat(texts).pin_memory().to(device, non_blocking=True)
     g = torch.Generator(device=device).manual_seed(step)
     sigma = torch.rand(len(keys), device=device, generator=g)
     eps = torch.randn(x0.shape, device=device, generator=g)
     z, target = noised(x0, eps, sigma[layout.seg_img])
+    return z, target, text, sigma, layout
+
+
+def step_fn(model, opt, batch, update=None, upcoming=None):
+    """One step on ``batch`` (``step_inputs``); ``upcoming()`` makes the next step's batch
+    while the device runs this backward, as the trainer does. Returns the layout and it."""
+    z, target, text, sigma, layout = batch
     with torch.autocast("cuda", dtype=torch.bfloat16):
         pred = model(z, text, sigma, layout)
-    loss = flow_loss(pred, target, layout.seg_img, torch.ones(len(keys), device=device), layout.n_img)
+    loss = flow_loss(pred, target, layout.seg_img, torch.ones(len(sigma), device=z.device), layout.n_img)
     loss.backward()
+    following = upcoming() if upcoming is not None else None
     if update is not None:  # memory.optimizer host: the gradients gathered on the host
         update.finish_backward()
         update.step(opt)  # overlapped: beside the next step's forward
     else:
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return layout
+    return layout, following
 
 
 def predicted_peak(batch: list[tuple[int, int]], full: bool, base: str = "keep") -> float:
@@ -162,6 +173,42 @@ def predicted_peak(batch: list[tuple[int, int]], full: bool, base: str = "keep")
                       "adapter": {"algo": "full"} if full else {"algo": "lora", "dim": 32, "alpha": 32.0},
                       "train": {"dtype": "bf16"}, "precision": precision}, "bench")
     return estimate(p, batch, ENGINES.get("memory", MemoryEngines()), config=FLAVORS["base"]).peak / GiB
+
+
+def stream_gaps(trace: str) -> dict:
+    """From a Chrome trace of one step: each CUDA stream's busy time, and the compute
+    stream's (the busiest one's) idle time split into what waited on a copy running on
+    another stream (the link) and what waited on nothing on the device (the host)."""
+    import gzip
+
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    spans: dict[int, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in e.get("args", {}):
+            spans.setdefault(e["args"]["stream"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    if not spans:
+        return {}
+    busy = {s: sum(b - a for a, b, _ in v) for s, v in spans.items()}
+    main = max(busy, key=busy.get)
+    copies = sorted((a, b) for s, v in spans.items() if s != main for a, b, _ in v)
+    mine = sorted(spans[main])
+    on_copy = on_host = 0.0
+    gaps = []
+    for (a0, b0, n0), (a1, _, n1) in zip(mine, mine[1:]):
+        if a1 <= b0:
+            continue
+        overlap = sum(max(0.0, min(b, a1) - max(a, b0)) for a, b in copies if a < a1 and b > b0)
+        overlap = min(overlap, a1 - b0)
+        on_copy += overlap
+        on_host += a1 - b0 - overlap
+        gaps.append((a1 - b0, overlap, n0[:50], n1[:50]))
+    gaps.sort(key=lambda g: -g[0])
+    return {"compute_stream": main, "busy_ms": {str(s): round(t / 1e3, 1) for s, t in busy.items()},
+            "compute_idle_during_copies_ms": round(on_copy / 1e3, 1),
+            "compute_idle_otherwise_ms": round(on_host / 1e3, 1),
+            "compute_gaps": [{"us": round(g), "copying_us": round(c), "after": a, "before": b}
+                             for g, c, a, b in gaps[:12]]}
 
 
 def profile_step(run_step, rows: int = 45) -> dict:
@@ -178,6 +225,11 @@ def profile_step(run_step, rows: int = 45) -> dict:
         enqueue = time.perf_counter() - t0
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    streams = {}
+    if os.environ.get("OUT"):  # the trace comes back with the report
+        trace = os.path.join(os.environ["OUT"], f"trace-{time.strftime('%H%M%S')}.json.gz")
+        prof.export_chrome_trace(trace)
+        streams = stream_gaps(trace)
     events = prof.key_averages()
     kernels = [(e.key, e.self_device_time_total, e.count) for e in events
                if e.self_device_time_total > 0]
@@ -211,7 +263,7 @@ def profile_step(run_step, rows: int = 45) -> dict:
     families: dict[str, float] = {}
     for name, t, _ in kernels:
         families[family(name)] = families.get(family(name), 0.0) + t
-    return {"wall_ms": round(wall * 1e3, 1), "enqueue_ms": round(enqueue * 1e3, 1),
+    return {"wall_ms": round(wall * 1e3, 1), "enqueue_ms": round(enqueue * 1e3, 1), "streams": streams,
             "kernel_ms": round(total / 1e3, 2), "kernel_launches": sum(c for _, _, c in kernels),
             "gpu_idle_ms": round(sum(g for g, _, _ in gaps) / 1e3, 2),
             "gaps": [{"ms": round(g / 1e3, 2), "after": a, "before": b} for g, a, b in gaps[:12]],
@@ -263,10 +315,13 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     torch.cuda.reset_peak_memory_stats()
     held = 0.0
     try:
+        batch = step_inputs(lat, txt, keys[:per], 0)
         for s in range(steps + 2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            layout = step_fn(model, opt, lat, txt, keys[s * per:(s + 1) * per], s, update=update)
+            upcoming = (lambda s=s: step_inputs(lat, txt, keys[(s + 1) * per:(s + 2) * per], s + 1)) \
+                if s + 1 < steps + 2 else None
+            layout, batch = step_fn(model, opt, batch, update, upcoming)
             torch.cuda.synchronize()
             held = max(held, held_gib())
             if s >= 2:
@@ -287,8 +342,12 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     est = predicted_peak([(n, 104) for n in layout.img_len], full=False, base=base)
     peak = torch.cuda.max_memory_allocated() / 2**30
     reserved = torch.cuda.max_memory_reserved() / 2**30
-    prof = profile_step(lambda: step_fn(model, opt, lat, txt, keys[:per], 0, update=update)) \
-        if profiled else None
+    if profiled:  # the step as the loop runs it: its batch made before, the next one inside
+        batch = step_inputs(lat, txt, keys[:per], 0)
+        prof = profile_step(lambda: step_fn(model, opt, batch, update,
+                                            lambda: step_inputs(lat, txt, keys[per:2 * per], 1)))
+    else:
+        prof = None
     streamed = {"stream_slots": memory.stream_slots, "loads_per_step": ring.loads / (steps + 2 + bool(prof)),
                 "host_weights_gib": ring.host_bytes() / 2**30} if ring else {}
     offloaded = getattr(model, "offloader", None)
@@ -337,10 +396,12 @@ def bench_full(text_len: int, root: str, steps: int = 3) -> dict:
     torch.cuda.reset_peak_memory_stats()
     times, held = [], 0.0
     try:
+        batch = step_inputs(lat, txt, [f"{0:032x}"], 0)
         for s in range(steps + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            step_fn(model, opt, lat, txt, [f"{s:032x}"], s, update=update)
+            upcoming = (lambda s=s: step_inputs(lat, txt, [f"{s + 1:032x}"], s + 1)) if s < steps else None
+            _, batch = step_fn(model, opt, batch, update, upcoming)
             torch.cuda.synchronize()
             held = max(held, held_gib())
             if s >= 1:
