@@ -162,6 +162,8 @@ def check_memory(p: Params) -> None:
              "0 for a full finetune with memory.optimizer: device (a streamed full finetune "
              "keeps its fp32 masters and optimizer states on the host: set memory.optimizer: "
              "host)")
+    if m.optimizer == "fused":
+        _check_fused(p)
     if m.offload and m.checkpointing not in ("block", "sub-block"):
         fail(f"{where}.offload", m.offload,
              f"false with checkpointing: {m.checkpointing} (activation offload moves what "
@@ -176,6 +178,24 @@ def check_memory(p: Params) -> None:
         fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
              f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "
              f"partial only)")
+
+
+def _check_fused(p: Params) -> None:
+    """The step in backward updates each tensor before the others' gradients exist."""
+    where = f"{p.path}: memory.optimizer"
+    if p.optim.grad_clip > 0:
+        fail(where, "fused", f"device or streamed with optim.grad_clip = {p.optim.grad_clip} "
+             f"(clipping by the global norm needs every gradient before the first update, and "
+             f"the step in backward has updated most tensors by then: set optim.grad_clip: 0 "
+             f"to keep fused)")
+    if p.train.dtype == "fp16":
+        fail(where, "fused", "device or streamed with train.dtype: fp16 (loss scaling unscales "
+             "every gradient and skips a step that overflowed, after backward: use bf16 or "
+             "fp32 to keep fused)")
+    if p.parallel.world_size > 1:
+        fail(where, "fused", f"device or streamed with parallel.world_size = "
+             f"{p.parallel.world_size} (the ranks' gradients are summed after backward; the "
+             f"step in backward would update before that)")
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

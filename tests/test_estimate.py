@@ -253,3 +253,24 @@ def test_a_streamed_full_finetune_holds_slots_and_the_resident_rest():
     assert streamed.weights == pytest.approx(2 * 2 * block + 6 * rest, rel=0.01)
     assert streamed.gradients == streamed.optimizer == 0
     assert streamed.peak < 24 * 2**30 < resident.peak  # the 24 GB card's full finetune
+
+
+def test_the_step_in_backward_and_streamed_states_leave_the_device():
+    """``optimizer: fused`` holds one gradient at a time (without accumulation), ``streamed``
+    the states of two tensors at a time, the rest in host memory."""
+    p = _lora()
+    plain = E.estimate(p, BATCH, MemoryEngines("none"))
+    fused = E.estimate(p, BATCH, MemoryEngines("none", optimizer="fused"))
+    streamed = E.estimate(p, BATCH, MemoryEngines("none", optimizer="streamed"))
+    widest = max(t.numel() for t in E._meta_model(p, MemoryEngines("none"))[3]) * 4
+    assert plain.gradients == plain.trained and fused.gradients == widest < plain.gradients
+    per_value = plain.optimizer // plain.trained  # states (AdamW's two, the EMA) per fp32 value
+    assert per_value >= 2
+    assert streamed.optimizer == 2 * widest * per_value < plain.optimizer
+    assert streamed.host == plain.host + plain.optimizer and streamed.gradients == plain.gradients
+    accumulating = make_params(DS, adapter={"algo": "lora", "dim": 4, "alpha": 4.0},  # held until
+                               train={"dtype": "fp32", "grad_accum": 2})  # the last backward
+    assert E.estimate(accumulating, BATCH, MemoryEngines("none", optimizer="fused")).gradients == \
+        plain.gradients
+    cpu = E.placed(MemoryEngines("none", optimizer="streamed"), p, torch.device("cpu"))
+    assert cpu[0].optimizer == "device" and "streamed optimizer states are off" in cpu[1]

@@ -88,7 +88,17 @@ REFUSED = {
     "rebuild with block checkpointing": ({"profile": "manual", "memory": {"checkpointing": "block", "rebuild": True}},
                                          ["memory.rebuild", "checkpointing: block", "checkpointing: none or partial"]),
     "unknown optimizer placement": ({"profile": "manual", "memory": {"optimizer": "gpu"}},
-                                    ["memory.optimizer", "'gpu'", "device", "host"]),
+                                    ["memory.optimizer", "'gpu'", "device", "host", "fused", "streamed"]),
+    "the step in backward with clipping": ({"profile": "manual", "memory": {"optimizer": "fused"}},
+                                           ["memory.optimizer = 'fused'", "optim.grad_clip = 1.0",
+                                            "global norm", "set optim.grad_clip: 0"]),
+    "the step in backward with fp16": ({"profile": "manual", "memory": {"optimizer": "fused"},
+                                        "optim": {"grad_clip": 0}, "train": {"dtype": "fp16"}},
+                                       ["memory.optimizer = 'fused'", "train.dtype: fp16", "bf16"]),
+    "the step in backward on two ranks": ({"profile": "manual", "memory": {"optimizer": "fused"},
+                                           "optim": {"grad_clip": 0}, "parallel": {"world_size": 2}},
+                                          ["memory.optimizer = 'fused'", "parallel.world_size = 2",
+                                           "summed after backward"]),
 }
 
 
@@ -144,7 +154,10 @@ def test_the_accepted_neighbours_still_load(tmp_path):
                                                       "optimizer": "host", "offload": True}},
                      {"profile": "manual", "adapter": {"algo": "full"},
                       "memory": {"checkpointing": "block", "stream_slots": 2, "optimizer": "host"}},
-                     {"profile": "auto", "memory": {"checkpointing": "none", "recompute": True}}):
+                     {"profile": "auto", "memory": {"checkpointing": "none", "recompute": True}},
+                     {"profile": "manual", "memory": {"optimizer": "fused"}, "optim": {"grad_clip": 0}},
+                     {"profile": "manual", "memory": {"optimizer": "streamed"},
+                      "parallel": {"world_size": 2}}):
         load_params(_params(tmp_path, **sections))
     p = load_params(_params(tmp_path, profile="manual", memory={"checkpointing": "sub-block"}))
     assert p.profile == "manual" and p.memory.checkpointing == "sub-block"

@@ -49,7 +49,8 @@ class MemoryEngines:
         streamed = (f", weights streamed through {self.stream_slots} slots"
                     + (f" (the first {self.resident_blocks} blocks resident)" if self.resident_blocks else "")
                     if self.stream_slots else "")
-        host = ", optimizer on the host" if self.optimizer == "host" else ""
+        host = {"host": ", optimizer on the host", "fused": ", the step in backward",
+                "streamed": ", optimizer states streamed from the host"}.get(self.optimizer, "")
         offload = ", inputs offloaded to the host" if self.offload else ""
         rebuild = ", elementwise outputs rebuilt" if self.rebuild else ""
         return (f"checkpointing {what}{offload}, recompute {'on' if self.recompute else 'off'}"

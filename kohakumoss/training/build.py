@@ -34,6 +34,7 @@ from kohakumoss.memory.allocator import tight_allocator
 from kohakumoss.memory.host_update import HostUpdate
 from kohakumoss.memory.overlap import OverlappedUpdate
 from kohakumoss.memory.profiles import MemoryEngines
+from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.parallel import Dist
 from kohakumoss.precision.scaler import LossScaler, loss_scaler
@@ -82,6 +83,7 @@ class Components:
     encoder: BatchEncoder
     batches: PlanBatches
     update: HostUpdate | None = None  # memory.optimizer host: the masters the optimizer steps
+    stepper: FusedStep | StreamedStates | None = None  # memory.optimizer fused / streamed
     dist: Dist = Dist()  # this process among the data-parallel ones
     scaler: LossScaler | None = None  # fp16: dynamic loss scaling
     sharded: bool = False  # a full finetune over several ranks (FSDP2)
@@ -185,6 +187,8 @@ def build_components(params: Params, paths: RunPaths,
     optimizer = build_optimizer(named, p.optim, trainable.lr_scale())
     if update is not None:
         update.attach(optimizer)
+    stepper = FusedStep(named, optimizer) if engines.memory.optimizer == "fused" else \
+        StreamedStates(named, optimizer, device) if engines.memory.optimizer == "streamed" else None
     scheduler = build_scheduler(optimizer, p.optim, p.train.steps)
     ema = EMA(named, p.optim.ema, device=None if update else device) if p.optim.ema > 0 else None
     timesteps = make_timesteps(p)
@@ -198,5 +202,5 @@ def build_components(params: Params, paths: RunPaths,
     return Components(device=device, engines=engines, applied=applied, model=model,
                       trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
                       timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
-                      batches=batches, update=update, dist=dist,
+                      batches=batches, update=update, stepper=stepper, dist=dist,
                       scaler=loss_scaler(p.precision, engines.precision.compute), sharded=sharded)

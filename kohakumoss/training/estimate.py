@@ -119,6 +119,10 @@ def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tupl
         engines = dataclasses.replace(engines, optimizer="device")
         notes.append(f"the host update is off (on {device.type} the optimizer runs on the host "
                      f"already)")
+    if engines.optimizer == "streamed" and device.type != "cuda":
+        engines = dataclasses.replace(engines, optimizer="device")
+        notes.append(f"the streamed optimizer states are off (on {device.type} the states are "
+                     f"in host memory already)")
     if engines.offload and device.type != "cuda":
         engines = dataclasses.replace(engines, offload=False)
         notes.append(f"activation offload is off (on {device.type} the activations are in host "
@@ -340,20 +344,25 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
             else:
                 frozen += slot_bytes - sum(p.numel() * p.element_size() for u in units for _, _, p in u)
     states = OPTIMIZER_STATES.get(params.optim.name, 2) + (1 if params.optim.ema else 0)
+    resident = trained_count - streamed if params.adapter.full else trained_count
+    grads, state_bytes = resident * master, resident * master * states
+    widest = max((t.numel() for t in (model.parameters() if params.adapter.full else adapter)),
+                 default=0)
     if engines.optimizer == "host":  # gradients, states and the EMA live on the host
         # masters, their gradients, the states, and the landing buffers (the gradients'
         # dtype: the compute dtype for a streamed full finetune's blocks, else fp32)
         host += trained_count * master * (2 + states) + (trained_count - streamed) * master \
             + streamed * size
-        states, grads = 0, 0
-    else:
-        grads = master
+        grads, state_bytes = 0, 0
+    elif engines.optimizer == "fused" and params.train.grad_accum == 1:
+        grads = widest * master  # each gradient dropped once its tensor is updated
+    elif engines.optimizer == "streamed":  # two tensors' states at a time (one prefetched)
+        host += state_bytes
+        state_bytes = min(state_bytes, 2 * widest * master * states)
     if params.adapter.full:
         # fp32 masters, and autocast's copy of each in the compute dtype, kept for backward;
         # streamed: the blocks' slots, the rest resident (its masters on the host)
-        resident = trained_count - streamed
         weights = resident * (master + size) + frozen if streamed else trained_count * (master + size)
-        return Estimate(engines, n_joint, weights, 0, resident * grads,
-                        resident * master * states, kept, transient, host)
-    return Estimate(engines, n_joint, frozen, trained_count * master, trained_count * grads,
-                    trained_count * master * states, kept, transient, host)
+        return Estimate(engines, n_joint, weights, 0, grads, state_bytes, kept, transient, host)
+    return Estimate(engines, n_joint, frozen, trained_count * master, grads, state_bytes, kept,
+                    transient, host)

@@ -32,6 +32,8 @@ from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
                                             list_checkpoints, load_newest, save_checkpoint)
+from kohakumoss.errors import KohakuError
+from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.training.ahead import Ahead
 from kohakumoss.training.build import Components, RunPaths, build_components
 from kohakumoss.training.inputs import build_inputs
@@ -65,6 +67,9 @@ class Trainer:
         # the tensors the optimiser steps (clipped together)
         self.trained_tensors = [t for _, t in c.stepped]
         self.update = c.update  # memory.optimizer host: gradients gathered on the host
+        # memory.optimizer fused (the step in backward) or streamed (states from the host)
+        self.fused = c.stepper if isinstance(c.stepper, FusedStep) else None
+        self.streamed = c.stepper if isinstance(c.stepper, StreamedStates) else None
         self.scaler = c.scaler  # fp16: the loss scaled before backward, the gradients after
         self.optimizer, self.scheduler, self.ema = c.optimizer, c.scheduler, c.ema
         self.timesteps, self.caches, self.encoder, self.batches = (c.timesteps, c.caches,
@@ -199,8 +204,8 @@ class Trainer:
         """One optimiser step over the next ``micro_per_step`` micro-batches of ``ahead``."""
         p = self.params
         n_tokens = self.batches.step_image_tokens(step)
-        total, samples = 0.0, 0
-        for _ in range(self.micro_per_step):
+        losses, samples = [], 0  # on the device until the step's end: no sync per micro-batch
+        for micro in range(self.micro_per_step):
             batch, inputs = ahead.take()
             if inputs is None:
                 ahead.prepare()
@@ -214,21 +219,33 @@ class Trainer:
             loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
                              p.objective.loss, p.objective.huber_delta, ops=self.model.ops)
             back = loss * self.dist.world if self.sharded else loss  # FSDP2 averages: make it the sum
+            if self.fused is not None and micro == self.micro_per_step - 1:
+                self.fused.arm()  # the step's last backward updates each tensor as it lands
             (self.scaler.scaled(back) if self.scaler is not None else back).backward()
             ahead.prepare()  # the next micro-batch, while the device runs this backward
             if self.update is not None:
                 self.update.finish_backward()
-            total += float(loss.detach())
+            losses.append(loss.detach())
             samples += len(batch.captions)
+        total = sum((float(v) for v in losses), 0.0)  # as floats, in micro-batch order
         # the losses are normalised by the whole step's tokens: the ranks' gradients sum
         # (FSDP2 reduce-scatters a sharded run's itself, as sums)
         if not self.sharded:
             reduce_gradients(self.trained_tensors, self.dist)
         total, samples = reduce_sum([total, samples], self.dist)
         samples = int(samples)
-        if self.scaler is not None:  # the gradients at their true size before the norm
-            self.scaler.unscale(self.trained_tensors)
-        grad_norm, finite = clip_and_check(self.trained_tensors, p.optim.grad_clip)
+        if self.fused is not None:  # updated in backward already (no clipping: refused)
+            grad_norm, finite = self.fused.finish()
+            if not finite:
+                raise KohakuError(
+                    f"step {step + 1}: non-finite gradient norm ({grad_norm}) under "
+                    f"memory.optimizer: fused, whose update ran inside backward and cannot be "
+                    f"skipped; the run stops here. Resume from the last checkpoint with "
+                    f"memory.optimizer: device (which skips such a step) or a lower optim.lr")
+        else:
+            if self.scaler is not None:  # the gradients at their true size before the norm
+                self.scaler.unscale(self.trained_tensors)
+            grad_norm, finite = clip_and_check(self.trained_tensors, p.optim.grad_clip)
         if self.scaler is not None:  # an overflow: this step is skipped and the scale halves
             self.scaler.update(finite)
         after = self.ema.update if self.ema is not None else None
@@ -236,7 +253,10 @@ class Trainer:
             self.update.step(self.optimizer, after)  # (overlapped: beside the next forward)
         else:
             if finite:
-                self.optimizer.step()
+                if self.streamed is not None:
+                    self.streamed.step()
+                elif self.fused is None:
+                    self.optimizer.step()
                 if after is not None:
                     after()
             self.optimizer.zero_grad(set_to_none=True)

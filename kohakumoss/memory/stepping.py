@@ -1,0 +1,169 @@
+"""Where a device optimizer's update runs (``docs/memory.md#the-step-in-backward`` and
+``#streamed-states``): two placements beside the plain step and the host update.
+
+- ``FusedStep`` (``memory.optimizer: fused``): each trained tensor is updated inside the
+  step's last backward, the moment its gradient is final
+  (``register_post_accumulate_grad_hook``), and its gradient is dropped at once. The device
+  holds the gradients backward is still making, not all of them. The update is the
+  optimizer's own arithmetic on that one tensor (a view of the optimizer holding only it,
+  ``overlap.snapshot``: AdamW and Muon update each tensor on its own), so parameters and
+  states are bit-identical to the plain step's. What it cannot do: clip by the global norm,
+  unscale fp16 gradients, skip a step with a non-finite gradient, or wait for other ranks'
+  gradients; the params refuse those combinations, and a non-finite norm stops the run.
+- ``StreamedStates`` (``memory.optimizer: streamed``): the optimizer's states (AdamW's two
+  moments) live in page-locked host memory between steps. A step walks the trained tensors
+  in order: the next one's states come to the device on a side stream while this one
+  updates, and each one's go back to the host after its update. The device holds two
+  tensors' states at a time; the arithmetic is the device optimizer's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from kohakumoss.memory.overlap import _in_parameter_order, snapshot
+from kohakumoss.memory.placement import indexed
+
+
+class FusedStep:
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.params = [p for _, p in named]
+        self.armed = False  # the step's last backward: gradients are final as they land
+        self.stepped: set[int] = set()
+        self.squares: torch.Tensor | None = None  # the stepped gradients' squared norms, summed
+        me = weakref.ref(self)  # (a parameter's hooks live where the collector cannot see a cycle)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(_fused_hook(me))
+
+    def arm(self) -> None:
+        """The next backward is the step's last: update each tensor as its gradient lands."""
+        self.armed = True
+
+    @torch.no_grad()
+    def _step(self, p: torch.Tensor) -> None:
+        square = p.grad.detach().float().square().sum()
+        self.squares = square if self.squares is None else self.squares + square
+        snapshot(self.optimizer, {id(p)}).step()
+        p.grad = None
+        self.stepped.add(id(p))
+
+    def finish(self) -> tuple[float, bool]:
+        """After the step's last backward: a tensor whose gradient did not land armed (the
+        last micro-batch had no usable sample) is stepped now; the state is put back in
+        parameter order. Returns the gradient norm and whether it is finite."""
+        for p in self.params:
+            if p.grad is not None and id(p) not in self.stepped:
+                self._step(p)
+        _in_parameter_order(self.optimizer)
+        _noted(self.optimizer)
+        norm = float(self.squares.sqrt()) if self.squares is not None else 0.0
+        self.squares, self.armed, self.stepped = None, False, set()
+        return norm, math.isfinite(norm)
+
+
+def _noted(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch's LR scheduler the optimizer stepped: the per-tensor views step without the
+    wrapper of ``optimizer.step`` that notes it (else the scheduler warns it ran first)."""
+    optimizer._opt_called = True
+
+
+def _fused_hook(step: weakref.ref):
+    def hook(p: torch.Tensor) -> None:
+        if (live := step()) is not None and live.armed:
+            live._step(p)
+    return hook
+
+
+class StreamedStates:
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
+                 device: torch.device):
+        self.optimizer = optimizer
+        self.params = [p for _, p in named]
+        self.device = indexed(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.host: dict[int, dict[str, torch.Tensor]] = {}  # each tensor's page-locked states
+        self.moved: dict[int, set[str]] = {}  # which of its states live on the device
+        # a loaded state dict lands on the parameters' device: back to the host
+        for part in getattr(optimizer, "optimizers", None) or [optimizer]:
+            part.register_load_state_dict_post_hook(lambda _opt: self._all_to_host())
+
+    def _state(self, p: torch.Tensor) -> dict:
+        for part in getattr(self.optimizer, "optimizers", None) or [self.optimizer]:
+            if any(q is p for g in part.param_groups for q in g["params"]):
+                return part.state
+        raise KeyError("a tensor the optimizer does not hold")
+
+    def _bring(self, p: torch.Tensor) -> torch.cuda.Event | None:
+        """``p``'s states that live on the device back onto it, on the side stream (none
+        yet: the optimizer makes them on its first step)."""
+        keys = self.moved.get(id(p))
+        if not keys or not self.cuda:
+            return None
+        state = self._state(p)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            moved = {k: v.to(self.device, non_blocking=True) if k in keys else v
+                     for k, v in state[p].items()}
+            ready = self.stream.record_event()
+        for k in keys:  # made on the side stream, read on the compute stream
+            moved[k].record_stream(torch.cuda.current_stream(self.device))
+        state[p] = moved
+        return ready
+
+    def _send(self, p: torch.Tensor) -> None:
+        """``p``'s states on the device, just updated, to their host buffers (after the
+        update; a state the optimizer keeps on the CPU, AdamW's step count, stays)."""
+        state = self._state(p)
+        host = self.host.setdefault(id(p), {})
+        keys = self.moved.setdefault(id(p), set())
+        out = dict(state[p])
+        for k, v in state[p].items():
+            if not isinstance(v, torch.Tensor) or v.device != self.device:
+                continue
+            h = host.get(k)
+            if h is None or h.shape != v.shape or h.dtype != v.dtype:
+                h = host[k] = torch.empty_like(v, device="cpu", pin_memory=self.cuda)
+            if self.cuda:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    h.copy_(v, non_blocking=True)
+                v.record_stream(self.stream)
+            elif h is not v:
+                h.copy_(v)
+            out[k] = h
+            keys.add(k)
+        state[p] = out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """The optimizer's step, one trained tensor at a time, its states on the device only
+        for its own update."""
+        params = [p for p in self.params if p.grad is not None]
+        ready = self._bring(params[0]) if params else None
+        for i, p in enumerate(params):
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            ready = self._bring(params[i + 1]) if i + 1 < len(params) else None
+            snapshot(self.optimizer, {id(p)}).step()
+            self._send(p)
+        _in_parameter_order(self.optimizer)
+        _noted(self.optimizer)
+        if self.cuda:  # the host buffers complete before anything reads them (a checkpoint)
+            self.stream.synchronize()
+
+    @torch.no_grad()
+    def _all_to_host(self) -> None:
+        for p in self.params:
+            if p in self._state(p):
+                self._send(p)
+        if self.cuda:
+            self.stream.synchronize()
+
+    def host_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for d in self.host.values() for v in d.values())
