@@ -15,6 +15,6 @@ from kohakumoss.memory.recompute import ELEMENTWISE, apply_recompute, recomputed
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.memory.streaming import apply_weight_streaming
 
-__all__ = ["ELEMENTWISE", "MODES", "FusedStep", "HostUpdate", "StreamedStates", "apply_activation_offload",
-           "apply_block_checkpointing", "apply_checkpointing", "apply_recompute",
+__all__ = ["ELEMENTWISE", "MODES", "FusedStep", "HostUpdate", "StreamedStates",
+           "apply_activation_offload", "apply_block_checkpointing", "apply_checkpointing", "apply_recompute",
            "apply_weight_streaming", "recomputed", "repeated_blocks"]
