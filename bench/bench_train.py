@@ -144,20 +144,30 @@ def step_inputs(lat, txt, keys, step, device="cuda"):
     return z, target, text, sigma, layout
 
 
-def step_fn(model, opt, batch, update=None, upcoming=None):
+def step_fn(model, opt, batch, update=None, upcoming=None, stepper=None):
     """One step on ``batch`` (``step_inputs``); ``upcoming()`` makes the next step's batch
-    while the device runs this backward, as the trainer does. Returns the layout and it."""
+    while the device runs this backward, as the trainer does; ``stepper``: the step in
+    backward or the streamed states (``memory.stepping``). Returns the layout and it."""
+    from kohakumoss.memory.stepping import FusedStep
+
     z, target, text, sigma, layout = batch
     with torch.autocast("cuda", dtype=torch.bfloat16):
         pred = model(z, text, sigma, layout)
     loss = flow_loss(pred, target, layout.seg_img, torch.ones(len(sigma), device=z.device), layout.n_img)
+    if isinstance(stepper, FusedStep):
+        stepper.arm()
     loss.backward()
     following = upcoming() if upcoming is not None else None
     if update is not None:  # memory.optimizer host: the gradients gathered on the host
         update.finish_backward()
         update.step(opt)  # overlapped: beside the next step's forward
+    elif isinstance(stepper, FusedStep):
+        stepper.finish()
     else:
-        opt.step()
+        if stepper is not None:
+            stepper.step()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
     return layout, following
 
@@ -310,6 +320,12 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
         update.attach(opt)
     else:
         opt = build_optimizer(named, OptimConfig(lr=1e-4))
+    stepper = None
+    if memory.optimizer in ("fused", "streamed"):
+        from kohakumoss.memory.stepping import FusedStep, StreamedStates
+
+        stepper = FusedStep(named, opt) if memory.optimizer == "fused" else \
+            StreamedStates(named, opt, torch.device("cuda"))
     keys = [f"{i:032x}" for i in range(per * (steps + 2))]
     times = []
     torch.cuda.reset_peak_memory_stats()
@@ -321,7 +337,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
             t0 = time.perf_counter()
             upcoming = (lambda s=s: step_inputs(lat, txt, keys[(s + 1) * per:(s + 2) * per], s + 1)) \
                 if s + 1 < steps + 2 else None
-            layout, batch = step_fn(model, opt, batch, update, upcoming)
+            layout, batch = step_fn(model, opt, batch, update, upcoming, stepper)
             torch.cuda.synchronize()
             held = max(held, held_gib())
             if s >= 2:
@@ -333,7 +349,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                "estimate_gib": predicted_peak([(4096, 104)] * per, full=False, base=base),
                "detail": str(e).splitlines()[0][:200]}
-        del model, opt, adapters, ring, update
+        del model, opt, adapters, ring, update, stepper
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
         return out
@@ -345,7 +361,8 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     if profiled:  # the step as the loop runs it: its batch made before, the next one inside
         batch = step_inputs(lat, txt, keys[:per], 0)
         prof = profile_step(lambda: step_fn(model, opt, batch, update,
-                                            lambda: step_inputs(lat, txt, keys[per:2 * per], 1)))
+                                            lambda: step_inputs(lat, txt, keys[per:2 * per], 1),
+                                            stepper))
     else:
         prof = None
     streamed = {"stream_slots": memory.stream_slots, "loads_per_step": ring.loads / (steps + 2 + bool(prof)),
@@ -353,7 +370,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     offloaded = getattr(model, "offloader", None)
     if offloaded is not None:
         streamed["offloaded_gib_per_step"] = offloaded.bytes / 2**30
-    del model, opt, adapters, ring, update
+    del model, opt, adapters, ring, update, stepper
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
     return {"budget": budget, "base": base, "weights_gib": weights,
@@ -441,6 +458,9 @@ def main() -> None:
                          "outputs) in host memory")
     ap.add_argument("--host-optimizer", action="store_true",
                     help="the optimizer on the host (gradients offloaded, AdamW on the CPU)")
+    ap.add_argument("--optimizer", choices=["fused", "streamed"], default=None,
+                    help="the adapter's update placed as memory.optimizer fused (the step in "
+                         "backward) or streamed (states from the host), over any engines")
     ap.add_argument("--stream-slots", type=int, default=0,
                     help="stream the frozen base's block weights through this many device slots")
     ap.add_argument("--memory-profile", default="",
@@ -478,6 +498,8 @@ def main() -> None:
         ENGINES["memory"] = PROFILE_ENGINES[a.memory_profile]
     if a.resident_blocks:
         ENGINES["memory"] = dataclasses.replace(ENGINES["memory"], resident_blocks=a.resident_blocks)
+    if a.optimizer:
+        ENGINES["memory"] = dataclasses.replace(ENGINES["memory"], optimizer=a.optimizer)
     expandable = False if a.fixed_segments else tight_allocator(ENGINES["memory"], torch.device("cuda"))
     caps = a.cap or [0.0]
     COMPILE_BLOCKS[0] = a.compile_blocks
