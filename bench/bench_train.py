@@ -38,6 +38,7 @@ from kohakumoss.model.flops import train_flops
 from kohakumoss.precision import precision_policy
 from kohakumoss.memory.allocator import tight_allocator
 from kohakumoss.memory.profiles import MemoryEngines
+from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.training.engines import EnginePlan, apply_engines
 from kohakumoss.training.optim import build_optimizer
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
@@ -148,7 +149,6 @@ def step_fn(model, opt, batch, update=None, upcoming=None, stepper=None):
     """One step on ``batch`` (``step_inputs``); ``upcoming()`` makes the next step's batch
     while the device runs this backward, as the trainer does; ``stepper``: the step in
     backward or the streamed states (``memory.stepping``). Returns the layout and it."""
-    from kohakumoss.memory.stepping import FusedStep
 
     z, target, text, sigma, layout = batch
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -322,8 +322,6 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
         opt = build_optimizer(named, OptimConfig(lr=1e-4))
     stepper = None
     if memory.optimizer in ("fused", "streamed"):
-        from kohakumoss.memory.stepping import FusedStep, StreamedStates
-
         stepper = FusedStep(named, opt) if memory.optimizer == "fused" else \
             StreamedStates(named, opt, torch.device("cuda"))
     keys = [f"{i:032x}" for i in range(per * (steps + 2))]

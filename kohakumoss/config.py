@@ -307,10 +307,8 @@ class MemoryConfig:
                                      "N: its block weights live in host memory and stream "
                                      "through N block-sized device slots)")
     optimizer: Literal["device", "host", "fused", "streamed"] = knob(
-        "device", help="host: gradients leave the device as backward makes them; the optimizer's "
-                       "states and update live on the CPU. fused: each tensor updated inside "
-                       "backward and its gradient dropped. streamed: the states in host memory, "
-                       "brought to the device tensor by tensor for the update (docs/memory.md)")
+        "device", help="host: gradients offloaded, states and update on the CPU; fused: the step "
+                       "in backward; streamed: states from the host (docs/memory.md)")
     offload: bool = False  # checkpointing block/sub-block: the kept inputs wait in host memory
     rebuild: bool = False  # checkpointing none/partial: the elementwise outputs rebuilt in backward
 

@@ -27,9 +27,13 @@ def _batches(steps, accum):
     return [[torch.randn(5, 6, generator=g) for _ in range(accum)] for _ in range(steps)]
 
 
+def _trained(name, seed=0):
+    net, named = _toy(seed)
+    return net, named, build_optimizer(named, OptimConfig(name=name, lr=1e-2, weight_decay=0.1))
+
+
 def _plain(name, data):
-    net, named = _toy()
-    opt = build_optimizer(named, OptimConfig(name=name, lr=1e-2, weight_decay=0.1))
+    net, named, opt = _trained(name)
     norms = []
     for micro in data:
         for x in micro:
@@ -51,8 +55,7 @@ def _same(a, opt_a, b, opt_b):
 def test_the_step_in_backward_is_the_plain_step_and_drops_each_gradient(name):
     data = _batches(3, 2)
     a, opt_a, norms_a = _plain(name, data)
-    b, named = _toy()
-    opt_b = build_optimizer(named, OptimConfig(name=name, lr=1e-2, weight_decay=0.1))
+    b, named, opt_b = _trained(name)
     fused = FusedStep(named, opt_b)
     norms_b = []
     for micro in data:
@@ -72,8 +75,7 @@ def test_the_step_in_backward_is_the_plain_step_and_drops_each_gradient(name):
 def test_a_step_whose_last_micro_batch_had_no_sample_is_stepped_at_the_end():
     data = _batches(2, 1)
     a, opt_a, _ = _plain("adamw", data)
-    b, named = _toy()
-    opt_b = build_optimizer(named, OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1))
+    b, named, opt_b = _trained("adamw")
     fused = FusedStep(named, opt_b)
     for micro in data:
         b(micro[0]).square().mean().backward()  # landed before the step was armed
@@ -95,8 +97,7 @@ def test_a_non_finite_gradient_is_reported():
 def test_streamed_states_are_the_device_optimizers_and_live_in_their_buffers(name):
     data = _batches(3, 2)
     a, opt_a, _ = _plain(name, data)
-    b, named = _toy()
-    opt_b = build_optimizer(named, OptimConfig(name=name, lr=1e-2, weight_decay=0.1))
+    b, named, opt_b = _trained(name)
     streamed = StreamedStates(named, opt_b, CPU)
     for micro in data:
         for x in micro:
@@ -114,17 +115,15 @@ def test_streamed_states_are_the_device_optimizers_and_live_in_their_buffers(nam
 def test_streamed_states_resume_from_a_saved_state():
     data = _batches(4, 1)
     a, opt_a, _ = _plain("adamw", data)
-    b, named = _toy()
-    opt_b = build_optimizer(named, OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1))
+    b, named, opt_b = _trained("adamw")
     streamed = StreamedStates(named, opt_b, CPU)
     for micro in data[:2]:
         b(micro[0]).square().mean().backward()
         streamed.step()
         opt_b.zero_grad(set_to_none=True)
     saved, weights = opt_b.state_dict(), {k: v.clone() for k, v in b.state_dict().items()}
-    c, named_c = _toy(seed=5)  # a fresh process: other weights until loaded
+    c, named_c, opt_c = _trained("adamw", seed=5)  # a fresh process: other weights until loaded
     c.load_state_dict(weights)
-    opt_c = build_optimizer(named_c, OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1))
     resumed = StreamedStates(named_c, opt_c, CPU)
     opt_c.load_state_dict(saved)
     for _, p in named_c:  # the loaded states went back to the engine's buffers

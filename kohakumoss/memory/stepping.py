@@ -89,15 +89,16 @@ class StreamedStates:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.host: dict[int, dict[str, torch.Tensor]] = {}  # each tensor's page-locked states
         self.moved: dict[int, set[str]] = {}  # which of its states live on the device
+        # each tensor's optimizer (a combined one's part): its ``state`` is looked up at use,
+        # as loading a state dict replaces it
+        parts = getattr(optimizer, "optimizers", None) or [optimizer]
+        self.part = {id(p): part for part in parts for g in part.param_groups for p in g["params"]}
         # a loaded state dict lands on the parameters' device: back to the host
         for part in getattr(optimizer, "optimizers", None) or [optimizer]:
             part.register_load_state_dict_post_hook(lambda _opt: self._all_to_host())
 
     def _state(self, p: torch.Tensor) -> dict:
-        for part in getattr(self.optimizer, "optimizers", None) or [self.optimizer]:
-            if any(q is p for g in part.param_groups for q in g["params"]):
-                return part.state
-        raise KeyError("a tensor the optimizer does not hold")
+        return self.part[id(p)].state
 
     def _bring(self, p: torch.Tensor) -> torch.cuda.Event | None:
         """``p``'s states that live on the device back onto it, on the side stream (none
