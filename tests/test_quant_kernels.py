@@ -130,6 +130,86 @@ def test_the_quant_kernel_refuses_what_it_cannot_take():
         fn(leaf(g, 4, 32), codes.float(), scale, None)
 
 
+@triton_test
+def test_fp8_rows_joined_and_transposed_codes():
+    """Quantizing several sources as one row equals quantizing their concatenation; the codes'
+    transposes side by side equal torch's, byte for byte."""
+    needs_triton()
+    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    g = torch.Generator().manual_seed(8)
+    xs = [leaf(g, 37, 40, dtype=torch.bfloat16, grad=False) * (i + 1) for i in range(3)]
+    cols = (torch.rand(120, generator=g) + 0.5).to(DEVICE)
+    for n in (1, 2, 3):
+        joined = torch.cat(xs[:n], dim=1)
+        for cs in (None, cols[:40 * n]):
+            codes, scale = tq.fp8_rows_joined(xs[:n], cs)
+            want_codes, want_scale = ops.fp8_rows(joined, cs)
+            assert torch.equal(scale, want_scale)
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    strided = torch.cat(xs, dim=1)[:, 40:80]  # a source whose rows are 120 apart
+    assert torch.equal(tq.fp8_rows_joined([strided])[0].view(torch.uint8),
+                       ops.fp8_rows(strided)[0].view(torch.uint8))
+    codes = [weights(g, n, 40, "fp8")[0] for n in (24, 24, 8)]
+    got = tq.transposed_codes(codes)
+    want = torch.cat([c.t() for c in codes], dim=1)
+    assert got.shape == (40, 56) and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="one to three"):
+        tq.fp8_rows_joined(xs + xs[:1])
+
+
+def fp8_loras(g: torch.Generator, n: int, M: int, K: int, N: int, r: int):
+    """x [M, K] and ``n`` (codes, scale, down, up) of width N and rank r, bf16 leaves."""
+    x = leaf(g, M, K, dtype=torch.bfloat16)
+    layers = []
+    for _ in range(n):
+        codes, scale = weights(g, N, K, "fp8")
+        layers.append((codes, scale, leaf(g, r, K, dtype=torch.bfloat16, scale=0.1),
+                       leaf(g, N, r, dtype=torch.bfloat16, scale=0.1)))
+    return x, layers
+
+
+def _joined(fn):
+    return lambda x, layers, full: torch.cat(fn(x, layers, full), dim=-1)
+
+
+@triton_test
+@pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_fp8_lora_linears_match_their_reference(n, full):
+    """fp8 linears with their LoRAs as one node (``scaled_mm``: ``torch._scaled_mm``, which
+    the CPU has too, and the Triton quantization) against ``ops.fp8_lora_linears``: output,
+    input gradient and every LoRA gradient; with ``full`` the joined fp8 input gradient."""
+    needs_triton()
+    g = torch.Generator().manual_seed(9)
+    x, layers = fp8_loras(g, n, 37, 48, 32, 4)
+    leaves = {"x": x, **{f"{w}{i}": t for i, (_, _, d, u) in enumerate(layers)
+                         for w, t in (("down", d), ("up", u))}}
+    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
+    x3 = leaf(g, 2, 5, 48, dtype=torch.bfloat16)  # leading dimensions
+    compare(_joined(fn), _joined(ops.fp8_lora_linears), (x3, layers, full), {"x": x3}, TOL[torch.bfloat16])
+
+
+def test_fp8_lora_linears_reference_is_the_separate_ops():
+    """The reference equals ``fp8_linear`` plus the LoRA's two products, forward and every
+    gradient, in float32 (one linear: its joined quantization is the linear's own)."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(9, 48, generator=g, dtype=torch.float64).float().requires_grad_()
+    codes, scale = quantize_rows(torch.randn(32, 48, generator=g) * 0.05, "fp8")
+    down = (torch.randn(4, 48, generator=g) * 0.1).requires_grad_()
+    up = (torch.randn(32, 4, generator=g) * 0.1).requires_grad_()
+    dy = torch.randn(9, 32, generator=g)
+    for full in (False, True):
+        got = ops.fp8_lora_linears(x, [(codes, scale, down, up)], full)[0]
+        want = ops.fp8_linear(x, codes, scale, None, full) + (x @ down.t()) @ up.t()
+        assert rel(got, want) < 1e-6
+        ga = torch.autograd.grad(got, (x, down, up), dy)
+        gb = torch.autograd.grad(want, (x, down, up), dy)
+        for a, b in zip(ga, gb):
+            assert rel(a, b) < 1e-6
+
+
 # ---- the GPU: the real model's sizes and the fp8 GEMMs -------------------------------------
 
 REAL = [(8400, 3072, 3072), (8400, 3072, 16384), (8400, 8192, 3072), (300, 3072, 3072)]
@@ -177,6 +257,22 @@ def test_fp8_compute_matches_its_reference(shape, full):
         fn(xi, codes, scale, None, fp8_grad).backward(dy)
         grads[fp8_grad] = xi.grad.float()
     assert 0 < rel(grads[True], grads[False]) < 6e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
+@pytest.mark.parametrize("shape", REAL, ids=str)
+def test_fp8_lora_linears_at_the_real_sizes(shape, full):
+    """The one-node fp8 linears with rank-32 LoRAs at the model's sizes (q, k and v three at
+    once) against the reference."""
+    if not CUDA or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs CUDA sm89+")
+    M, K, N = shape
+    n = 3 if K == N == 3072 else 1
+    x, layers = fp8_loras(torch.Generator().manual_seed(11), n, M, K, N, 32)
+    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    leaves = {"x": x, "down0": layers[0][2], "up0": layers[0][3]}
+    compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
 
 
 # ---- the interpreted suite on a CPU machine ------------------------------------------------

@@ -110,6 +110,34 @@ def test_fp8_input_gradients_change_only_the_gradients():
     assert 1e-4 < err < 6e-2
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
+def test_a_lora_on_fp8_compute_is_one_node_with_its_linear(full, monkeypatch):
+    """A LoRA on an fp8-compute linear runs with it as one node (``fp8_lora_linears``); q, k
+    and v as one: the same output and LoRA gradients as the separate nodes (the base op,
+    then the delta accumulated onto it) up to fp32 round-off; with ``full`` the three input
+    gradients of q, k and v are quantized as one row, within e4m3's rounding of the three."""
+    calls = []
+
+    def counted(model):
+        inner = model.ops.fp8_lora_linears
+        model.ops.override("fp8_lora_linears", lambda x, layers, g: calls.append(len(layers)) or inner(x, layers, g))
+        return model
+
+    one, apart = tiny_transformer(), tiny_transformer()
+    for m in (one, apart):
+        quantize_base(m, "fp8", fp8_compute=True, fp8_grad=full)
+    (out, grads) = _forward_and_grads(counted(one))
+    # per joint block q, k and v as one call, then o, up|gate and down (the text refiner's
+    # linears have biases: their LoRAs stay separate nodes)
+    assert calls == [3, 1, 1, 1] * len(one.layers)
+    monkeypatch.setattr(QuantizedLinear, "lora_op", lambda self: None)
+    want, want_grads = _forward_and_grads(apart)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+    tol = 1e-1 if full else 1e-4  # full: two e4m3 roundings of the input gradients, apart
+    for a, b in zip(grads, want_grads):
+        assert (a - b).norm() <= tol * b.norm() + 1e-8
+
+
 def test_codes_and_scales_keep_their_dtypes_and_the_weight_is_read_only():
     qm = tiny_transformer()
     quantize_base(qm, "fp8")

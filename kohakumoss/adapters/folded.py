@@ -150,6 +150,9 @@ def folded_forward(lyco, x: torch.Tensor) -> torch.Tensor:
     out of place onto another wrapper's (it may keep its output) and under a dispatch mode
     (a base output that selective checkpointing keeps is never mutated)."""
     alpha = float(lyco.scale) * float(lyco.multiplier)
+    fp8 = fp8_fold_parts(lyco)
+    if fp8 is not None:
+        return fp8_lora_linears(x, [fp8])[0]
     if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:
         base = lyco.org_module[0]  # kmoss_unevaluated: a recomputation reads no output
         return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight, alpha,
@@ -171,3 +174,26 @@ def _owns_output(lyco) -> bool:
     base = lyco.org_module[0]
     return getattr(base, "codes", None) is not None and \
         getattr(lyco.org_forward, "__func__", None) is type(base).forward
+
+
+def fp8_fold_parts(lyco) -> tuple[nn.Module, torch.Tensor, torch.Tensor, float] | None:
+    """``(base, down, up, alpha)`` when the layer's base runs fp8 compute and takes its LoRA
+    into one node (``QuantizedLinear.lora_op``: no bias, no rotation), else None."""
+    base = lyco.org_module[0]
+    lora_op = getattr(base, "lora_op", None)
+    if lora_op is None or not _owns_output(lyco) or lora_op() is None:
+        return None
+    return base, lyco.lora_down.weight, lyco.lora_up.weight, float(lyco.scale) * float(lyco.multiplier)
+
+
+def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor, torch.Tensor, float]]
+                     ) -> list[torch.Tensor]:
+    """The fp8 linears ``parts`` (``fp8_fold_parts``, one input ``x``) with their LoRAs as one
+    node: the base's op table's ``fp8_lora_linears``, the LoRA in x's dtype, ``alpha`` in
+    ``up`` before its cast (as ``lora_linear``)."""
+    layers = []
+    for base, down, up, alpha in parts:
+        up = up * alpha if alpha != 1.0 else up
+        layers.append((base.codes, base.scale, down.to(x.dtype), up.to(x.dtype)))
+    base = parts[0][0]
+    return base.lora_op()(x, layers, base.fp8_grad)

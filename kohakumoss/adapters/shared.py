@@ -1,5 +1,6 @@
 """Linears that read one input (a joint block's q, k and v) run as one LoRA node when each
-carries a folding LoRA (``folded.lora_linears``); otherwise one by one, as the model's own
+carries a folding LoRA (``folded.lora_linears``; on fp8 compute bases
+``folded.fp8_lora_linears``); otherwise one by one, as the model's own
 ``ops.linears`` does.
 
 ``apply_adapters`` puts ``shared_input_linears`` in the model's op table (``linears``). Per
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from kohakumoss.adapters.folded import lora_linears
+from kohakumoss.adapters.folded import fp8_fold_parts, fp8_lora_linears, lora_linears
 from kohakumoss.adapters.runtime import _run, folds
 
 
@@ -46,18 +47,32 @@ def _pre_hooked(m: nn.Module, x: torch.Tensor) -> tuple:
     return args
 
 
-def fold_parts(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
-    """``(weight, down, up, alpha)`` when ``m``'s forward now is a folding LoRA on a plain
-    bias-free linear, else None."""
+def _folding(m: nn.Module):
+    """The LyCORIS module whose folding forward ``m`` runs now (``runtime.folds``), else None."""
     fwd = m.__dict__.get("forward")
     if not (isinstance(fwd, functools.partial) and fwd.func is _run):
         return None
     lyco = fwd.args[0]
     if lyco.multiplier == 0 or (lyco.training and lyco.kmoss_skip) or not folds(lyco):
         return None
+    return lyco
+
+
+def fold_parts(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+    """``(weight, down, up, alpha)`` when ``m``'s forward now is a folding LoRA on a plain
+    bias-free linear, else None."""
+    lyco = _folding(m)
+    if lyco is None:
+        return None
     if getattr(lyco.org_forward, "__func__", None) is not nn.Linear.forward or m.bias is not None:
         return None
     return m.weight, lyco.lora_down.weight, lyco.lora_up.weight, float(lyco.scale) * float(lyco.multiplier)
+
+
+def _fp8_parts(m: nn.Module) -> tuple | None:
+    """``folded.fp8_fold_parts`` of ``m``'s folding LoRA, when its forward now is one."""
+    lyco = _folding(m)
+    return None if lyco is None else fp8_fold_parts(lyco)
 
 
 def shared_input_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
@@ -70,4 +85,8 @@ def shared_input_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
     parts = [fold_parts(m) for m in modules]
     if all(len(a) == 1 and a[0] is x for a in args) and all(p is not None for p in parts):
         return lora_linears(x, parts)
+    fp8 = [_fp8_parts(m) for m in modules]  # fp8 compute bases (precision.fp8_compute)
+    if all(len(a) == 1 and a[0] is x for a in args) and all(p is not None for p in fp8) and \
+            len({p[0].codes.shape[0] for p in fp8}) == 1 and len({p[0].fp8_grad for p in fp8}) == 1:
+        return fp8_lora_linears(x, fp8)
     return [m.forward(*a) for m, a in zip(modules, args)]

@@ -17,6 +17,7 @@ would make autograd copy the whole gradient in backward.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from kohakumoss.kernels.backends import triton_module
 from kohakumoss.kernels.registry import register_backend
@@ -52,7 +53,7 @@ class _ScaledMM(torch.autograd.Function):
             # dy W = (dy * scale) codes: the codes transposed into a transient buffer (the
             # GEMM wants the summed dimension contiguous in both operands), no scale on them
             gq, gs = tq.fp8_rows(go, scale)
-            ct = codes.t().contiguous()
+            ct = tq.transposed_codes([codes])
             ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=go.device)
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=ones, out_dtype=go.dtype)
         elif ctx.needs_input_grad[0]:
@@ -72,4 +73,80 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return y if x.dim() == 2 else y.view(*x.shape[:-1], codes.shape[0])  # 2-D: no view (see above)
 
 
+class _Fp8Loras(torch.autograd.Function):
+    """``fp8_lora_linears``: bias-free fp8 linears on one input, each with a LoRA, one node.
+
+    forward: ``x`` quantized once; ``h = x [A_1; ...]^T`` (one narrow product for every
+    down matrix); per linear the fp8 GEMM, then ``h_i B_i^T`` accumulated onto its output in
+    place. backward: ``t = [dy_1 B_1 | ...]``; the base input gradient is one GEMM over all
+    the linears: ``[dy_1 | ...]`` times the weights' row scales quantized per row as one row
+    (``fp8_rows_joined``) against the codes' transposes side by side (or, without
+    ``grad_fp8``, one dequantized bf16 matmul per linear), then ``t [A_1; ...]`` accumulated
+    onto it in place: no full-width add, where separate nodes add three per linear."""
+
+    @staticmethod
+    def forward(ctx, x2, ranks, grad_fp8, down, *tensors):
+        n = len(ranks)
+        codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        tq = triton_module("triton_quant")
+        xq, xs = tq.fp8_rows(x2)
+        h = torch.mm(x2, down.t())
+        outs = []
+        for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1)):
+            y = torch._scaled_mm(xq, c.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=x2.dtype)
+            outs.append(torch.addmm(y, hi, up.t()) if is_in_torch_dispatch_mode() else y.addmm_(hi, up.t()))
+        ctx.ranks, ctx.grad_fp8 = ranks, grad_fp8
+        ctx.save_for_backward(x2, h, down, *codes, *scales, *ups)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x2, h, down, *rest = ctx.saved_tensors
+        n = len(ctx.ranks)
+        codes, scales, ups = rest[:n], rest[n:2 * n], rest[2 * n:]
+        need_x, _, _, need_down = ctx.needs_input_grad[:4]
+        need_up = ctx.needs_input_grad[4 + 2 * n:]
+        dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
+               for dy, c in zip(dys, codes)]
+        t = torch.cat([torch.mm(dy, up) for dy, up in zip(dys, ups)], dim=1)
+        dx = None
+        tq = triton_module("triton_quant")
+        if need_x and ctx.grad_fp8:  # one GEMM over every linear's output (ops.fp8_lora_linears)
+            gq, gs = tq.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0])
+            ct = tq.transposed_codes(list(codes))
+            ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=x2.device)
+            dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=ones, out_dtype=x2.dtype)
+            dx.addmm_(t, down)
+        elif need_x:
+            dx = torch.mm(t, down)
+            for dy, c, s in zip(dys, codes, scales):
+                dx.addmm_(dy, tq.dequantize(c, s, dy.dtype))
+        d_down = torch.mm(t.t(), x2) if need_down else None
+        d_up = [torch.mm(dy.t(), hi) if need else None
+                for dy, hi, need in zip(dys, h.split(ctx.ranks, dim=1), need_up)]
+        return (dx, None, None, d_down, *([None] * 2 * n), *d_up)
+
+
+def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                     grad_fp8: bool = False) -> list[torch.Tensor]:
+    """``ops.fp8_lora_linears`` as one node (``_Fp8Loras``): fp8 GEMMs, the LoRAs' products in
+    bf16, accumulated in place."""
+    if not 1 <= len(layers) <= 3 or len({c.shape[0] for c, _, _, _ in layers}) != 1:
+        raise ValueError(f"fp8_lora_linears (scaled_mm): one to three linears of one width, got "
+                         f"{[tuple(c.shape) for c, _, _, _ in layers]}")
+    for codes, _, down, up in layers:
+        if codes.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16 or \
+                down.dtype != x.dtype or up.dtype != x.dtype:
+            raise TypeError(f"fp8_lora_linears (scaled_mm): codes {codes.dtype}, x {x.dtype}, "
+                            f"LoRA {down.dtype}/{up.dtype}; want float8_e4m3fn codes, bf16 rest")
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    ranks = tuple(down.shape[0] for _, _, down, _ in layers)
+    down = torch.cat([d for _, _, d, _ in layers]) if len(layers) > 1 else layers[0][2]
+    ys = _Fp8Loras.apply(x2, ranks, grad_fp8, down, *(c for c, _, _, _ in layers),
+                         *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
+    return [y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1]) for y in ys]
+
+
 register_backend("fp8_linear", "scaled_mm", fp8_linear, available, keeps_inputs_only=True)
+register_backend("fp8_lora_linears", "scaled_mm", fp8_lora_linears, available)

@@ -123,26 +123,53 @@ def _to_e4m3(x):
 
 
 @jit
-def _fp8_rows(X, CS, Q, S, K, sx, COLS: tl.constexpr, BLOCK: tl.constexpr):
+def _row_source(j: tl.constexpr, X0, X1, X2):
+    if j == 0:
+        return X0
+    elif j == 1:
+        return X1
+    else:
+        return X2
+
+
+@jit
+def _fp8_rows(X0, X1, X2, CS, Q, S, K, sx0, sx1, sx2, NSRC: tl.constexpr, COLS: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Row ``row`` of [X0 | X1 | X2][:, :NSRC * K] (each source K wide, its own row stride)
+    as e4m3 codes under one scale, into a row of Q (NSRC * K wide)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        m = (k0 + cols) < K
-        x = tl.load(X + row * sx + k0 + cols, mask=m, other=0.0).to(tl.float32)
-        if COLS:
-            x = x * tl.load(CS + k0 + cols, mask=m, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x))
+    for j in tl.static_range(NSRC):
+        X = _row_source(j, X0, X1, X2) + row * _row_source(j, sx0, sx1, sx2)
+        for k0 in range(0, K, BLOCK):
+            m = (k0 + cols) < K
+            x = tl.load(X + k0 + cols, mask=m, other=0.0).to(tl.float32)
+            if COLS:
+                x = x * tl.load(CS + j * K + k0 + cols, mask=m, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x))
     s = tl.max(amax, axis=0) / 448.0
     s = tl.where(s > 0.0, s, 1.0)
-    for k0 in range(0, K, BLOCK):
-        m = (k0 + cols) < K
-        x = tl.load(X + row * sx + k0 + cols, mask=m, other=0.0).to(tl.float32)
-        if COLS:
-            x = x * tl.load(CS + k0 + cols, mask=m, other=0.0)
-        q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
-        tl.store(Q + row * K + k0 + cols, _to_e4m3(q), mask=m)
+    for j in tl.static_range(NSRC):
+        X = _row_source(j, X0, X1, X2) + row * _row_source(j, sx0, sx1, sx2)
+        for k0 in range(0, K, BLOCK):
+            m = (k0 + cols) < K
+            x = tl.load(X + k0 + cols, mask=m, other=0.0).to(tl.float32)
+            if COLS:
+                x = x * tl.load(CS + j * K + k0 + cols, mask=m, other=0.0)
+            q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+            tl.store(Q + row * (NSRC * K) + j * K + k0 + cols, _to_e4m3(q), mask=m)
     tl.store(S + row, s)
+
+
+@jit
+def _transpose(A, B, N, K, sb, BN: tl.constexpr, BK: tl.constexpr):
+    """``B[k, n] = A[n, k]``: A [N, K] contiguous, B's rows ``sb`` apart (bytes as uint8)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = (rn[:, None] < N) & (rk[None, :] < K)
+    a = tl.load(A + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=m, other=0)
+    tl.store(B + rk.to(tl.int64)[:, None] * sb + rn[None, :], tl.trans(a), mask=tl.trans(m))
 
 
 @jit
@@ -262,16 +289,50 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 def fp8_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ops.fp8_rows`` in Triton: one program per row (amax, then the codes); with
     ``col_scale`` [K] (fp32) the rows of ``x * col_scale`` (the product in fp32)."""
-    check_tensors("fp8_rows", x)
-    M, K = x.shape
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    return fp8_rows_joined([x], col_scale)
+
+
+def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops.fp8_rows(torch.cat(xs, 1), col_scale)`` without the concatenation: one to three
+    [M, K] sources (rows contiguous, any row stride), each row quantized under one scale
+    across all of them (fp8 compute's input gradient of q, k and v: one GEMM)."""
+    if not 1 <= len(xs) <= 3 or any(x.shape != xs[0].shape or x.dim() != 2 for x in xs):
+        raise ValueError(f"fp8_rows: one to three 2-D sources of one shape, got "
+                         f"{[tuple(x.shape) for x in xs]}")
+    xs = [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+    check_tensors("fp8_rows", *xs)
+    (M, K), n = xs[0].shape, len(xs)
+    q = torch.empty((M, n * K), dtype=torch.float8_e4m3fn, device=xs[0].device)
+    s = torch.empty((M,), dtype=torch.float32, device=xs[0].device)
     if M and K:
         block = 16 if INTERPRETED else min(2048, triton.next_power_of_2(K))
-        cs = x if col_scale is None else col_scale.float().contiguous()
-        _fp8_rows[(M,)](x, cs, q, s, K, x.stride(0), COLS=col_scale is not None, BLOCK=block,
-                        num_warps=4)
+        cs = xs[0] if col_scale is None else col_scale.float().contiguous()
+        src = [*xs, xs[0], xs[0]][:3]
+        _fp8_rows[(M,)](*src, cs, q, s, K, *(x.stride(0) for x in src), NSRC=n,
+                        COLS=col_scale is not None, BLOCK=block, num_warps=4)
     return q, s
+
+
+def transposed_codes(codes: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat([c.t() for c in codes], 1).contiguous()``: [K, sum of N], each [N, K]
+    code matrix's transpose side by side, by a tiled kernel on the bytes (torch's own copy
+    of a one-byte transpose runs at a fraction of the memory's speed)."""
+    K = codes[0].shape[1]
+    if any(c.dim() != 2 or c.shape[1] != K or c.dtype != codes[0].dtype for c in codes):
+        raise ValueError("transposed_codes: [N, K] codes of one K and dtype")
+    total = sum(c.shape[0] for c in codes)
+    out = torch.empty((K, total), dtype=codes[0].dtype, device=codes[0].device)
+    bn, bk = (16, 16) if INTERPRETED else (64, 64)
+    col = 0
+    for c in codes:
+        N = c.shape[0]
+        if N and K:
+            a = c.contiguous().view(torch.uint8)
+            _transpose[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+                a, out.view(torch.uint8)[:, col:], N, K, total, BN=bn, BK=bk, num_warps=4)
+        col += N
+    return out
 
 
 # ---- dequantize-then-matmul: one layer's weight at a time, for many rows --------------------

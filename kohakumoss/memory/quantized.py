@@ -7,7 +7,8 @@ linear of the repeated blocks (the joint blocks and the text refiner's) becomes 
 ``scale`` per output row, about half the bytes of bf16. Its forward is the model's op table's
 ``quant_linear`` (the Triton kernel widens the codes tile by tile inside the matmul; no
 dequantized copy of the weight is made) or, with ``fp8_compute``, ``fp8_linear`` (fp8 GEMMs
-on sm89+, a bf16 input gradient).
+on sm89+, a bf16 input gradient); a LoRA on an fp8 one runs with it as one node
+(``lora_op``: the op table's ``fp8_lora_linears``).
 
 Adapters train on top unchanged: a ``QuantizedLinear`` is an ``nn.Linear`` whose forward is
 the quantized one, and LyCORIS's bypass adds its delta to that forward. Code that needs the
@@ -79,6 +80,15 @@ class QuantizedLinear(nn.Linear):
         owner = self._owner() if self._owner is not None else None
         name = "fp8_linear" if self.fp8_compute else "quant_linear"
         return getattr(owner.ops, name) if owner is not None else REFERENCE[name]
+
+    def lora_op(self) -> Callable | None:
+        """The owner table's ``fp8_lora_linears`` where this layer runs fp8 compute without a
+        bias or a rotation (a LoRA on it is then one node with it: ``adapters/folded.py``),
+        else None."""
+        if not self.fp8_compute or self.bias is not None or self.group:
+            return None
+        owner = self._owner() if self._owner is not None else None
+        return owner.ops.fp8_lora_linears if owner is not None else REFERENCE["fp8_lora_linears"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group:

@@ -198,6 +198,56 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return _Fp8Linear.apply(x, codes, scale, bias, grad_fp8)
 
 
+class _Fp8Loras(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, grad_fp8, ranks, down, *tensors):
+        n = len(ranks)
+        codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        xq, xs = fp8_rows(x2)
+        h = (x2.float() @ down.float().t()).to(x2.dtype)  # the narrow product, rounded
+        outs = [((xq.float() @ c.float().t()) * xs[:, None] * s.float() + hi.float() @ up.float().t()
+                 ).to(x2.dtype) for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1))]
+        ctx.ranks, ctx.grad_fp8 = ranks, grad_fp8
+        ctx.save_for_backward(x2, h, down, *tensors)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x2, h, down, *rest = ctx.saved_tensors
+        n = len(ctx.ranks)
+        codes, scales, ups = rest[:n], rest[n:2 * n], rest[2 * n:]
+        dys = [dy if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0]) for dy, c in zip(dys, codes)]
+        t = torch.cat([(dy.float() @ up.float()).to(dy.dtype) for dy, up in zip(dys, ups)], dim=1)
+        if ctx.grad_fp8:  # every linear's dy times its scales, quantized per row as one row
+            gq, gs = fp8_rows(torch.cat(dys, dim=1), torch.cat(scales))
+            base = (gq.float() @ torch.cat(codes).float()) * gs[:, None]
+        else:
+            base = sum(dy.float() @ dequantize_rows(c, s, dy.dtype).float()
+                       for dy, c, s in zip(dys, codes, scales))
+        dx = (base + t.float() @ down.float()).to(x2.dtype)
+        d_down = (t.float().t() @ x2.float()).to(down.dtype)
+        d_up = [(dy.float().t() @ hi.float()).to(up.dtype)
+                for dy, hi, up in zip(dys, h.split(ctx.ranks, dim=1), ups)]
+        return (dx, None, None, d_down, *([None] * 2 * n), *d_up)
+
+
+def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                     grad_fp8: bool = False) -> list[torch.Tensor]:
+    """Bias-free ``fp8_linear``s reading one input, each with a LoRA, as one node: per
+    ``(codes, scale, down, up)`` (``down`` [r, in] and ``up`` [out, r] in x's dtype, the
+    LoRA's scale already in ``up``) ``fp8_linear(x, codes, scale) + (x down^T) up^T``, the
+    narrow product ``x down^T`` rounded to x's dtype, the rest summed in float32 and rounded
+    once. The input gradient: with ``grad_fp8`` the rows of ``[dy_1 s_1 | dy_2 s_2 | ...]``
+    quantized to e4m3 under one scale per row, times the codes stacked (one product); else
+    each ``dy_i`` times its dequantized weight; plus the LoRAs' ``t A``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    ranks = tuple(down.shape[0] for _, _, down, _ in layers)
+    down = torch.cat([d for _, _, d, _ in layers])
+    ys = _Fp8Loras.apply(x2, grad_fp8, ranks, down, *(c for c, _, _, _ in layers),
+                         *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
+    return [y.view(*x.shape[:-1], y.shape[1]) for y in ys]
+
+
 def linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
     """The linears ``modules`` that read one input, each on ``x``. An adapter may put one
     node for the group in a model's table (``kohakumoss/adapters/shared.py``)."""
@@ -217,6 +267,7 @@ REFERENCE: dict[str, Callable] = {
     "flow_loss": flow_loss,
     "quant_linear": quant_linear,
     "fp8_linear": fp8_linear,
+    "fp8_lora_linears": fp8_lora_linears,
     "linears": linears,
 }
 

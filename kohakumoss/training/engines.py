@@ -64,7 +64,8 @@ from kohakumoss.memory.quantized import quantize_base
 
 # the backends a quantized base's linears take when no choice names them, each where it
 # fits (they are not tuned: both keep only the codes, which the reference does not)
-QUANT_BACKENDS = {"quant_linear": ["dequant_mm", "triton"], "fp8_linear": ["scaled_mm"]}
+QUANT_BACKENDS = {"quant_linear": ["dequant_mm", "triton"], "fp8_linear": ["scaled_mm"],
+                  "fp8_lora_linears": ["scaled_mm"]}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -165,6 +165,29 @@ class _QuantLike(torch.autograd.Function):
         return go.new_empty(ctx.x_shape), None, None, None
 
 
+class _Fp8LorasLike(torch.autograd.Function):
+    """fp8 linears with their LoRAs as one node (``ops.fp8_lora_linears``) as its kernel
+    keeps them: the input and the narrow product ``x A^T``."""
+
+    @staticmethod
+    def forward(ctx, x2, down, *tensors):
+        h = x2.new_empty(x2.shape[0], down.shape[0])
+        ctx.save_for_backward(x2, h)
+        ctx.widths = [c.shape[0] for c in tensors]
+        return tuple(x2.new_empty(x2.shape[0], w) for w in ctx.widths)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x2, _ = ctx.saved_tensors
+        return (torch.empty_like(x2), None, *([None] * len(ctx.widths)))
+
+
+def _fp8_loras_like(x: torch.Tensor, layers, grad_fp8: bool = False) -> list[torch.Tensor]:
+    down = torch.cat([d for _, _, d, _ in layers])
+    ys = _Fp8LorasLike.apply(x.reshape(-1, x.shape[-1]), down, *(c for c, _, _, _ in layers))
+    return [y.view(*x.shape[:-1], y.shape[1]) for y in ys]
+
+
 def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str = "meta"
                 ) -> tuple[MOSSImageTransformer, int, int, list[torch.Tensor]]:
     """The configured transformer on the meta device (or ``device``: tests) with the run's
@@ -186,6 +209,7 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
         quantize_base(model, params.precision.base, params.precision.fp8_compute != "off")
         for op in ("quant_linear", "fp8_linear"):
             model.ops.override(op, _QuantLike.apply)
+        model.ops.override("fp8_lora_linears", _fp8_loras_like)
     apply_rebuild(model)  # counted apart (``_BlockBytes.rebuilt``), taken off with ``rebuild``
     if params.adapter.full:
         return model, 0, sum(p.numel() for p in model.parameters()), []
