@@ -137,15 +137,16 @@ def test_fp8_rows_joined_and_transposed_codes():
     needs_triton()
     tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
     g = torch.Generator().manual_seed(8)
-    xs = [leaf(g, 37, 40, dtype=torch.bfloat16, grad=False) * (i + 1) for i in range(3)]
-    cols = (torch.rand(120, generator=g) + 0.5).to(DEVICE)
-    for n in (1, 2, 3):
-        joined = torch.cat(xs[:n], dim=1)
-        for cs in (None, cols[:40 * n]):
-            codes, scale = tq.fp8_rows_joined(xs[:n], cs)
-            want_codes, want_scale = ops.fp8_rows(joined, cs)
-            assert torch.equal(scale, want_scale)
-            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    for K in (24, 40):  # rows held in registers (read once); wider rows, two passes
+        xs = [leaf(g, 37, K, dtype=torch.bfloat16, grad=False) * (i + 1) for i in range(3)]
+        cols = (torch.rand(3 * K, generator=g) + 0.5).to(DEVICE)
+        for n in (1, 2, 3):
+            joined = torch.cat(xs[:n], dim=1)
+            for cs in (None, cols[:K * n]):
+                codes, scale = tq.fp8_rows_joined(xs[:n], cs)
+                want_codes, want_scale = ops.fp8_rows(joined, cs)
+                assert torch.equal(scale, want_scale)
+                assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     strided = torch.cat(xs, dim=1)[:, 40:80]  # a source whose rows are 120 apart
     assert torch.equal(tq.fp8_rows_joined([strided])[0].view(torch.uint8),
                        ops.fp8_rows(strided)[0].view(torch.uint8))

@@ -133,32 +133,54 @@ def _row_source(j: tl.constexpr, X0, X1, X2):
 
 
 @jit
+def _row_part(X, CS, j: tl.constexpr, k0, K, cols, COLS: tl.constexpr):
+    """Columns ``k0 + cols`` of source ``j``'s row (X points at it), times their factors."""
+    m = (k0 + cols) < K
+    x = tl.load(X + k0 + cols, mask=m, other=0.0).to(tl.float32)
+    if COLS:
+        x = x * tl.load(CS + j * K + k0 + cols, mask=m, other=0.0)
+    return x
+
+
+@jit
 def _fp8_rows(X0, X1, X2, CS, Q, S, K, sx0, sx1, sx2, NSRC: tl.constexpr, COLS: tl.constexpr,
               BLOCK: tl.constexpr):
     """Row ``row`` of [X0 | X1 | X2][:, :NSRC * K] (each source K wide, its own row stride)
-    as e4m3 codes under one scale, into a row of Q (NSRC * K wide)."""
+    as e4m3 codes under one scale, into a row of Q (NSRC * K wide). A source that fits one
+    block (``K <= BLOCK``) is read once and held in registers; a wider one is read twice."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(NSRC):
-        X = _row_source(j, X0, X1, X2) + row * _row_source(j, sx0, sx1, sx2)
-        for k0 in range(0, K, BLOCK):
-            m = (k0 + cols) < K
-            x = tl.load(X + k0 + cols, mask=m, other=0.0).to(tl.float32)
-            if COLS:
-                x = x * tl.load(CS + j * K + k0 + cols, mask=m, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x))
-    s = tl.max(amax, axis=0) / 448.0
-    s = tl.where(s > 0.0, s, 1.0)
-    for j in tl.static_range(NSRC):
-        X = _row_source(j, X0, X1, X2) + row * _row_source(j, sx0, sx1, sx2)
-        for k0 in range(0, K, BLOCK):
-            m = (k0 + cols) < K
-            x = tl.load(X + k0 + cols, mask=m, other=0.0).to(tl.float32)
-            if COLS:
-                x = x * tl.load(CS + j * K + k0 + cols, mask=m, other=0.0)
-            q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
-            tl.store(Q + row * (NSRC * K) + j * K + k0 + cols, _to_e4m3(q), mask=m)
+    out = Q + row * (NSRC * K)
+    if K <= BLOCK:
+        x0 = _row_part(X0 + row * sx0, CS, 0, 0, K, cols, COLS)
+        amax = tl.abs(x0)
+        if NSRC > 1:
+            x1 = _row_part(X1 + row * sx1, CS, 1, 0, K, cols, COLS)
+            amax = tl.maximum(amax, tl.abs(x1))
+        if NSRC > 2:
+            x2 = _row_part(X2 + row * sx2, CS, 2, 0, K, cols, COLS)
+            amax = tl.maximum(amax, tl.abs(x2))
+        s = tl.max(amax, axis=0) / 448.0
+        s = tl.where(s > 0.0, s, 1.0)
+        m = cols < K
+        tl.store(out + cols, _to_e4m3(tl.minimum(tl.maximum(x0 / s, -448.0), 448.0)), mask=m)
+        if NSRC > 1:
+            tl.store(out + K + cols, _to_e4m3(tl.minimum(tl.maximum(x1 / s, -448.0), 448.0)), mask=m)
+        if NSRC > 2:
+            tl.store(out + 2 * K + cols, _to_e4m3(tl.minimum(tl.maximum(x2 / s, -448.0), 448.0)), mask=m)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(NSRC):
+            X = _row_source(j, X0, X1, X2) + row * _row_source(j, sx0, sx1, sx2)
+            for k0 in range(0, K, BLOCK):
+                amax = tl.maximum(amax, tl.abs(_row_part(X, CS, j, k0, K, cols, COLS)))
+        s = tl.max(amax, axis=0) / 448.0
+        s = tl.where(s > 0.0, s, 1.0)
+        for j in tl.static_range(NSRC):
+            X = _row_source(j, X0, X1, X2) + row * _row_source(j, sx0, sx1, sx2)
+            for k0 in range(0, K, BLOCK):
+                q = tl.minimum(tl.maximum(_row_part(X, CS, j, k0, K, cols, COLS) / s, -448.0), 448.0)
+                tl.store(out + j * K + k0 + cols, _to_e4m3(q), mask=(k0 + cols) < K)
     tl.store(S + row, s)
 
 
@@ -306,11 +328,14 @@ def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = Non
     q = torch.empty((M, n * K), dtype=torch.float8_e4m3fn, device=xs[0].device)
     s = torch.empty((M,), dtype=torch.float32, device=xs[0].device)
     if M and K:
-        block = 16 if INTERPRETED else min(2048, triton.next_power_of_2(K))
+        # a row up to 4096 wide per source is held in registers (read once); interpreted,
+        # rows up to 32 wide take that path and wider ones the two-pass loop over 16
+        wide = 32 if INTERPRETED else 4096
+        block = triton.next_power_of_2(K) if K <= wide else (16 if INTERPRETED else 2048)
         cs = xs[0] if col_scale is None else col_scale.float().contiguous()
         src = [*xs, xs[0], xs[0]][:3]
         _fp8_rows[(M,)](*src, cs, q, s, K, *(x.stride(0) for x in src), NSRC=n,
-                        COLS=col_scale is not None, BLOCK=block, num_warps=4)
+                        COLS=col_scale is not None, BLOCK=block, num_warps=8 if K * n > 4096 else 4)
     return q, s
 
 
