@@ -172,6 +172,59 @@ def _reduce_worker(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def test_the_host_update_sums_the_ranks_gradients(tmp_path, monkeypatch):
+    """The optimizer on the host (``memory.optimizer: host``) over two gloo processes: each
+    rank's gradients land in its host buffers, the masters' gradients are summed over the
+    ranks (what the trainer does after a step's last micro-batch), and both ranks step to
+    what one process steps to on the two ranks' losses summed, bit for bit on the CPU."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + (os.getpid() + 7) % 1000))
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_host_worker, args=(str(out),), nprocs=2, join=True)
+    model, opt = _host_model()
+    sum(_host_loss(model, r) for r in (0, 1)).backward()
+    opt.step()
+    want = [p.detach() for p in model.parameters()]
+    for r in (0, 1):
+        got = torch.load(out / f"{r}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], want))
+        assert all(torch.equal(a, b) for a, b in zip(got["masters"], want))
+
+
+def _host_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _host_loss(model: torch.nn.Module, rank: int) -> torch.Tensor:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 + rank))
+    return model(x).square().mean()
+
+
+def _host_worker(rank: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from kohakumoss.memory.host_update import HostUpdate
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model, _ = _host_model()
+    update = HostUpdate(list(model.named_parameters()), torch.device("cpu"))
+    opt = torch.optim.AdamW([m for _, m in update.named_masters], lr=1e-2)
+    update.attach(opt)
+    _host_loss(model, rank).backward()
+    update.finish_backward()
+    assert all(p.grad is None for p in model.parameters())  # the gradients left for the host
+    reduce_gradients(update.masters, Dist(rank, 2))
+    update.step(opt)
+    torch.save({"params": [p.detach() for p in model.parameters()], "masters": update.masters},
+               Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
 def test_more_ranks_than_this_machine_has_devices_is_a_clear_error():
     from kohakumoss.params import parse_params
     from kohakumoss.parallel import device_problem

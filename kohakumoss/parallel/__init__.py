@@ -11,6 +11,8 @@ plan's rank, so every sample gets the draws a single device would give it.
   ``WORLD_SIZE``, ``LOCAL_RANK``, its rendezvous), checked against ``parallel.world_size``.
 - ``reduce_gradients(tensors, dist)``: one all-reduce (a sum, in flat buckets) of the trained
   tensors' gradients after a step's last micro-batch, so accumulation never communicates.
+  With the host update these are the masters' fp32 gradients on the host (under NCCL each
+  bucket goes through the device).
   The adapters live outside the model's modules and its forward, so torch's DDP module
   wrapper (whose reducer hooks on its own forward) does not fit them: this is its
   arithmetic, done once per step.
@@ -95,9 +97,17 @@ def reduce_gradients(tensors: Sequence[torch.Tensor], d: Dist) -> None:
             size = 0
         buckets[-1].append(g)
         size += nbytes
+    # NCCL reduces device memory only: host gradients (the host update's masters) go through
+    # the device one bucket at a time
+    via = torch.device("cuda", torch.cuda.current_device()) if dist_.get_backend() == "nccl" else None
     for bucket in filter(None, buckets):
         flat = torch.cat([g.reshape(-1) for g in bucket])
+        staged = via is not None and flat.device.type == "cpu"
+        if staged:
+            flat = flat.to(via)
         dist_.all_reduce(flat, op=dist_.ReduceOp.SUM)
+        if staged:
+            flat = flat.cpu()
         for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
             g.copy_(part.view_as(g))
 
