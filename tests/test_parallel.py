@@ -225,6 +225,62 @@ def _host_worker(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def test_a_node_streams_the_base_from_one_shared_host_copy(tmp_path, monkeypatch):
+    """Weight streaming over two gloo processes with ``NodeCopies``: the first rank writes the
+    host copies into one shared file, the other maps it and writes nothing; both train the
+    resident model's loss and LoRA gradients bit for bit; a byte one rank writes the other
+    reads (one copy, not two); the file is gone once both mapped it."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + (os.getpid() + 13) % 1000))
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_copies_worker, args=(str(out),), nprocs=2, join=True)
+    from test_streaming import _model, _step
+
+    want_out, want_grads = _step(*_model()[:2])
+    for r in (0, 1):
+        got = torch.load(out / f"{r}.pt")
+        assert torch.equal(got["out"], want_out)
+        assert all(torch.equal(got["grads"][n], g) for n, g in want_grads.items())
+        assert got["seen"] == 7.0 and got["unlinked"]
+    assert not list(out.glob("*.weights"))
+
+
+def _copies_worker(rank: int, out: str) -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    from kohakumoss.memory.host_copies import NodeCopies
+    from kohakumoss.memory.streaming import apply_weight_streaming
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_streaming
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    copies = NodeCopies("test", rank == 0, dist.barrier, pin=False, root=out)
+    test_streaming.apply_weight_streaming = lambda *a, **k: apply_weight_streaming(*a, **k, copies=copies)
+    model, aset, ring = test_streaming._model(stream=2)
+    assert ring.copies is copies
+    unlinked = not os.path.exists(copies.path)
+    result = test_streaming._step(model, aset)
+    first = ring.host[0]
+    dist.barrier()
+    old = float(first[0])
+    if rank == 0:
+        first[0] = 7.0
+    dist.barrier()
+    seen = float(first[0])
+    dist.barrier()
+    if rank == 0:
+        first[0] = old
+    torch.save({"out": result[0], "grads": result[1], "seen": seen, "unlinked": unlinked},
+               Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
 def test_more_ranks_than_this_machine_has_devices_is_a_clear_error():
     from kohakumoss.params import parse_params
     from kohakumoss.parallel import device_problem

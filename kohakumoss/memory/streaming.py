@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from kohakumoss.memory.checkpointing import repeated_blocks
+from kohakumoss.memory.host_copies import NodeCopies, OwnCopies
 from kohakumoss.memory.placement import indexed
 
 # elements: each weight starts at least 512-byte aligned in its block's buffer, as the
@@ -84,7 +85,8 @@ class WeightRing:
     """The host copies, the device slots and which block is in which slot."""
 
     def __init__(self, units: list[list[tuple[nn.Module, str, nn.Parameter]]],
-                 device: torch.device, slots: int, dtype: torch.dtype | None = None):
+                 device: torch.device, slots: int, dtype: torch.dtype | None = None,
+                 copies: OwnCopies | NodeCopies | None = None):
         if slots < 1:
             raise ValueError(f"weight streaming needs at least one slot, got {slots}")
         self.device = device
@@ -95,16 +97,19 @@ class WeightRing:
         self.n_slots = min(slots, len(units))
         self.host: list[torch.Tensor] = []
         self.views: list[list[tuple[int, int]]] = []  # per unit: (offset, numel) of each weight
-        for unit in units:
-            flat = torch.empty(unit_numel(unit), dtype=self.dtype, pin_memory=self.cuda)
+        self.copies = copies or OwnCopies(self.cuda)
+        flats, write = self.copies.make([unit_numel(unit) for unit in units], self.dtype)
+        for unit, flat in zip(units, flats):
             offsets, at = [], 0
             for _, _, p in unit:
-                flat[at:at + p.numel()].view(p.shape).copy_(p.data)
+                if write:  # a node's shared copies: its first rank writes them
+                    flat[at:at + p.numel()].view(p.shape).copy_(p.data)
                 p.data = flat[at:at + p.numel()].view(p.shape)
                 offsets.append((at, p.numel()))
                 at += _aligned(p.numel())
             self.host.append(flat)
             self.views.append(offsets)
+        self.copies.done()
         width = max(h.numel() for h in self.host)
         self.slots = [torch.empty(width, dtype=self.dtype, device=device) for _ in range(self.n_slots)]
         self.slot_by_ptr = {s.untyped_storage().data_ptr(): i for i, s in enumerate(self.slots)}
@@ -234,7 +239,8 @@ class WeightRing:
 
 def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: int,
                            blocks: Sequence[nn.Module] | None = None, trainable: bool = False,
-                           dtype: torch.dtype | None = None, resident: int = 0) -> WeightRing:
+                           dtype: torch.dtype | None = None, resident: int = 0,
+                           copies: OwnCopies | NodeCopies | None = None) -> WeightRing:
     """Stream ``model``'s frozen block weights through ``slots`` device buffers; everything
     else moves to ``device`` (see the module). ``blocks``: the blocks in the order the
     forward runs them (default the DiT's repeated blocks; a text encoder's layers).
@@ -243,7 +249,8 @@ def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: 
     compute dtype; its fp32 masters live in ``HostUpdate``, which writes the host copies
     after each step); its gradients reach it as autograd's. ``resident``: the first blocks
     that stay on the device with the rest of the model (fewer copies a step, where memory
-    allows). Returns the ring (``model.weight_ring``)."""
+    allows). ``copies``: where the host copies live (``host_copies``; default this
+    process's own page-locked buffers). Returns the ring (``model.weight_ring``)."""
     device = indexed(device)
     if getattr(model, "weight_ring", None) is not None:
         raise ValueError("the model streams its weights already")
@@ -258,7 +265,7 @@ def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: 
                          "frozen base under an adapter (a full finetune trains every weight: "
                          "stream it with trainable=True)")
     keep = {id(p) for unit in units for _, _, p in unit}
-    ring = WeightRing(units, device, slots, dtype)  # the streamed weights now live on the host
+    ring = WeightRing(units, device, slots, dtype, copies)  # the streamed weights now live on the host
     model._apply(lambda t: t if id(t) in keep else t.to(device))
     for u, (block, unit) in enumerate(zip(blocks, units)):
         hook = _hook(ring, u)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,12 +32,13 @@ from kohakumoss.formats import load_dit
 from kohakumoss.formats.model_files import stored_weights
 from kohakumoss.kernels.table import device_signature
 from kohakumoss.memory.allocator import tight_allocator
+from kohakumoss.memory.host_copies import NodeCopies
 from kohakumoss.memory.host_update import HostUpdate
 from kohakumoss.memory.overlap import OverlappedUpdate
 from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.model.dit import MOSSImageTransformer
-from kohakumoss.parallel import Dist
+from kohakumoss.parallel import Dist, barrier
 from kohakumoss.precision.scaler import LossScaler, loss_scaler
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
@@ -140,6 +142,16 @@ def run_memory(params: Params, batches: list[list[tuple[int, int]]],
     return memory
 
 
+def node_copies(dist: Dist, device: torch.device, params: Params) -> NodeCopies | None:
+    """The node's one shared host copy of a streamed frozen base, for a data-parallel run on
+    CUDA (``memory/host_copies.py``); None for one process (its own page-locked copies)."""
+    if not dist.group or device.type != "cuda":
+        return None
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "")
+    return NodeCopies(f"{params.run.name}-{os.getuid()}-{run}", dist.local_rank == 0,
+                      lambda: barrier(dist), pin=True)
+
+
 def build_components(params: Params, paths: RunPaths,
                      engines: EnginePlan | None = None, dist: Dist = Dist()) -> Components:
     """The run's components; ``engines`` defaults to ``engine_plan(params, device)``. With
@@ -181,7 +193,7 @@ def build_components(params: Params, paths: RunPaths,
         log.info("optimizer on the host: %d tensors (%s of masters, gradients and landing "
                  "buffers in host memory); the device keeps no gradient or optimizer state",
                  len(named), size(update.host_bytes()))
-    apply_placement(model, trainable, engines, applied)
+    apply_placement(model, trainable, engines, applied, node_copies(dist, device, p))
     if update is not None and getattr(model, "weight_ring", None) is not None:
         update.before_push.append(model.weight_ring.invalidate)
     optimizer = build_optimizer(named, p.optim, trainable.lr_scale())

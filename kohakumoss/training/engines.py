@@ -60,6 +60,7 @@ from kohakumoss.training.estimate import placed, profile_engines, size
 from kohakumoss.model.dit import HALVES, MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
 from kohakumoss.precision.quant import QuantizedWeight
+from kohakumoss.memory.host_copies import NodeCopies
 from kohakumoss.memory.quantized import quantize_base
 
 # the backends a quantized base's linears take when no choice names them, each where it
@@ -159,14 +160,15 @@ def hold_quantized(model: MOSSImageTransformer, policy: PrecisionPolicy, device:
 
 
 def apply_placement(model: MOSSImageTransformer, trainable, plan: EnginePlan,
-                    applied: AppliedEngines) -> None:
+                    applied: AppliedEngines, copies: NodeCopies | None = None) -> None:
     """The last engine, after the trainable set exists (an adapter is built beside the
     weight it wraps, so on the host when the model was loaded there): with
     ``memory.stream_slots`` the frozen block weights stream through that many device slots
     and the rest of the model and the trained tensors move to the device
     (``kohakumoss.memory.streaming``). A full finetune's block matrices stream too, held in
     the compute dtype: their fp32 masters are the host update's (``params.py`` requires
-    ``memory.optimizer: host`` with it)."""
+    ``memory.optimizer: host`` with it). ``copies``: the node's shared host copies of a
+    frozen base (data-parallel ranks; ``memory.host_copies``)."""
     slots = plan.memory.stream_slots
     if not slots:
         return
@@ -176,10 +178,12 @@ def apply_placement(model: MOSSImageTransformer, trainable, plan: EnginePlan,
                          "finetune streams every block (resident_blocks 0)")
     ring = apply_weight_streaming(model, plan.device, slots, trainable=full,
                                   dtype=plan.precision.compute if full else None,
-                                  resident=plan.memory.resident_blocks)
+                                  resident=plan.memory.resident_blocks,
+                                  copies=None if full else copies)
     trainable.to(plan.device)
+    shared = ", one copy shared by the node's ranks" if isinstance(ring.copies, NodeCopies) else ""
     applied.streaming = (f"{len(ring.units)} blocks' weights ({size(ring.host_bytes())}) in "
-                         f"{'pinned ' if ring.cuda else ''}host memory, streamed through "
+                         f"{'pinned ' if ring.cuda else ''}host memory{shared}, streamed through "
                          f"{ring.n_slots} slots ({size(ring.resident_bytes())} on {plan.device})")
     log.info("weight streaming: %s", applied.streaming)
 
