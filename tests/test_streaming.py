@@ -207,7 +207,28 @@ def _deterministic():
     return ctx()
 
 
-def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all"):
+@pytest.mark.gpu
+def test_streaming_from_a_node_copy_on_cuda(tmp_path):
+    """The node's shared host copy (``NodeCopies``, one process leading itself): mapped from
+    its file, registered page-locked, streamed bit for bit as the process's own copies."""
+    import dataclasses
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kohakumoss.memory.host_copies import NodeCopies
+    from kohakumoss.model import FLAVORS
+
+    c = dataclasses.replace(FLAVORS["tiny"], dim=1024, heads=8, ffn_dim=4096, depth=6, text_blocks=2)
+    copies = NodeCopies("gpu-test", True, lambda: None, pin=True, root=str(tmp_path))
+    with sdpa_kernel([SDPBackend.MATH]), _deterministic():
+        want = _cuda_run(c, 2)
+        got = _cuda_run(c, 2, copies=copies)
+    for a, b in zip(want, got):
+        _same(a, b)
+    assert not list(tmp_path.iterdir())  # unlinked once mapped
+
+
+def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all", copies=None):
     """Two steps of a bf16 LoRA on a mid-size model on the GPU, streamed through
     ``stream`` slots (0: resident), the blocks' inputs offloaded to the host or not: each
     step's output and adapter gradients. ``offload`` may instead name ``rebuild`` (the
@@ -238,7 +259,8 @@ def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all"):
         for p in aset.trainable_parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).cuda() * 0.02)
     if stream:
-        ring = apply_weight_streaming(m, "cuda", stream)
+        ring = apply_weight_streaming(m, "cuda", stream, copies=copies)
+        assert copies is None or (ring.copies is copies and ring.host[0].is_pinned())
     g = torch.Generator().manual_seed(1)
     layout = build_layout([(32, 32), (24, 40)], [40, 60]).to("cuda")
     img = torch.randn(layout.n_img, c.latent_channels, generator=g).cuda()
