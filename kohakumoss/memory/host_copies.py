@@ -79,8 +79,10 @@ class NodeCopies:
         if self.pin and self.buffer is not None and self.buffer.numel():
             err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of the node's shared weight copies "
-                                   f"({self.buffer.numel()} bytes) failed with CUDA error {int(err)}")
+                raise RuntimeError(f"{self.path}: registering the node's shared weight copies "
+                                   f"({self.buffer.numel()} bytes) as page-locked memory failed "
+                                   f"with CUDA error {int(err)}; CUDA registers a mapping of "
+                                   f"tmpfs (/dev/shm), not of a file on disk")
 
     def host_bytes(self) -> int:
         """The node's copies (counted once per node)."""
