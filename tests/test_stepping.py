@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kohakumoss.config import OptimConfig
+from kohakumoss.memory import stepping
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.training.optim import build_optimizer, clip_and_check
 from kohakumoss.training.statefile import flatten_state
@@ -93,8 +94,12 @@ def test_a_non_finite_gradient_is_reported():
     assert fused.finish()[1] is False
 
 
+@pytest.mark.parametrize("group", [2**23, 30], ids=["one group", "groups of 30"])
 @pytest.mark.parametrize("name", ["adamw", "muon"])
-def test_streamed_states_are_the_device_optimizers_and_live_in_their_buffers(name):
+def test_streamed_states_are_the_device_optimizers_and_live_in_their_buffers(name, group, monkeypatch):
+    """Bit for bit, whether the tensors step in one group or in several (groups of up to 30
+    elements here: the 48-element matrix alone, then 8, then 24 and 3)."""
+    monkeypatch.setattr(stepping, "STATE_GROUP_NUMEL", group)
     data = _batches(3, 2)
     a, opt_a, _ = _plain(name, data)
     b, named, opt_b = _trained(name)
@@ -110,6 +115,8 @@ def test_streamed_states_are_the_device_optimizers_and_live_in_their_buffers(nam
             assert buffers and all(state[k] is v for k, v in buffers.items())
     _same(a, opt_a, b, opt_b)
     assert streamed.host_bytes() > 0
+    sizes = [[p.numel() for p in g] for g in streamed.groups([p for _, p in named])]
+    assert sizes == ([[48, 8, 24, 3]] if group > 100 else [[48], [8], [24, 3]])
 
 
 def test_streamed_states_resume_from_a_saved_state():

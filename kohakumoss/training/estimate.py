@@ -36,6 +36,7 @@ from kohakumoss.config import Params
 from kohakumoss.memory import apply_recompute
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.memory.rebuild import apply_rebuild
+from kohakumoss.memory.stepping import STATE_GROUP_NUMEL
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
 from kohakumoss.precision import precision_policy
@@ -380,9 +381,9 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         grads, state_bytes = 0, 0
     elif engines.optimizer == "fused" and params.train.grad_accum == 1:
         grads = widest * master  # each gradient dropped once its tensor is updated
-    elif engines.optimizer == "streamed":  # two tensors' states at a time (one prefetched)
+    elif engines.optimizer == "streamed":  # two groups' states at a time (one prefetched)
         host += state_bytes
-        state_bytes = min(state_bytes, 2 * widest * master * states)
+        state_bytes = min(state_bytes, 2 * max(widest, STATE_GROUP_NUMEL) * master * states)
     if params.adapter.full:
         # fp32 masters, and autocast's copy of each in the compute dtype, kept for backward;
         # streamed: the blocks' slots, the rest resident (its masters on the host)
