@@ -116,14 +116,6 @@ def refuse_unhonoured(p: Params) -> None:
             f"{p.path}: parallel.world_size = {p.parallel.world_size} with adapter.algo: full and "
             f"optim.name: muon: Muon's Newton-Schulz step needs whole matrices and the sharded "
             f"full finetune holds 1/world of each; use optim.name: adamw")
-    if p.parallel.world_size > 1 and p.adapter.full and (
-            p.memory.optimizer == "host" or p.profile in ("low", "minimal")):
-        raise ConfigError(
-            f"{p.path}: parallel.world_size = {p.parallel.world_size} with adapter.algo: full and the "
-            f"optimizer on the host (profile {p.profile}, memory.optimizer {p.memory.optimizer}): "
-            f"a sharded full finetune (FSDP2) keeps each rank's 1/world of the masters and states "
-            f"on its device; use profile speed, balanced or auto, or manual with "
-            f"memory.optimizer: device")
     check_precision(p)
     if p.train.dtype == "fp16" and p.precision.loss_scale == "off":
         raise ConfigError(

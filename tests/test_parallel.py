@@ -281,6 +281,104 @@ def _copies_worker(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _fsdp_model():
+    from kohakumoss.model.build import tiny_transformer
+
+    return tiny_transformer()
+
+
+def _fsdp_loss(model, rank: int, device: torch.device) -> torch.Tensor:
+    from kohakumoss.model import FLAVORS, build_layout
+
+    g = torch.Generator().manual_seed(20 + rank)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    img = torch.randn(layout.n_img, c.latent_channels, generator=g)
+    txt = torch.randn(layout.n_txt, c.text_dim, generator=g)
+    sigma = torch.rand(2, generator=g)
+    return model(img.to(device), txt.to(device), sigma.to(device), layout.to(device)).square().mean()
+
+
+def _fsdp_steps(model, ranks: list[int], device: torch.device, steps: int = 2) -> None:
+    """AdamW steps on the mean of ``ranks``' losses (FSDP2 averages the ranks' gradients)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        (sum(_fsdp_loss(model, r, device) for r in ranks) / len(ranks)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _fsdp_worker(rank: int, out: str) -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    from kohakumoss.memory import repeated_blocks
+    from kohakumoss.parallel.fsdp import model_state, shard_model
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = _fsdp_model()
+    shard_model(model, [b for _, b in repeated_blocks(model)], torch.device("cpu"), 2, offload=True)
+    _fsdp_steps(model, [rank], torch.device("cpu"))
+    state = model_state(model)
+    if rank == 0:
+        torch.save(state, Path(out) / "sharded.pt")
+    dist.destroy_process_group()
+
+
+def test_a_sharded_full_finetune_with_host_offload_trains_what_one_process_trains(tmp_path, monkeypatch):
+    """FSDP2 with the masters, gradients and AdamW states of each rank's shard on the host
+    (``shard_model(offload=True)``, what ``low`` / ``minimal`` become for a sharded full
+    finetune), two gloo processes: two steps give one process's weights on the mean of the
+    two ranks' losses, to fp32 round-off."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + (os.getpid() + 29) % 1000))
+    mp.spawn(_fsdp_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    model = _fsdp_model()
+    _fsdp_steps(model, [0, 1], torch.device("cpu"))
+    got, want = torch.load(tmp_path / "sharded.pt"), model.state_dict()
+    assert got.keys() == want.keys()
+    changed = 0
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+        changed += not torch.equal(v, _fsdp_model().state_dict()[k])
+    assert changed > 20  # the steps moved the weights
+
+
+@pytest.mark.gpu
+def test_host_offloaded_shards_train_on_cuda(monkeypatch):
+    """One NCCL rank on the GPU: FSDP2 with its shard on the host (page-locked), the blocks
+    gathered onto the device, the buffers moved there: the plain GPU model's weights after
+    two AdamW steps, to fp32 round-off."""
+    import torch.distributed as dist
+
+    from kohakumoss.memory import repeated_blocks
+    from kohakumoss.parallel.fsdp import model_state, shard_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + (os.getpid() + 31) % 1000))
+    cuda = torch.device("cuda", 0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    plain = _fsdp_model().to(cuda)
+    _fsdp_steps(plain, [0], cuda)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        model = _fsdp_model()
+        shard_model(model, [b for _, b in repeated_blocks(model)], cuda, 1, offload=True)
+        assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in model.parameters())
+        _fsdp_steps(model, [0], cuda)
+        got = model_state(model)
+    finally:
+        dist.destroy_process_group()
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(got[k].to(cuda), v, rtol=1e-4, atol=1e-5)
+
+
 def test_more_ranks_than_this_machine_has_devices_is_a_clear_error():
     from kohakumoss.params import parse_params
     from kohakumoss.parallel import device_problem

@@ -18,22 +18,34 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], device_type: str,
-                world: int) -> None:
+def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device,
+                world: int, offload: bool = False) -> None:
     """FSDP2 over ``world`` ranks: each block its own unit, the rest of the model the root's.
     FSDP2 averages the ranks' gradients; every loss is normalised by the whole step's tokens
     over all ranks, so the trainer scales a sharded run's losses by ``world`` for backward and
-    the average is the sum (a divide factor of 1 would need PREMUL_SUM, which gloo lacks)."""
-    mesh = init_device_mesh(device_type, (world,))
+    the average is the sum (a divide factor of 1 would need PREMUL_SUM, which gloo lacks).
+
+    ``offload`` (the optimizer on the host: ``memory.optimizer: host``, ``low``, ``minimal``):
+    each rank's shard of the fp32 masters, their gradients and so the optimizer's states
+    stay in (page-locked, on CUDA) host memory, FSDP2's ``CPUOffloadPolicy``. A unit's
+    weights are gathered onto the device for its forward and backward only (the blocks
+    stream), and the optimizer steps on the host. The model's buffers go to ``device``."""
+    mesh = init_device_mesh(device.type, (world,))
+    extra = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **extra)
+    fully_shard(model, mesh=mesh, **extra)
+    if offload:
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(device)
 
 
 def is_sharded(t: torch.Tensor) -> bool:

@@ -89,8 +89,6 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     named = [(name, PROFILE_ENGINES[name]) for name in PROFILES_BY_MEMORY[1:]]
     for name, wanted in named + [("auto", MemoryEngines(m, offload=True)) for m in ("sub-block", "block")]:
         engines = placed(wanted, params, device)[0]
-        if engines.optimizer == "host" and params.parallel.world_size > 1 and params.adapter.full:
-            continue  # a sharded full finetune keeps its masters on the devices
         if engines.stream_slots and params.precision.base != "keep":
             continue  # a quantized base does not stream yet
         if engines not in seen:

@@ -163,23 +163,30 @@ def build_components(params: Params, paths: RunPaths,
     plan_rows, plan = read_plan(paths.plan)
     engines = engines if engines is not None else engine_plan(p, device, memory=run_memory(
         p, plan_token_batches(plan_rows), device))
+    sharded = dist.group and p.adapter.full
+    offloaded = sharded and engines.memory.optimizer == "host"
+    if offloaded:  # FSDP2 keeps each rank's shard on the host and gathers the blocks itself
+        engines = dataclasses.replace(engines, memory=dataclasses.replace(
+            engines.memory, optimizer="device", stream_slots=0, resident_blocks=0))
+        log.info("sharded full finetune with the optimizer on the host: FSDP2 offloads each "
+                 "rank's 1/%d of the masters, gradients and optimizer states to host memory and "
+                 "gathers each block onto the device for its forward and backward", dist.world)
     # loaded straight in the dtype the precision policy holds the weights in (on the host when
     # its block weights will stream or be quantized: the device never holds them all)
     quantized = engines.precision.base != "keep"
-    model = load_dit(p.model.transformer, engines.precision.weights,
-                     torch.device("cpu") if engines.memory.stream_slots or quantized else device)
+    model = load_dit(p.model.transformer, engines.precision.weights, torch.device("cpu")
+                     if engines.memory.stream_slots or quantized or offloaded else device)
     if paths.kernels is not None and not engines.tuned:
         engines = dataclasses.replace(engines, tuned=run_kernels(
             paths.run / RUN_KERNELS, engines, plan.content_hash,
             lambda: tuned_kernels(p, engines, paths.kernels, model.config,
                                   plan_token_batches(plan_rows))))
     applied = apply_engines(model, engines, stored_weights(p.model.transformer) if quantized else None)
-    sharded = dist.group and p.adapter.full
     if sharded:  # before the trainable set: sharding replaces the parameters
         from kohakumoss.memory import repeated_blocks
         from kohakumoss.parallel.fsdp import shard_model
 
-        shard_model(model, [b for _, b in repeated_blocks(model)], device.type, dist.world)
+        shard_model(model, [b for _, b in repeated_blocks(model)], device, dist.world, offloaded)
     trainable = make_trainable(model, p)
     named = trainable.named_parameters()
     update = None

@@ -289,6 +289,8 @@ def _clip_sharded(with_grad: list[torch.Tensor], max_norm: float) -> tuple[float
 
     local = [p.grad.to_local() if _sharded(p.grad) else p.grad for p in with_grad]
     sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in local]).sum()
+    if dist.get_backend() == "nccl" and sq.device.type == "cpu":  # host-offloaded shards
+        sq = sq.cuda()
     dist.all_reduce(sq)
     total = float(sq.sqrt())
     finite = math.isfinite(total)
