@@ -197,12 +197,14 @@ def test_doctor_reports_missing_weights(tmp_path):
     # params every stage would refuse: a row of the table, exit 1, no traceback
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
-    raw["parallel"]["world_size"], raw["profile"] = 2, "low"
+    adapter, optim = dict(raw["adapter"]), dict(raw["optim"])
+    raw["parallel"]["world_size"] = 2
+    raw["adapter"], raw["optim"] = {"algo": "full"}, {**optim, "name": "muon"}  # Muon over shards
     bad.write_text(yaml.safe_dump(raw))
     res = runner.invoke(app, ["doctor", "--params", str(bad)])
     out = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 1 and "parallel.world_size = 2" in out and res.exception.__class__ is SystemExit
-    raw["profile"] = "auto"
+    raw["profile"], raw["adapter"], raw["optim"] = "auto", adapter, optim
     bad.write_text(yaml.safe_dump(raw))
     res = runner.invoke(app, ["doctor", "--params", str(bad)])
     out = " ".join(res.output.replace("│", " ").split())
