@@ -1,5 +1,5 @@
-"""The quantized base's kernels (``kohakumoss/kernels/triton_quant.py``, ``fp8_compute.py``)
-against their references (``model/ops.py``: ``quant_linear``, ``fp8_linear``, ``fp8_rows``):
+"""The quantized base's kernels (``kohakumoss/kernels/triton_quant.py``, ``triton_fp8.py``,
+``fp8_compute.py``) against their references (``model/ops.py``: ``quant_linear``, ``fp8_linear``, ``fp8_rows``):
 the forward and every input gradient, over shapes (one row, odd sizes, leading dimensions),
 dtypes, int8 and fp8 codes, with and without a bias.
 
@@ -66,7 +66,7 @@ def test_fp8_rows(dtype):
     g = torch.Generator().manual_seed(1)
     x = leaf(g, 37, 80, dtype=dtype, grad=False) * 3
     x[5] = 0  # a zero row: scale 1, zero codes
-    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
     codes, scale = tq.fp8_rows(x)
     want_codes, want_scale = ops.fp8_rows(x)
     assert torch.equal(scale, want_scale) and scale[5] == 1
@@ -135,7 +135,7 @@ def test_fp8_rows_joined_and_transposed_codes():
     """Quantizing several sources as one row equals quantizing their concatenation; the codes'
     transposes side by side equal torch's, byte for byte."""
     needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
     g = torch.Generator().manual_seed(8)
     for K in (24, 40):  # rows held in registers (read once); wider rows, two passes
         xs = [leaf(g, 37, K, dtype=torch.bfloat16, grad=False) * (i + 1) for i in range(3)]

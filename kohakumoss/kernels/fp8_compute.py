@@ -1,11 +1,11 @@
 """fp8 compute for the frozen base (``model/ops.py``: ``fp8_linear``) on sm89 and later:
 the forward is one ``torch._scaled_mm`` of float8_e4m3fn activations (quantized per row by
-``triton_quant.fp8_rows``) and weight codes (per output row), both row scales applied by
-the GEMM, bf16 out, fast accumulation (``FAST_ACCUM_FORWARD``); the input gradient is the bf16 path, ``dy @ (codes * scale)``, the
-weight dequantized into a transient bf16 buffer (one layer's) and multiplied by cuBLAS, or
-with ``grad_fp8`` (``precision.fp8_compute: full``) a second fp8 GEMM:
-``(dy * scale)`` quantized per row (one Triton pass) times the codes, transposed into a
-transient fp8 buffer.
+``triton_fp8.fp8_rows``) and weight codes (per output row), both row scales applied by
+the GEMM, bf16 out, fast accumulation (``FAST_ACCUM_FORWARD``); the input gradient is the
+bf16 path, ``dy @ (codes * scale)``, the weight dequantized into a transient bf16 buffer
+(one layer's) and multiplied by cuBLAS, or with ``grad_fp8`` (``precision.fp8_compute:
+full``) a second fp8 GEMM: ``(dy * scale)`` quantized per row (one Triton pass) times the
+codes, transposed into a transient fp8 buffer.
 Nothing is saved for backward but the codes and scales the layer holds anyway.
 
 ``torch._scaled_mm`` wants both sizes of the weight a multiple of 16 (every MOSS-Image
@@ -36,14 +36,13 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     """CUDA compute capability 8.9+ (Ada, Hopper, Blackwell), bf16 activations."""
     return (dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.is_available()
             and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
-            and triton_module("triton_quant") is not None)
+            and triton_module("triton_fp8") is not None and triton_module("triton_quant") is not None)
 
 
 class _ScaledMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, codes, scale, bias, grad_fp8):
-        tq = triton_module("triton_quant")
-        xq, xs = tq.fp8_rows(x2)
+        xq, xs = triton_module("triton_fp8").fp8_rows(x2)
         y = torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scale[None, :],
                              out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_FORWARD)
         if bias is not None:
@@ -56,13 +55,13 @@ class _ScaledMM(torch.autograd.Function):
     def backward(ctx, go):
         codes, scale = ctx.saved_tensors
         go = go.contiguous()
-        tq = triton_module("triton_quant")
+        tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         dx = None
         if ctx.needs_input_grad[0] and ctx.grad_fp8:
             # dy W = (dy * scale) codes: the codes transposed into a transient buffer (the
             # GEMM wants the summed dimension contiguous in both operands), no scale on them
-            gq, gs = tq.fp8_rows(go, scale)
-            ct = tq.transposed_codes([codes])
+            gq, gs = t8.fp8_rows(go, scale)
+            ct = t8.transposed_codes([codes])
             ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=go.device)
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=ones, out_dtype=go.dtype)
         elif ctx.needs_input_grad[0]:
@@ -97,8 +96,7 @@ class _Fp8Loras(torch.autograd.Function):
     def forward(ctx, x2, ranks, grad_fp8, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
-        tq = triton_module("triton_quant")
-        xq, xs = tq.fp8_rows(x2)
+        xq, xs = triton_module("triton_fp8").fp8_rows(x2)
         h = torch.mm(x2, down.t())
         outs = []
         for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1)):
@@ -120,10 +118,10 @@ class _Fp8Loras(torch.autograd.Function):
                for dy, c in zip(dys, codes)]
         t = torch.cat([torch.mm(dy, up) for dy, up in zip(dys, ups)], dim=1)
         dx = None
-        tq = triton_module("triton_quant")
+        tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output (ops.fp8_lora_linears)
-            gq, gs = tq.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0])
-            ct = tq.transposed_codes(list(codes))
+            gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0])
+            ct = t8.transposed_codes(list(codes))
             ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=x2.device)
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=ones, out_dtype=x2.dtype)
             dx.addmm_(t, down)
