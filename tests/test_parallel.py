@@ -319,7 +319,10 @@ def _fsdp_worker(rank: int, out: str) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     model = _fsdp_model()
-    shard_model(model, [b for _, b in repeated_blocks(model)], torch.device("cpu"), 2, offload=True)
+    blocks = [b for _, b in repeated_blocks(model)]
+    shard_model(model, blocks, torch.device("cpu"), 2, offload=True)
+    for unit in (model, *blocks):  # every unit keeps its shard on the host
+        assert type(unit._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ == "CPUOffloadPolicy"
     _fsdp_steps(model, [rank], torch.device("cpu"))
     state = model_state(model)
     if rank == 0:
