@@ -15,7 +15,6 @@ Legend: R rows (tokens, or tokens x heads), C columns, B samples, K row chunks p
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 
 import torch
 import triton
@@ -67,50 +66,6 @@ def check_tensors(op: str, *tensors: torch.Tensor) -> None:
         where = ("CPU tensors (interpreted)" if INTERPRETED
                  else "CUDA devices of compute capability 8.0+")
         raise RuntimeError(f"{op} (triton): cannot run on {device}; Triton runs here on {where}")
-
-
-def entry(op, impl: Callable, setup: Callable, backward: Callable, bwd_op=None,
-          bwd_impl: Callable | None = None) -> Callable:
-    """How an op's kernels are called: ``op`` (a ``torch.library`` custom op over ``impl``)
-    under ``torch.compile``, which sees through it; in eager mode ``impl`` itself, through a
-    plain ``autograd.Function`` when an input needs a gradient (no autograd at all when none
-    does): the dispatcher's per-call cost adds up at a dozen calls per block. Both run the
-    same ``setup`` and ``backward``; ``ctx.bwd`` is the backward kernel's custom op or its
-    ``impl`` accordingly."""
-
-    def setup_op(ctx, inputs, output):
-        setup(ctx, inputs, output)
-        ctx.bwd = bwd_op
-
-    op.register_autograd(backward, setup_context=setup_op)
-
-    class Eager(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *inputs):
-            out = impl(*inputs)
-            setup(ctx, inputs, out)
-            ctx.bwd = bwd_impl
-            return out
-
-        @staticmethod
-        def backward(ctx, *grads):
-            return backward(ctx, *grads)
-
-    def call(*args):
-        if torch.compiler.is_compiling():
-            return op(*args)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                           for a in args):
-            return Eager.apply(*args)
-        return impl(*args)
-
-    return call
-
-
-def rows2d(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """``t`` as [R, cols] with unit column stride (a view when possible)."""
-    t2 = t.reshape(-1, cols)
-    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
 
 def lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:

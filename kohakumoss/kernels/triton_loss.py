@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import check_tensors, entry, jit, pow2, rounded, warps
+from kohakumoss.kernels.custom import entry
+from kohakumoss.kernels.triton_common import check_tensors, jit, pow2, rounded, warps
 from kohakumoss.model.ops import LOSSES
 
 _TILE = 4096  # elements per program

@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import (check_tensors, entry, jit, lastdim_contiguous, pow2,
-                                              programs, rounded, row_warps, rows2d, segment_order)
+from kohakumoss.kernels.custom import entry, rows2d
+from kohakumoss.kernels.triton_common import (check_tensors, jit, lastdim_contiguous, pow2,
+                                              programs, rounded, row_warps, segment_order)
 
 
 @jit

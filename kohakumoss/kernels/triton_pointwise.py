@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import (check_tensors, entry, gate_parts, jit, pow2,
-                                              programs, rounded, rows2d, segment_order,
-                                              tanh_nonneg, warps)
+from kohakumoss.kernels.custom import entry, packed_halves, rows2d
+from kohakumoss.kernels.triton_common import (check_tensors, gate_parts, jit, pow2, programs,
+                                              rounded, segment_order, tanh_nonneg, warps)
 
 _TILE, _BLOCK_C = 4096, 1024  # the elementwise tile: elements, widest column block
 
@@ -234,22 +234,6 @@ def _situ_packed_backward(ctx, go):
 
 _situ_packed = entry(_situ_packed_op, _situ_packed_impl, _situ_packed_setup, _situ_packed_backward,
                      _situ_packed_bwd_op, _situ_packed_bwd_impl)
-
-
-def packed_halves(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
-    """The tensor ``ug`` whose column halves ``u`` and ``g`` are (``ug.split(C, -1)``, up
-    first), when it is row-contiguous; else None."""
-    base = u._base
-    if base is None or g._base is not base or u.dim() == 0 or not base.is_contiguous():
-        return None
-    C = u.shape[-1]
-    if base.shape != (*u.shape[:-1], 2 * C) or u.stride() != base.stride() \
-            or g.stride() != base.stride():
-        return None
-    if (u.requires_grad or g.requires_grad) and not base.requires_grad:
-        return None  # a view made a leaf of its own: its gradient is not the base's
-    start = base.storage_offset()
-    return base if u.storage_offset() == start and g.storage_offset() == start + C else None
 
 
 def situ(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import INTERPRETED, check_tensors, entry, jit, rounded
+from kohakumoss.kernels.custom import entry
+from kohakumoss.kernels.triton_common import INTERPRETED, check_tensors, jit, rounded
 
 CODES = (torch.int8, torch.float8_e4m3fn)
 _INTERPRETED = tl.constexpr(INTERPRETED)

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.triton_common import (check_tensors, entry, jit, lastdim_contiguous, pow2,
+from kohakumoss.kernels.custom import entry
+from kohakumoss.kernels.triton_common import (check_tensors, jit, lastdim_contiguous, pow2,
                                               programs, rounded, row_warps)
 
 
