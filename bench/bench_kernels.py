@@ -102,7 +102,7 @@ def bench_op(op: str, dims: dict, dtype: torch.dtype, device: torch.device, args
         variants["compile"] = (KERNELS.backend(op, "compile").fn, None)
     except Exception:  # no registered compile backend for this op: compile the reference here
         variants["compile"] = (torch.compile(ops.REFERENCE[op]), None)
-    for b in KERNELS.eligible(op, device, dtype):
+    for b in KERNELS.eligible(op, device, dtype, allow=KERNELS.names(op)):  # opt-in ones too
         if b.name != "compile":
             variants[b.name] = (b.fn, None)
             if b.name == "triton" and args.sweep:  # launch settings: programs/SM, elements/warp

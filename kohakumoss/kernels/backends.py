@@ -11,8 +11,12 @@
 - ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
+- ``tilelang`` (rms_norm, modulated_rms_norm, situ, gated_residual, varlen_attention): CUDA
+  sm70+ (bf16 from sm80; attention bf16/fp16, head dims a multiple of 32 up to 256). The fused
+  kernels of sm70 / sm75, where Triton does not run; on sm80+ the tuner times them only when
+  ``kernels.backends`` names ``tilelang`` (``opt_in``): their first build is nvcc seconds.
 
-Triton is imported lazily, on the first availability question or call: a machine without
+Triton and TileLang are imported lazily, on the first availability question or call: a machine without
 it, or one where it fails to import, reports these backends unavailable (the reason is
 logged once) and ``kohakumoss`` imports as ever. The attention backends declare their
 head-dim limits (``fits``, used by the tuned dispatch); a static choice is made by device
@@ -51,15 +55,15 @@ _why: dict[str, str] = {}
 
 
 def triton_module(name: str) -> ModuleType | None:
-    """``kohakumoss.kernels.<name>`` or None when it (Triton) cannot be imported here; the
-    reason is logged once and kept in ``triton_unavailable_reason``."""
+    """``kohakumoss.kernels.<name>`` or None when it (its compiler: Triton, TileLang) cannot be
+    imported here; the reason is logged once and kept in ``triton_unavailable_reason``."""
     if name not in _modules:
         try:
             _modules[name] = importlib.import_module(f"kohakumoss.kernels.{name}")
-        except Exception as e:  # no triton, a broken install, an old triton: not available
+        except Exception as e:  # not installed, a broken install, an old version: not available
             _modules[name] = None
             _why[name] = f"{type(e).__name__}: {e}"
-            log.info("triton kernels (%s) unavailable: %s", name, _why[name])
+            log.info("kernels of %s unavailable: %s", name, _why[name])
     return _modules[name]
 
 
@@ -114,3 +118,39 @@ register_backend("varlen_attention", "flash_varlen", attention.flash_varlen_atte
                  attention.flash_available, fits=attention.flash_fits)
 register_backend("varlen_attention", "flex", attention.flex_varlen_attention,
                  attention.flex_available, fits=attention.flex_fits)
+
+
+TILELANG_OPS = ("rms_norm", "modulated_rms_norm", "situ", "gated_residual", "varlen_attention")
+
+
+def _tilelang_available(op: str) -> Callable[[torch.device, torch.dtype], bool]:
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        if torch.device(device).type != "cuda":  # asked before TileLang is imported
+            return False
+        module = triton_module("tilelang_ops")
+        return module is not None and module.can_run(device, dtype, op == "varlen_attention")
+
+    return available
+
+
+def _tilelang_fn(op: str) -> Callable:
+    def fn(*args):
+        module = triton_module("tilelang_ops")
+        if module is None:
+            raise RuntimeError(f"{op} (tilelang): TileLang cannot be imported here "
+                               f"({_why['tilelang_ops']})")
+        return getattr(module, op)(*args)
+
+    fn.__name__, fn.__qualname__ = op, f"tilelang.{op}"
+    return fn
+
+
+def _sm80_or_newer(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+for _op in TILELANG_OPS:  # the norms, SiTU and the gated add keep their inputs only
+    register_backend(_op, "tilelang", _tilelang_fn(_op), _tilelang_available(_op),
+                     fits=(lambda dims: dims["Dh"] % 32 == 0 and dims["Dh"] <= 256)
+                     if _op == "varlen_attention" else None,
+                     keeps_inputs_only=_op != "varlen_attention", opt_in=_sm80_or_newer)

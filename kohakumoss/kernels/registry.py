@@ -55,6 +55,9 @@ class Backend:
     # its autograd keeps only the op's inputs (a fused backward recomputes the rest), so the
     # memory engines' recomputation (kohakumoss.memory.recompute) leaves it alone
     keeps_inputs_only: bool = False
+    # devices where the tuner times it only when ``kernels.backends`` names it (a backend
+    # whose first build is slow, where others cover the op); None: timed everywhere
+    opt_in: Callable[[torch.device], bool] | None = None
 
     def takes(self, dims: Mapping[str, int]) -> bool:
         return self.fits is None or bool(self.fits(dims))
@@ -223,18 +226,20 @@ class KernelRegistry:
 
     def register(self, op: str, name: str, fn: Callable,
                  available: Callable[[torch.device, torch.dtype], bool],
-                 fits: Fits | None = None, keeps_inputs_only: bool = False) -> Backend:
+                 fits: Fits | None = None, keeps_inputs_only: bool = False,
+                 opt_in: Callable[[torch.device], bool] | None = None) -> Backend:
         """Add backend ``name`` of ``op``: ``fn`` has the reference's signature and results;
         ``available(device, dtype)`` says whether it can run there; ``fits(dims)`` whether it
         takes a problem shape (``kohakumoss.kernels.problems``; None: any);
         ``keeps_inputs_only``: its autograd saves only the op's inputs (set on ``fn`` too,
-        for the memory engines)."""
+        for the memory engines); ``opt_in(device)``: there the tuner times it only when
+        named (``eligible``)."""
         backends = self._op(op)
         if name == REFERENCE_NAME or name in backends:
             raise KernelError(f"op {op!r} already has a backend named {name!r}; pick another name")
         if keeps_inputs_only:
             fn.keeps_inputs_only = True
-        backends[name] = Backend(op, name, fn, available, fits, keeps_inputs_only)
+        backends[name] = Backend(op, name, fn, available, fits, keeps_inputs_only, opt_in)
         return backends[name]
 
     def unregister(self, op: str, name: str) -> None:
@@ -254,11 +259,12 @@ class KernelRegistry:
 
     def eligible(self, op: str, device: torch.device | str, dtype: torch.dtype,
                  allow: Sequence[str] | None = None) -> list[Backend]:
-        """The backends of ``op`` that can run on ``(device, dtype)`` (those in ``allow``
-        when given), in registration order."""
+        """The backends of ``op`` that can run on ``(device, dtype)``, in registration order:
+        those in ``allow`` when given, else all but those that are ``opt_in`` there."""
         device = torch.device(device)
         return [b for b in self._op(op).values()
-                if (allow is None or b.name in allow) and b.available(device, dtype)]
+                if (b.name in allow if allow is not None else not (b.opt_in and b.opt_in(device)))
+                and b.available(device, dtype)]
 
     def note(self, key: tuple, message: str, level: int = logging.INFO) -> None:
         """Log ``message`` once per ``key`` for this registry."""
@@ -365,8 +371,9 @@ KERNELS = KernelRegistry()
 
 def register_backend(op: str, name: str, fn: Callable,
                      available: Callable[[torch.device, torch.dtype], bool],
-                     fits: Fits | None = None, keeps_inputs_only: bool = False) -> Backend:
-    return KERNELS.register(op, name, fn, available, fits, keeps_inputs_only)
+                     fits: Fits | None = None, keeps_inputs_only: bool = False,
+                     opt_in: Callable[[torch.device], bool] | None = None) -> Backend:
+    return KERNELS.register(op, name, fn, available, fits, keeps_inputs_only, opt_in)
 
 
 def build_op_table(device: torch.device | str, dtype: torch.dtype,
