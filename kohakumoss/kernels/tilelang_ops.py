@@ -301,7 +301,9 @@ def _attn_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if longest:
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)
-        _build("attention_backward", H, Dh, _NAMES[q.dtype])(
+        # 8 warps split a 64-row tile's narrow products wrongly below a head dim of 64
+        threads = 256 if Dh >= 64 else 128
+        _build("attention_backward", H, Dh, _NAMES[q.dtype], BACKWARD_TILE, BACKWARD_TILE, 2, threads)(
             q, k, v, do, lse, delta, cu, dq32, dk, dv, math.ceil(longest / BACKWARD_TILE))
     return dq32.to(q.dtype), dk, dv
 
