@@ -183,8 +183,18 @@ def test_attention(case, dtype):
                                    lengths)
         return
     q, k, v = _attention_inputs(lengths, heads, head_dim, dtype, grad=True)
-    compare(tl("varlen_attention"), ops.varlen_attention, (q, k, v, lengths),
-            {"q": q, "k": k, "v": v}, ATTENTION_TOL[dtype])
+    if max(lengths) > 1:
+        compare(tl("varlen_attention"), ops.varlen_attention, (q, k, v, lengths),
+                {"q": q, "k": k, "v": v}, ATTENTION_TOL[dtype])
+        return
+    # one key per segment: the output is v, dv is dO, and dq = dk = 0 up to rounding (each
+    # side's rounding noise, so no relative error between them means anything)
+    out = tl("varlen_attention")(q, k, v, lengths)
+    assert rel(out, v) <= ATTENTION_TOL[dtype]
+    grad_out = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, [q, k, v], grad_out)
+    assert rel(dv, grad_out) <= ATTENTION_TOL[dtype]
+    assert dq.float().norm() <= 1e-2 * dv.float().norm() and dk.float().norm() <= 1e-2 * dv.float().norm()
 
 
 @pytest.mark.gpu
