@@ -60,8 +60,12 @@ def test_every_pointwise_kernel_lowers_to_cuda(arch):
         assert "__global__" in source, name
 
 
-def test_attention_lowers_to_tensor_core_code_for_turing():
-    """sm75 (T4, RTX 20xx), where no flash attention of torch's runs: fp16 on mma."""
+@pytest.mark.parametrize("arch,dtype,code", [("sm_75", "float16", "mma_sync"),
+                                             ("sm_86", "bfloat16", "cp_async"),
+                                             ("sm_90", "bfloat16", "wgmma")])
+def test_attention_lowers_for_each_generation(arch, dtype, code):
+    """Turing (no flash attention of torch's there): fp16 on ``mma.sync``; Ampere / Ada:
+    ``cp.async`` copies, one stage (``pipeline_stages``); Hopper: TMA copies and wgmma."""
     if MODULE is None:
         pytest.skip(f"tilelang cannot be imported here ({backends._why['tilelang_ops']})")
     import tilelang
@@ -69,11 +73,16 @@ def test_attention_lowers_to_tensor_core_code_for_turing():
 
     from kohakumoss.kernels import tilelang_kernels as K
 
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_75"})
-    for kernel in (K.attention_forward(24, 128, "float16"), K.attention_backward(24, 128, "float16")):
+    cc = (int(arch[3]), int(arch[4]))
+    stages, tile, keys = MODULE.pipeline_stages(cc), MODULE.BACKWARD_TILE, MODULE.FORWARD_KEYS
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    kernels = [K.attention_forward(24, 128, dtype, MODULE.FORWARD_TILE, keys, stages, 256)]
+    if arch != "sm_75":
+        kernels.append(K.attention_backward(24, 128, dtype, tile, tile, stages, 256))
+    for kernel in kernels:
         with target:
             source = tilelang.lower(kernel, target=target).kernel_source
-        assert "__global__" in source and "mma_sync" in source  # the tensor cores
+        assert "__global__" in source and code in source
 
 
 def test_tilelang_is_first_on_turing_and_opt_in_on_ampere_and_newer(monkeypatch):

@@ -148,11 +148,15 @@ def gated_gradient(D: int, dtype: str, pdtype: str, rows: int = 2, threads: int 
     return kernel
 
 
-def attention_forward(H: int, Dh: int, dtype: str, BM: int = 128, BN: int = 64, stages: int = 2,
+def attention_forward(H: int, Dh: int, dtype: str, BM: int = 128, BN: int = 128, stages: int = 2,
                       threads: int = 256):
     """Flash attention over packed segments: block (query tile, head, segment); keys of the
     segment in BN tiles with an online softmax in the log2 domain. Writes O and LSE2 (the
-    rows' log2-sum-exp2 of the scaled scores), which backward reads."""
+    rows' log2-sum-exp2 of the scaled scores), which backward reads.
+
+    Tiles are whole-tile copies (TMA / ``cp.async``, pipelined over ``stages``): a tile past
+    its segment reads the next one's rows (masked out: -inf scores, so P = 0 there) and past
+    the last token zeros; P stays in registers for its product with V."""
     scale = LOG2E / Dh ** 0.5
 
     @T.prim_func
@@ -164,9 +168,9 @@ def attention_forward(H: int, Dh: int, dtype: str, BM: int = 128, BN: int = 64, 
             q_s = T.alloc_shared((BM, Dh), dtype)
             k_s = T.alloc_shared((BN, Dh), dtype)
             v_s = T.alloc_shared((BN, Dh), dtype)
-            p_s = T.alloc_shared((BM, BN), dtype)
             acc = T.alloc_fragment((BM, Dh), "float32")
             s = T.alloc_fragment((BM, BN), "float32")
+            p = T.alloc_fragment((BM, BN), dtype)
             m = T.alloc_fragment((BM,), "float32")
             m_prev = T.alloc_fragment((BM,), "float32")
             l = T.alloc_fragment((BM,), "float32")
@@ -174,16 +178,13 @@ def attention_forward(H: int, Dh: int, dtype: str, BM: int = 128, BN: int = 64, 
             start = CU[seg]
             L = CU[seg + 1] - start
             q0 = bx * BM
-            for i, d in T.Parallel(BM, Dh):
-                q_s[i, d] = T.if_then_else(q0 + i < L, Q[start + T.min(q0 + i, L - 1), head, d], 0)
+            T.copy(Q[start + q0:start + q0 + BM, head, 0:Dh], q_s)
             T.clear(acc)
             T.fill(m, -T.infinity("float32"))
             T.clear(l)
             for kb in T.Pipelined(T.ceildiv(L, BN) * T.if_then_else(q0 < L, 1, 0), num_stages=stages):
-                for j, d in T.Parallel(BN, Dh):
-                    key = T.min(kb * BN + j, L - 1)
-                    k_s[j, d] = K[start + key, head, d]
-                    v_s[j, d] = T.if_then_else(kb * BN + j < L, V[start + key, head, d], 0)
+                T.copy(K[start + kb * BN:start + kb * BN + BN, head, :], k_s)
+                T.copy(V[start + kb * BN:start + kb * BN + BN, head, :], v_s)
                 T.clear(s)
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(BM, BN):
@@ -197,8 +198,8 @@ def attention_forward(H: int, Dh: int, dtype: str, BM: int = 128, BN: int = 64, 
                     l[i] = l[i] * T.exp2(m_prev[i] - m[i]) + l_tile[i]
                 for i, d in T.Parallel(BM, Dh):
                     acc[i, d] = acc[i, d] * T.exp2(m_prev[i] - m[i])
-                T.copy(s, p_s)
-                T.gemm(p_s, v_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(s, p)
+                T.gemm(p, v_s, acc, policy=T.GemmWarpPolicy.FullRow)
             for i, d in T.Parallel(BM, Dh):
                 if q0 + i < L:
                     O[start + q0 + i, head, d] = T.cast(acc[i, d] / l[i], dtype)
@@ -212,7 +213,9 @@ def attention_forward(H: int, Dh: int, dtype: str, BM: int = 128, BN: int = 64, 
 def attention_backward(H: int, Dh: int, dtype: str, BM: int = 64, BN: int = 64, stages: int = 2,
                        threads: int = 256):
     """Block (key tile, head, segment): walks the segment's query tiles, accumulates dK and dV
-    in registers, adds dQ (fp32, pre-scaled) atomically into DQ. ``DELTA = rowsum(dO O)``."""
+    in registers, adds dQ (fp32, pre-scaled) atomically into DQ. ``DELTA = rowsum(dO O)``.
+    Whole-tile copies as in the forward; P is zeroed outside the segment's keys and queries,
+    which zeroes every product those rows would enter."""
     scale = 1.0 / Dh ** 0.5
 
     @T.prim_func
@@ -238,24 +241,22 @@ def attention_backward(H: int, Dh: int, dtype: str, BM: int = 64, BN: int = 64, 
             start = CU[seg]
             L = CU[seg + 1] - start
             k0 = bx * BN
-            for j, d in T.Parallel(BN, Dh):
-                k_s[j, d] = T.if_then_else(k0 + j < L, K[start + T.min(k0 + j, L - 1), head, d], 0)
-                v_s[j, d] = T.if_then_else(k0 + j < L, V[start + T.min(k0 + j, L - 1), head, d], 0)
+            T.copy(K[start + k0:start + k0 + BN, head, :], k_s)
+            T.copy(V[start + k0:start + k0 + BN, head, :], v_s)
             T.clear(dk)
             T.clear(dv)
             for qb in T.Pipelined(T.ceildiv(L, BM) * T.if_then_else(k0 < L, 1, 0), num_stages=stages):
-                for i, d in T.Parallel(BM, Dh):
-                    row = T.min(qb * BM + i, L - 1)
-                    q_s[i, d] = Q[start + row, head, d]
-                    do_s[i, d] = T.if_then_else(qb * BM + i < L, DO[start + row, head, d], 0)
+                T.copy(Q[start + qb * BM:start + qb * BM + BM, head, :], q_s)
+                T.copy(DO[start + qb * BM:start + qb * BM + BM, head, :], do_s)
                 for i in T.Parallel(BM):
                     row = T.min(qb * BM + i, L - 1)
-                    lse_s[i] = T.if_then_else(qb * BM + i < L, LSE[start + row, head], T.infinity("float32"))
+                    lse_s[i] = LSE[start + row, head]
                     delta_s[i] = DELTA[start + row, head]
                 T.clear(st)
                 T.gemm(k_s, q_s, st, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for j, i in T.Parallel(BN, BM):  # P^T
-                    st[j, i] = T.if_then_else(k0 + j < L, T.exp2(st[j, i] * (scale * LOG2E) - lse_s[i]), 0)
+                for j, i in T.Parallel(BN, BM):  # P^T; keys and queries past the segment: 0
+                    st[j, i] = T.if_then_else((k0 + j < L) & (qb * BM + i < L),
+                                              T.exp2(st[j, i] * (scale * LOG2E) - lse_s[i]), 0)
                 T.clear(dpt)
                 T.gemm(v_s, do_s, dpt, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(st, pt_s)

@@ -270,7 +270,14 @@ def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor
 
 # ---- varlen attention ------------------------------------------------------------------------
 
-FORWARD_TILE, BACKWARD_TILE = 128, 64  # query rows of a forward block; keys of a backward block
+FORWARD_TILE, FORWARD_KEYS, BACKWARD_TILE = 128, 128, 64  # a forward block's queries x keys; a
+# backward block's keys (and the query tiles it walks)
+
+
+def pipeline_stages(capability: tuple[int, int]) -> int:
+    """Copy stages in flight: 2 on sm90 (TMA) and before sm80; 1 on sm80-sm89, where TileLang
+    0.1.15 cannot emit the wait of a deeper ``cp.async`` pipeline over a dynamic loop."""
+    return 1 if (8, 0) <= tuple(capability) < (9, 0) else 2
 
 
 def _segments(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
@@ -287,8 +294,8 @@ def _attn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = _like(q, (N, H), torch.float32)
     cu, longest = _segments(lengths, q.device)
     if longest:
-        _build("attention_forward", H, Dh, _NAMES[q.dtype], FORWARD_TILE)(
-            q, k, v, cu, o, lse, math.ceil(longest / FORWARD_TILE))
+        _build("attention_forward", H, Dh, _NAMES[q.dtype], FORWARD_TILE, FORWARD_KEYS,
+               pipeline_stages(torch.cuda.get_device_capability(q.device)), 256)(q, k, v, cu, o, lse, math.ceil(longest / FORWARD_TILE))
     return o, lse
 
 
@@ -303,7 +310,8 @@ def _attn_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         delta = (do.float() * o.float()).sum(-1)
         # 8 warps split a 64-row tile's narrow products wrongly below a head dim of 64
         threads = 256 if Dh >= 64 else 128
-        _build("attention_backward", H, Dh, _NAMES[q.dtype], BACKWARD_TILE, BACKWARD_TILE, 2, threads)(
+        _build("attention_backward", H, Dh, _NAMES[q.dtype], BACKWARD_TILE, BACKWARD_TILE,
+               pipeline_stages(torch.cuda.get_device_capability(q.device)), threads)(
             q, k, v, do, lse, delta, cu, dq32, dk, dv, math.ceil(longest / BACKWARD_TILE))
     return dq32.to(q.dtype), dk, dv
 
