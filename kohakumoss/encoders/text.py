@@ -107,6 +107,19 @@ def build_model(config: Qwen3_5TextConfig, names: list[str], get: Callable[[str]
     return model.eval().requires_grad_(False)
 
 
+def torch_reference(fn: Callable) -> Callable:
+    """The pure-PyTorch function under transformers' hub-kernel wrappers: ``functools.wraps``
+    chains (``__wrapped__``), and from transformers 5.25 (with the ``kernels`` package) an
+    ``nn.Module`` whose ``forward`` calls that chain."""
+    fn = inspect.unwrap(fn)
+    if isinstance(fn, torch.nn.Module):
+        inner = [c.cell_contents for c in type(fn).forward.__closure__ or ()
+                 if callable(c.cell_contents) and hasattr(c.cell_contents, "__wrapped__")]
+        if len(inner) == 1:
+            return inspect.unwrap(inner[0])
+    return fn
+
+
 @contextlib.contextmanager
 def torch_linear_attention_ops(device: torch.device):
     """Off CUDA, run Gated DeltaNet on transformers' pure-PyTorch ops while inside. Patches the
@@ -117,7 +130,7 @@ def torch_linear_attention_ops(device: torch.device):
     saved = {n: getattr(qwen, n) for n in LINEAR_ATTENTION_OPS}
     try:
         for n, fn in saved.items():
-            setattr(qwen, n, inspect.unwrap(fn))
+            setattr(qwen, n, torch_reference(fn))
         yield
     finally:
         for n, fn in saved.items():
