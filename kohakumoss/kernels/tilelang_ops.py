@@ -270,14 +270,39 @@ def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor
 
 # ---- varlen attention ------------------------------------------------------------------------
 
-FORWARD_TILE, FORWARD_KEYS, BACKWARD_TILE = 128, 128, 64  # a forward block's queries x keys; a
-# backward block's keys (and the query tiles it walks)
+SHARED_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (9, 0): 227}
+"""Shared memory a block may take, KiB, by compute capability (other sm8x: 99)."""
+FORWARD_TILES = ((128, 128), (128, 64), (64, 64), (64, 32), (32, 32))  # queries x keys
+BACKWARD_TILES = (64, 32, 16)  # a backward block's keys, and the query tiles it walks
 
 
 def pipeline_stages(capability: tuple[int, int]) -> int:
     """Copy stages in flight: 2 on sm90 (TMA) and before sm80; 1 on sm80-sm89, where TileLang
     0.1.15 cannot emit the wait of a deeper ``cp.async`` pipeline over a dynamic loop."""
     return 1 if (8, 0) <= tuple(capability) < (9, 0) else 2
+
+
+def attention_tiles(capability: tuple[int, int], Dh: int, elem: int = 2) -> tuple[tuple, tuple]:
+    """``(BM, BN, stages, threads)`` of the forward and ``(T, T, stages, threads)`` of the
+    backward: the largest tiles whose shared memory fits the card (a stage fewer, then smaller
+    tiles, where the deeper pipeline does not)."""
+    cc = tuple(capability)
+    limit = SHARED_KIB.get(cc, 99 if cc[0] == 8 else 96) * 1024
+
+    def fwd_bytes(bm, bn, st):
+        return elem * Dh * (bm + 2 * st * bn)
+
+    def bwd_bytes(t, st):
+        return elem * (2 * t * Dh + 2 * st * t * Dh + 2 * t * t) + 8 * st * t
+
+    deepest = pipeline_stages(cc)
+    stages = range(deepest, 0, -1)
+    bm, bn, fs = next(((bm, bn, st) for bm, bn in FORWARD_TILES for st in stages
+                       if fwd_bytes(bm, bn, st) <= limit), (*FORWARD_TILES[-1], 1))
+    t, bs = next(((t, st) for t in BACKWARD_TILES for st in stages if bwd_bytes(t, st) <= limit),
+                 (BACKWARD_TILES[-1], 1))
+    # 8 warps split a 64-row tile's narrow products wrongly below a head dim of 64
+    return (bm, bn, fs, 256 if bm >= 128 else 128), (t, t, bs, 256 if Dh >= 64 and t >= 64 else 128)
 
 
 def _segments(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
@@ -294,8 +319,9 @@ def _attn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = _like(q, (N, H), torch.float32)
     cu, longest = _segments(lengths, q.device)
     if longest:
-        _build("attention_forward", H, Dh, _NAMES[q.dtype], FORWARD_TILE, FORWARD_KEYS,
-               pipeline_stages(torch.cuda.get_device_capability(q.device)), 256)(q, k, v, cu, o, lse, math.ceil(longest / FORWARD_TILE))
+        fwd, _ = attention_tiles(torch.cuda.get_device_capability(q.device), Dh, q.element_size())
+        _build("attention_forward", H, Dh, _NAMES[q.dtype], *fwd)(
+            q, k, v, cu, o, lse, math.ceil(longest / fwd[0]))
     return o, lse
 
 
@@ -308,11 +334,9 @@ def _attn_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if longest:
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)
-        # 8 warps split a 64-row tile's narrow products wrongly below a head dim of 64
-        threads = 256 if Dh >= 64 else 128
-        _build("attention_backward", H, Dh, _NAMES[q.dtype], BACKWARD_TILE, BACKWARD_TILE,
-               pipeline_stages(torch.cuda.get_device_capability(q.device)), threads)(
-            q, k, v, do, lse, delta, cu, dq32, dk, dv, math.ceil(longest / BACKWARD_TILE))
+        _, bwd = attention_tiles(torch.cuda.get_device_capability(q.device), Dh, q.element_size())
+        _build("attention_backward", H, Dh, _NAMES[q.dtype], *bwd)(
+            q, k, v, do, lse, delta, cu, dq32, dk, dv, math.ceil(longest / bwd[0]))
     return dq32.to(q.dtype), dk, dv
 
 
