@@ -21,20 +21,12 @@ import statistics
 import torch
 
 from kohakumoss.model import ops
+from bench_dit import timed  # the script's folder is on sys.path
 
 
 def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median milliseconds of ``iters`` calls after 3 warm-up calls (CUDA events)."""
+    return statistics.median(timed(fn, 3, iters)) * 1e3
 
 
 def main() -> None:

@@ -519,11 +519,9 @@ def test_the_tiny_model_with_triton_kernels_matches_the_reference(dtype):
         assert rel(g_tri[name], g_ref[name]) <= tol, name
 
 
-@triton_test
-def test_parity_vectors_hold_with_the_triton_table():
-    """``kmoss check parity tests/data/vectors``' fp32 comparison, with every Triton op."""
-    needs_triton()
-    from kohakumoss.checks.parity import TOL as PARITY_TOL, load_batch, rel_error
+def parity_error(choices) -> float:
+    """``kmoss check parity tests/data/vectors``' fp32 relative error with these kernels."""
+    from kohakumoss.checks.parity import load_batch, rel_error
     from kohakumoss.formats.model_files import load_transformer
 
     folder = ROOT / "tests" / "data" / "vectors"
@@ -531,11 +529,20 @@ def test_parity_vectors_hold_with_the_triton_table():
     layout = build_layout(batch["hw"].tolist(), batch["text_len"].tolist()).to(DEVICE)
     model, _ = load_transformer(folder / "weights_official.safetensors", dtype=torch.float32,
                                 device=DEVICE)
-    model.ops = build_op_table(DEVICE, torch.float32, {op: "triton" for op in ELEMENTWISE})
+    model.ops = build_op_table(DEVICE, torch.float32, choices)
     with torch.no_grad():
         v = model(batch["img"].to(DEVICE), batch["text"].to(DEVICE), batch["sigma"].to(DEVICE),
                   layout)
-    assert rel_error(v, batch["v_fp32"]) <= PARITY_TOL[torch.float32]
+    return rel_error(v, batch["v_fp32"])
+
+
+@triton_test
+def test_parity_vectors_hold_with_the_triton_table():
+    """``kmoss check parity tests/data/vectors``' fp32 comparison, with every Triton op."""
+    needs_triton()
+    from kohakumoss.checks.parity import TOL as PARITY_TOL
+
+    assert parity_error({op: "triton" for op in ELEMENTWISE}) <= PARITY_TOL[torch.float32]
 
 
 # ---- attention -----------------------------------------------------------------------------

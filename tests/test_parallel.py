@@ -264,6 +264,7 @@ def _copies_worker(rank: int, out: str) -> None:
     test_streaming.apply_weight_streaming = lambda *a, **k: apply_weight_streaming(*a, **k, copies=copies)
     model, aset, ring = test_streaming._model(stream=2)
     assert ring.copies is copies
+    dist.barrier()  # the leader unlinks the file after done()'s barrier: let it get there
     unlinked = not os.path.exists(copies.path)
     result = test_streaming._step(model, aset)
     first = ring.host[0]

@@ -14,8 +14,8 @@ import torch
 from kohakumoss.kernels import KERNELS, backends, build_op_table
 from kohakumoss.model import ops
 from test_kernel_backends import (ATTENTION_SHAPES, ATTENTION_TOL, BASE, DEVICE, DTYPES, LENGTHS,
-                                  REAL_LENGTHS, ROOT, TOL, _attention_inputs, _ids, _real_call,
-                                  _tiny_inputs, compare, leaf, rel, seg_of)
+                                  REAL_LENGTHS, TOL, _attention_inputs, _ids, _real_call,
+                                  _tiny_inputs, compare, leaf, parity_error, rel, seg_of)
 
 OPS = ("rms_norm", "modulated_rms_norm", "situ", "gated_residual", "varlen_attention")
 MODULE = backends.triton_module("tilelang_ops")
@@ -260,17 +260,6 @@ def test_parity_vectors_hold_with_the_tilelang_table():
     """``kmoss check parity tests/data/vectors``' fp32 comparison with every TileLang op
     that takes fp32 (attention, bf16/fp16 only, falls back to the reference)."""
     needs_tilelang(torch.float32)
-    from kohakumoss.checks.parity import TOL as PARITY_TOL, load_batch, rel_error
-    from kohakumoss.formats.model_files import load_transformer
-    from kohakumoss.model import build_layout
+    from kohakumoss.checks.parity import TOL as PARITY_TOL
 
-    folder = ROOT / "tests" / "data" / "vectors"
-    batch = load_batch(folder)
-    layout = build_layout(batch["hw"].tolist(), batch["text_len"].tolist()).to(DEVICE)
-    model, _ = load_transformer(folder / "weights_official.safetensors", dtype=torch.float32,
-                                device=DEVICE)
-    model.ops = build_op_table(DEVICE, torch.float32, {op: "tilelang" for op in OPS})
-    with torch.no_grad():
-        v = model(batch["img"].to(DEVICE), batch["text"].to(DEVICE), batch["sigma"].to(DEVICE),
-                  layout)
-    assert rel_error(v, batch["v_fp32"]) <= PARITY_TOL[torch.float32]
+    assert parity_error({op: "tilelang" for op in OPS}) <= PARITY_TOL[torch.float32]

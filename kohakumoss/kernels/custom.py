@@ -68,3 +68,10 @@ def packed_halves(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
         return None  # a view made a leaf of its own: its gradient is not the base's
     start = base.storage_offset()
     return base if u.storage_offset() == start and g.storage_offset() == start + C else None
+
+
+def gated_residual_setup(ctx, inputs, output):
+    """What the backward of ``x + gate[seg] y`` keeps: y, the gate, the samples; x's dtype."""
+    x, y, gate, seg = inputs
+    ctx.save_for_backward(y, gate, seg)
+    ctx.x_dtype = x.dtype

@@ -27,7 +27,7 @@ import tilelang
 import torch
 
 from kohakumoss.kernels import tilelang_kernels as K
-from kohakumoss.kernels.custom import entry, packed_halves, rows2d
+from kohakumoss.kernels.custom import entry, gated_residual_setup, packed_halves, rows2d
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
@@ -235,12 +235,6 @@ _gated_op = _op("gated_residual", _gated_impl, lambda x, y, gate, seg: _like(x))
 _gated_bwd_op = _op("gated_residual_bwd", _gated_bwd_impl, lambda go, gate, seg: _like(go))
 
 
-def _gated_setup(ctx, inputs, output):
-    x, y, gate, seg = inputs
-    ctx.save_for_backward(y, gate, seg)
-    ctx.x_dtype = x.dtype
-
-
 def _gated_backward(ctx, go):
     y, gate, seg = ctx.saved_tensors
     go = go.contiguous()
@@ -252,7 +246,8 @@ def _gated_backward(ctx, go):
     return go.to(ctx.x_dtype), dy, dgate, None
 
 
-_gated = entry(_gated_op, _gated_impl, _gated_setup, _gated_backward, _gated_bwd_op, _gated_bwd_impl)
+_gated = entry(_gated_op, _gated_impl, gated_residual_setup, _gated_backward, _gated_bwd_op,
+               _gated_bwd_impl)
 
 
 def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor,

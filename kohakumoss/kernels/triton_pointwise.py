@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kohakumoss.kernels.custom import entry, packed_halves, rows2d
+from kohakumoss.kernels.custom import entry, gated_residual_setup, packed_halves, rows2d
 from kohakumoss.kernels.triton_common import (check_tensors, gate_parts, jit, pow2, programs,
                                               rounded, segment_order, tanh_nonneg, warps)
 
@@ -343,12 +343,6 @@ def _(go, y, gate, seg, gate_grad):
             torch.empty(shape, dtype=torch.float32, device=y.device))
 
 
-def _gated_setup(ctx, inputs, output):
-    x, y, gate, seg = inputs
-    ctx.save_for_backward(y, gate, seg)
-    ctx.x_dtype = x.dtype
-
-
 def _gated_backward(ctx, go):
     y, gate, seg = ctx.saved_tensors
     gate_grad = ctx.needs_input_grad[2]
@@ -356,7 +350,7 @@ def _gated_backward(ctx, go):
     return go.to(ctx.x_dtype), dy, dgate.to(gate.dtype) if gate_grad else None, None
 
 
-_gated = entry(_gated_op, _gated_impl, _gated_setup, _gated_backward, _gated_bwd_op,
+_gated = entry(_gated_op, _gated_impl, gated_residual_setup, _gated_backward, _gated_bwd_op,
                _gated_bwd_impl)
 
 
