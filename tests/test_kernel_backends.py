@@ -259,23 +259,27 @@ def test_residual(shape, dtype):
     compare(triton_fn("residual"), ops.residual, (x, y), {"x": x, "y": y}, TOL[dtype])
 
 
-@triton_test
-@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
-def test_gated_residual(lengths, dtype):
-    needs_triton()
+def check_gated_residual(fn, lengths, dtype) -> None:
+    """``fn`` against ``ops.gated_residual``: samples in order and shuffled, then a frozen gate
+    (LoRA: the modulation takes no gradient, so a kernel may skip its reduction)."""
     g = torch.Generator().manual_seed(8)
     N, D, B = sum(lengths), 48, len(lengths)
     for shuffle in (False, True):
         x, y = leaf(g, N, D, dtype=dtype), leaf(g, N, D, dtype=dtype)
         gate = leaf(g, B, D, scale=0.3)
         seg = seg_of(lengths, shuffle, g)
-        compare(triton_fn("gated_residual"), ops.gated_residual, (x, y, gate, seg),
-                {"x": x, "y": y, "gate": gate}, TOL[dtype])
-    # a frozen gate (LoRA: the modulation takes no gradient): the kernel skips its reduction
+        compare(fn, ops.gated_residual, (x, y, gate, seg), {"x": x, "y": y, "gate": gate},
+                TOL[dtype])
     gate = leaf(g, B, D, scale=0.3, grad=False)
-    compare(triton_fn("gated_residual"), ops.gated_residual, (x, y, gate, seg),
-            {"x": x, "y": y}, TOL[dtype])
+    compare(fn, ops.gated_residual, (x, y, gate, seg), {"x": x, "y": y}, TOL[dtype])
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+def test_gated_residual(lengths, dtype):
+    needs_triton()
+    check_gated_residual(triton_fn("gated_residual"), lengths, dtype)
 
 
 @triton_test

@@ -15,7 +15,8 @@ from kohakumoss.kernels import KERNELS, backends, build_op_table
 from kohakumoss.model import ops
 from test_kernel_backends import (ATTENTION_SHAPES, ATTENTION_TOL, BASE, DEVICE, DTYPES, LENGTHS,
                                   REAL_LENGTHS, TOL, _attention_inputs, _ids, _real_call,
-                                  _tiny_inputs, compare, leaf, parity_error, rel, seg_of)
+                                  _tiny_inputs, check_gated_residual, compare, leaf, parity_error,
+                                  rel, seg_of)
 
 OPS = ("rms_norm", "modulated_rms_norm", "situ", "gated_residual", "varlen_attention")
 MODULE = backends.triton_module("tilelang_ops")
@@ -175,16 +176,7 @@ def test_situ(shape, dtype):
 @pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
 def test_gated_residual(lengths, dtype):
     needs_tilelang(dtype)
-    g = torch.Generator().manual_seed(8)
-    N, D, B = sum(lengths), 48, len(lengths)
-    for shuffle in (False, True):
-        x, y = leaf(g, N, D, dtype=dtype), leaf(g, N, D, dtype=dtype)
-        gate = leaf(g, B, D, scale=0.3)
-        seg = seg_of(lengths, shuffle, g)
-        compare(tl("gated_residual"), ops.gated_residual, (x, y, gate, seg),
-                {"x": x, "y": y, "gate": gate}, TOL[dtype])
-    gate = leaf(g, B, D, scale=0.3, grad=False)
-    compare(tl("gated_residual"), ops.gated_residual, (x, y, gate, seg), {"x": x, "y": y}, TOL[dtype])
+    check_gated_residual(tl("gated_residual"), lengths, dtype)
 
 
 @pytest.mark.gpu

@@ -108,6 +108,12 @@ def flash_varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torc
 
 # ---- flex attention with a document mask ---------------------------------------------------
 
+def tilelang_fits(dims) -> bool:
+    """TileLang's head dims: multiples of 32 up to 256 (its backward's shared tiles take no
+    others; ``kernels/tilelang_ops.py``)."""
+    return dims["Dh"] % 32 == 0 and dims["Dh"] <= 256
+
+
 def flex_fits(dims) -> bool:
     """Flex's head dims here: powers of two from 16."""
     return dims["Dh"] >= 16 and dims["Dh"] & (dims["Dh"] - 1) == 0

@@ -16,9 +16,9 @@
   kernels of sm70 / sm75, where Triton does not run; on sm80+ the tuner times them only when
   ``kernels.backends`` names ``tilelang`` (``opt_in``): their first build is nvcc seconds.
 
-Triton and TileLang are imported lazily, on the first availability question or call: a machine without
-it, or one where it fails to import, reports these backends unavailable (the reason is
-logged once) and ``kohakumoss`` imports as ever. The attention backends declare their
+Triton and TileLang are imported lazily, on the first availability question or call: a
+machine without them, or one where they fail to import, reports these backends unavailable
+(the reason is logged once) and ``kohakumoss`` imports as ever. The attention backends declare their
 head-dim limits (``fits``, used by the tuned dispatch); a static choice is made by device
 and dtype alone, so inputs outside the limits fall back to the reference inside the
 backend, said once in the log.
@@ -151,6 +151,5 @@ def _sm80_or_newer(device: torch.device) -> bool:
 
 for _op in TILELANG_OPS:  # the norms, SiTU and the gated add keep their inputs only
     register_backend(_op, "tilelang", _tilelang_fn(_op), _tilelang_available(_op),
-                     fits=(lambda dims: dims["Dh"] % 32 == 0 and dims["Dh"] <= 256)
-                     if _op == "varlen_attention" else None,
+                     fits=attention.tilelang_fits if _op == "varlen_attention" else None,
                      keeps_inputs_only=_op != "varlen_attention", opt_in=_sm80_or_newer)

@@ -26,6 +26,7 @@ import math
 import tilelang
 import torch
 
+from kohakumoss.kernels import attention
 from kohakumoss.kernels import tilelang_kernels as K
 from kohakumoss.kernels.custom import entry, gated_residual_setup, packed_halves, rows2d
 
@@ -42,11 +43,6 @@ def can_run(device: torch.device, dtype: torch.dtype, attention: bool = False) -
         return False
     cc = torch.cuda.get_device_capability(device)
     return cc >= ((8, 0) if dtype == torch.bfloat16 else (7, 0))
-
-
-def attention_fits(dims) -> bool:
-    """Head dims a multiple of 32 up to 256 (the backward's shared tiles take no other)."""
-    return dims["Dh"] % 32 == 0 and dims["Dh"] <= 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,13 +359,8 @@ def varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tens
     """``ops.varlen_attention`` in TileLang: softmax attention within each contiguous segment."""
     _check("varlen_attention", q_NHd, k_NHd, v_NHd)
     lengths = [int(n) for n in lengths]
-    if q_NHd.dim() != 3 or k_NHd.shape != q_NHd.shape or v_NHd.shape != q_NHd.shape \
-            or sum(lengths) != q_NHd.shape[0] or min(lengths, default=0) < 0:
-        raise ValueError(f"varlen_attention (tilelang): q {tuple(q_NHd.shape)}, k "
-                         f"{tuple(k_NHd.shape)}, v {tuple(v_NHd.shape)}, segments summing to "
-                         f"{sum(lengths)}; want three [N, H, Dh] of one shape, lengths >= 0 "
-                         f"summing to N")
-    if q_NHd.dtype not in ATTENTION_DTYPES or not attention_fits({"Dh": q_NHd.shape[-1]}):
+    attention._check("tilelang", q_NHd, k_NHd, v_NHd, lengths)
+    if q_NHd.dtype not in ATTENTION_DTYPES or not attention.tilelang_fits({"Dh": q_NHd.shape[-1]}):
         raise TypeError(f"varlen_attention (tilelang): {q_NHd.dtype} with head dim "
                         f"{q_NHd.shape[-1]}; the kernel takes bf16/fp16 and head dims a "
                         f"multiple of 32 up to 256")
