@@ -8,9 +8,6 @@
   inside the matmul (``triton_quant``); ``dequant_mm`` (quant_linear, from ``DEQUANT_ROWS``
   rows): the layer's weight dequantized into a transient buffer, then cuBLAS;
   ``scaled_mm`` (fp8_linear, ``fp8_compute``): fp8 GEMMs on sm89+, bf16 activations.
-- ``triton`` (linear): a persistent TMA GEMM (``triton_gemm``) for the block linears'
-  products, forward and input gradient; CUDA sm90+ in bf16/fp16, K and O multiples of 8
-  (interpreted: fp16 on CPU tensors). The tuner keeps it per shape where it beats cuBLAS.
 - ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
@@ -50,7 +47,6 @@ TRITON_OPS = {  # op -> the module holding its Triton kernels
     "gated_residual": "triton_pointwise",
     "flow_loss": "triton_loss",
     "quant_linear": "triton_quant",
-    "linear": "triton_gemm",
 }
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -107,23 +103,7 @@ def _triton_fn(op: str, name: str | None = None) -> Callable:
 
 
 for _op in TRITON_OPS:  # each kernel's autograd saves its inputs; backward recomputes the rest
-    if _op != "linear":
-        register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op), keeps_inputs_only=True)
-
-
-def _gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """The GEMM of ``ops.linear``: 16-bit dtypes on CUDA sm90+ (TMA); interpreted, fp16 on
-    CPU tensors (Triton's interpreter misreads bf16 through tensor descriptors)."""
-    if dtype not in (torch.bfloat16, torch.float16) or triton_module("triton_common") is None:
-        return False
-    gemm = triton_module("triton_gemm")
-    if gemm is None or (gemm.INTERPRETED and dtype != torch.float16):
-        return False
-    return gemm.can_run(torch.device(device))
-
-
-register_backend("linear", "triton", _triton_fn("linear"), _gemm_available,
-                 fits=lambda dims: dims["K"] % 8 == 0 and dims["O"] % 8 == 0, keeps_inputs_only=True)
+    register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op), keeps_inputs_only=True)
 
 DEQUANT_ROWS = 1024
 """From this many rows a quantized linear dequantizes the layer's weight into a transient
