@@ -26,8 +26,8 @@ from kohakumoss.model.build import random_transformer
 from _report import report  # bench/_report.py (the script's folder is on sys.path)
 
 
-def random_dit(kernels: list[str], compile_blocks: bool) -> MOSSImageTransformer:
-    from bench_train import kernel_choices
+def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False) -> MOSSImageTransformer:
+    from bench_train import kernel_choices, tune_per_shape
 
     from kohakumoss.memory.checkpointing import repeated_blocks
     from kohakumoss.memory.profiles import MemoryEngines
@@ -37,7 +37,8 @@ def random_dit(kernels: list[str], compile_blocks: bool) -> MOSSImageTransformer
     model = random_transformer(FLAVORS["base"], "cuda")
     no_recompute = MemoryEngines(checkpointing="none", recompute=False)  # sampling keeps no graph
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=False),
-                                              kernels=kernel_choices(kernels), memory=no_recompute))
+                                              kernels=kernel_choices(kernels), memory=no_recompute,
+                                              tuned=tune_per_shape([[(4096, 112), (4096, 10)]], ["tilelang"]) if tune else {}))
     print(json.dumps({"op_table": applied.kernels}), flush=True)
     if compile_blocks:
         for _, block in repeated_blocks(model):
@@ -54,15 +55,17 @@ def main() -> None:
     ap.add_argument("--no-vae", action="store_true")
     ap.add_argument("--cuda-graph", action="store_true", help="replay the forward as a CUDA graph")
     ap.add_argument("--profile", action="store_true", help="profile 2 steps of batch 1 (bench_train's)")
+    ap.add_argument("--tune", action="store_true",
+                    help="the per-shape ops (the block linears' GEMM) as the tuner picks them")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     a = ap.parse_args()
-    model = random_dit(a.kernels, a.compile_blocks)
+    model = random_dit(a.kernels, a.compile_blocks, a.tune)
     g = torch.Generator().manual_seed(0)
     pos = torch.randn(112, 4096, generator=g)
     neg = torch.randn(10, 4096, generator=g)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "size": "1024x1024", "runs": [],
-           "kernels": a.kernels, "compile_blocks": a.compile_blocks, "cuda_graph": a.cuda_graph}
+           "kernels": a.kernels, "tuned": a.tune, "compile_blocks": a.compile_blocks, "cuda_graph": a.cuda_graph}
     t0 = time.perf_counter()
     sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()

@@ -71,7 +71,28 @@ def kernel_choices(names: list[str]) -> dict[str, list[str]]:
     from kohakumoss.training.engines import QUANT_BACKENDS  # --quant-backends chooses those
 
     return {op: [n for n in names if n in KERNELS.names(op)] for op in REFERENCE
-            if any(n in KERNELS.names(op) for n in names) and op not in QUANT_BACKENDS}
+            if any(n in KERNELS.names(op) for n in names) and op not in QUANT_BACKENDS
+            and op not in PER_SHAPE}
+
+
+PER_SHAPE = ("linear",)  # ops whose backend is chosen per shape (``--tune``), never statically
+TUNED: dict[str, list[str]] = {}  # --tune: "op/dtype/key" -> backends, fastest first
+
+
+def tune_per_shape(batches: list, allow: list[str], weights_grad: bool = False) -> dict:
+    """The tuner's choice for ``PER_SHAPE`` ops at these batches' shapes (bf16, on the
+    device), as ``EnginePlan.tuned`` takes it, timing the backends ``allow`` names (opt-in
+    ones too; none: the default set); each entry's times printed."""
+    from kohakumoss.kernels.problems import plan_problems
+    from kohakumoss.kernels.tuning import tune
+
+    problems = {op: shapes for op, shapes in plan_problems(FLAVORS["base"], batches).items()
+                if op in PER_SHAPE}
+    result = tune(problems, "cuda", torch.bfloat16, budget_s=120, weights_grad=weights_grad,
+                  allow=allow or None)
+    for key, entry in result.entries.items():
+        print(json.dumps({"tuned": key, "order": entry["order"], "ms": entry["ms"]}), flush=True)
+    return {key: entry["order"] for key, entry in result.entries.items()}
 
 
 def host_peak_gib() -> float:
@@ -101,7 +122,7 @@ def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
     policy = precision_policy("bf16", full=full, base=_BASES[base][0],
                               fp8_compute=_BASES[base][1] != "off", fp8_grad=_BASES[base][1] == "full")
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy,
-                                              kernels=KERNEL_CHOICES, **ENGINES))
+                                              kernels=KERNEL_CHOICES, tuned=TUNED, **ENGINES))
     torch.cuda.empty_cache()
     print(json.dumps({"op_table": applied.kernels, "base": applied.quantized or base}), flush=True)
     return model
@@ -480,11 +501,27 @@ def main() -> None:
     ap.add_argument("--fixed-segments", action="store_true",
                     help="leave the allocator as it is (by default a streamed or offloaded run "
                          "takes expandable segments, as kmoss train does)")
+    ap.add_argument("--linear-backend", default="tilelang", help="the backend --linear-shapes forces")
+    ap.add_argument("--linear-shapes", nargs="*", default=[], metavar="KxO",
+                    help="the block linears of these shapes on --linear-backend (untuned)")
+    ap.add_argument("--tune", action="store_true",
+                    help="the per-shape ops (the block linears' GEMM) as the tuner picks them")
+    ap.add_argument("--tune-backends", nargs="*", default=[],
+                    help="with --tune: the backends it times (opt-in ones: tilelang)")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
     a = ap.parse_args()
     KERNEL_CHOICES.update(kernel_choices(a.kernels))
+    if a.tune:
+        TUNED.update(tune_per_shape([[(4096, a.text)] * (b // 4200) for b in a.budgets], a.tune_backends))
+    for shape in a.linear_shapes:  # "KxO": that backend there, whatever the tuner would say
+        from kohakumoss.kernels.problems import PROBLEMS
+
+        K, O = (int(v) for v in shape.split("x"))
+        for b in a.budgets:
+            key = PROBLEMS["linear"].key({"N": b, "K": K, "O": O})
+            TUNED[f"linear/bfloat16/{key}"] = [a.linear_backend, "reference"]
     if a.quant_backends:
         KERNEL_CHOICES["quant_linear"] = a.quant_backends
     ENGINES["memory"] = MemoryEngines(a.checkpointing, a.checkpoint_blocks, not a.no_recompute,

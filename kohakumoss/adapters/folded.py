@@ -31,30 +31,31 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from kohakumoss.model.ops import linear as ref_linear
+
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, down, up, evaluate=True):
+    def forward(ctx, x2, weight, bias, down, up, evaluate=True, linear=None):
         h = torch.mm(x2, down.t())
         ctx.save_for_backward(x2, h, weight, down, up)
+        ctx.linear = linear or ref_linear
         if not evaluate:  # nobody reads the output (memory.replay.unevaluated): backward only
             return x2.new_zeros(x2.shape[0], weight.shape[0])
         y = torch.mm(h, up.t()) if bias is None else torch.addmm(bias, h, up.t())
-        if is_in_torch_dispatch_mode():  # selective checkpointing caches outputs as its
-            y = torch.addmm(y, x2, weight.t())  # mode sees them: in-place ones look mutated
-        else:
-            y.addmm_(x2, weight.t())
-        return y
+        # the base product accumulates onto y (out of place under a dispatch mode: selective
+        # checkpointing caches outputs as its mode sees them, in-place ones look mutated)
+        return ctx.linear(x2, weight, y)
 
     @staticmethod
     def backward(ctx, dy):
         x2, h, weight, down, up = ctx.saved_tensors
         need_x, need_w, need_b, need_down, need_up = ctx.needs_input_grad[:5]
         t = torch.mm(dy, up)
-        dx = torch.mm(t, down).addmm_(dy, weight) if need_x else None
+        dx = ctx.linear(dy, weight.t(), torch.mm(t, down)) if need_x else None
         return (dx, torch.mm(dy.t(), x2) if need_w else None, dy.sum(0) if need_b else None,
                 torch.mm(t.t(), x2) if need_down else None, torch.mm(dy.t(), h) if need_up else None,
-                None)
+                None, None)
 
 
 def _compute_dtype(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
@@ -66,17 +67,19 @@ def _compute_dtype(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                down: torch.Tensor, up: torch.Tensor, alpha: float, evaluate: bool = True) -> torch.Tensor:
+                down: torch.Tensor, up: torch.Tensor, alpha: float, evaluate: bool = True,
+                linear=None) -> torch.Tensor:
     """``F.linear(x, weight, bias) + alpha * F.linear(F.linear(x, down), up)`` in the
     dtype the linear computes in (autocast's where it is on, else ``x``'s); ``down`` [r, in]
     and ``up`` [out, r] may be held in another dtype (their gradients come back in it).
-    ``evaluate=False``: zeros out, the same gradients back (an output nobody reads)."""
+    ``evaluate=False``: zeros out, the same gradients back (an output nobody reads).
+    ``linear``: the base products' op (a table's ``ops.linear``; None: the reference)."""
     dev, autocast, dt = _compute_dtype(x)
     up = up * alpha if alpha != 1.0 else up
     x_c, w_c, b_c, down_c, up_c = (t if t is None or t.dtype == dt else t.to(dt)
                                    for t in (x, weight, bias, down, up))
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-        y = _LoraLinear.apply(x_c.reshape(-1, x.shape[-1]), w_c, b_c, down_c, up_c, evaluate)
+        y = _LoraLinear.apply(x_c.reshape(-1, x.shape[-1]), w_c, b_c, down_c, up_c, evaluate, linear)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -85,14 +88,13 @@ class _LoraLinears(torch.autograd.Function):
     product ``x A^T`` for all their down matrices (stacked), and one input gradient."""
 
     @staticmethod
-    def forward(ctx, x2, ranks, down, *tensors):
+    def forward(ctx, x2, ranks, linear, down, *tensors):
         n = len(ranks)
         weights, ups = tensors[:n], tensors[n:]
         h = torch.mm(x2, down.t())  # [tokens, sum of ranks]: x read once for every down
-        outs = []
-        for w, up, hi in zip(weights, ups, h.split(ranks, dim=1)):
-            y = torch.mm(hi, up.t())
-            outs.append(torch.addmm(y, x2, w.t()) if is_in_torch_dispatch_mode() else y.addmm_(x2, w.t()))
+        ctx.linear = linear = linear or ref_linear
+        outs = [linear(x2, w, torch.mm(hi, up.t()))  # the base product onto the narrow one
+                for w, up, hi in zip(weights, ups, h.split(ranks, dim=1))]
         ctx.ranks = ranks
         ctx.save_for_backward(x2, h, down, *weights, *ups)
         return tuple(outs)
@@ -102,8 +104,8 @@ class _LoraLinears(torch.autograd.Function):
         x2, h, down, *rest = ctx.saved_tensors
         n = len(ctx.ranks)
         weights, ups = rest[:n], rest[n:]
-        need_x, _, need_down = ctx.needs_input_grad[:3]
-        need_w, need_up = ctx.needs_input_grad[3:3 + n], ctx.needs_input_grad[3 + n:]
+        need_x, _, _, need_down = ctx.needs_input_grad[:4]
+        need_w, need_up = ctx.needs_input_grad[4:4 + n], ctx.needs_input_grad[4 + n:]
         # t = dy (alpha B) per linear, side by side; an unused output contributes nothing
         t = torch.cat([torch.mm(dy, up) if dy is not None else x2.new_zeros(x2.shape[0], r)
                        for dy, up, r in zip(dys, ups, ctx.ranks)], dim=1)
@@ -112,20 +114,21 @@ class _LoraLinears(torch.autograd.Function):
             dx = torch.mm(t, down)
             for dy, w in zip(dys, weights):
                 if dy is not None:
-                    dx.addmm_(dy, w)
+                    dx = ctx.linear(dy, w.t(), dx)
         d_down = torch.mm(t.t(), x2) if need_down else None
         hs = h.split(ctx.ranks, dim=1)
         d_w = [torch.mm(dy.t(), x2) if need and dy is not None else None
                for dy, need in zip(dys, need_w)]
         d_up = [torch.mm(dy.t(), hi) if need and dy is not None else None
                 for dy, hi, need in zip(dys, hs, need_up)]
-        return (dx, None, d_down, *d_w, *d_up)
+        return (dx, None, None, d_down, *d_w, *d_up)
 
 
-def lora_linears(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]
-                 ) -> list[torch.Tensor]:
-    """``[lora_linear(x, w, None, down, up, alpha) for (w, down, up, alpha) in parts]`` as
-    one autograd node (``_LoraLinears``): the linears share their input (q, k and v)."""
+def lora_linears(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]],
+                 linear=None) -> list[torch.Tensor]:
+    """``[lora_linear(x, w, None, down, up, alpha, linear=linear) for (w, down, up, alpha)
+    in parts]`` as one autograd node (``_LoraLinears``): the linears share their input (q,
+    k and v)."""
     dev, autocast, dt = _compute_dtype(x)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
@@ -136,11 +139,11 @@ def lora_linears(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, 
     weights = [cast(w) for w, _, _, _ in parts]
     ranks = tuple(d.shape[0] for _, d, _, _ in parts)
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-        ys = _LoraLinears.apply(cast(x).reshape(-1, x.shape[-1]), ranks, down, *weights, *ups)
+        ys = _LoraLinears.apply(cast(x).reshape(-1, x.shape[-1]), ranks, linear, down, *weights, *ups)
     return [y.view(*x.shape[:-1], w.shape[0]) for y, (w, _, _, _) in zip(ys, parts)]
 
 
-def folded_forward(lyco, x: torch.Tensor) -> torch.Tensor:
+def folded_forward(lyco, x: torch.Tensor, linear=None) -> torch.Tensor:
     """A folding LoRA/LoCon module's forward (``runtime.folds``): ``base(x) + m * scale *
     up(down(x))`` with the delta rounded once, inside a matmul. On a plain linear the whole
     layer is one autograd node (``lora_linear``). On another base (a quantized linear runs
@@ -156,7 +159,7 @@ def folded_forward(lyco, x: torch.Tensor) -> torch.Tensor:
     if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:
         base = lyco.org_module[0]  # kmoss_unevaluated: a recomputation reads no output
         return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight, alpha,
-                           evaluate=not getattr(base, "kmoss_unevaluated", False))
+                           evaluate=not getattr(base, "kmoss_unevaluated", False), linear=linear)
     y = lyco.org_forward(x)
     h = F.linear(x, lyco.lora_down.weight.to(x))
     up = lyco.lora_up.weight.to(y.dtype)

@@ -25,8 +25,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from kohakumoss.adapters.folded import fp8_fold_parts, fp8_lora_linears, lora_linears
-from kohakumoss.adapters.runtime import _run, folds
+from kohakumoss.adapters.folded import fp8_fold_parts, fp8_lora_linears, folded_forward, lora_linears
+from kohakumoss.adapters.runtime import _needs_own_dtype, _run, folds
+from kohakumoss.model.ops import linear as ref_linear
+from kohakumoss.model.ops import linears as ops_linears
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -75,16 +77,25 @@ def _fp8_parts(m: nn.Module) -> tuple | None:
     return None if lyco is None else fp8_fold_parts(lyco)
 
 
-def shared_input_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
-    """``[m(x) for m in modules]``, as one node where every module folds (see the module).
-    Each module's forward pre-hooks run first, as its call would run them (a weight ring's
-    loads); one that changes the input, or any other hook, takes the modules' own route."""
-    if len(modules) < 2 or any(_hooked(m) for m in modules):
+def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``, as one node where every module folds (see the module),
+    the base products through ``linear`` (the model's ``ops.linear``). Each module's forward
+    pre-hooks run first, as its call would run them (a weight ring's loads); one that
+    changes the input, or any other hook, takes the modules' own route. A lone folding
+    module is its own node (``folded_forward``) with its base product through ``linear``;
+    a plain linear goes to ``linear`` itself."""
+    if any(_hooked(m) for m in modules):
         return [m(x) for m in modules]
+    if len(modules) < 2:
+        lyco = _folding(modules[0])
+        if lyco is not None and not modules[0]._forward_pre_hooks and not (
+                x.dtype != lyco.dtype_tensor.dtype and _needs_own_dtype(lyco)):  # as _run routes
+            return [folded_forward(lyco, x, linear)]
+        return [ops_linears(x, modules, linear or ref_linear)[0]]
     args = [_pre_hooked(m, x) for m in modules]
     parts = [fold_parts(m) for m in modules]
     if all(len(a) == 1 and a[0] is x for a in args) and all(p is not None for p in parts):
-        return lora_linears(x, parts)
+        return lora_linears(x, parts, linear)
     fp8 = [_fp8_parts(m) for m in modules]  # fp8 compute bases (precision.fp8_compute)
     if all(len(a) == 1 and a[0] is x for a in args) and all(p is not None for p in fp8) and \
             len({p[0].codes.shape[0] for p in fp8}) == 1 and len({p[0].fp8_grad for p in fp8}) == 1:

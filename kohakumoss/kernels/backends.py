@@ -11,6 +11,9 @@
 - ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
+- ``tilelang`` (linear): the block linears' products as a TileLang GEMM (``tilelang_gemm``),
+  forward and input gradient, the LoRA nodes' accumulating base products too; CUDA sm80+,
+  bf16/fp16, K and O multiples of 8; opt-in like the rest of TileLang's kernels.
 - ``tilelang`` (rms_norm, modulated_rms_norm, situ, gated_residual, varlen_attention): CUDA
   sm70+ (bf16 from sm80; attention bf16/fp16, head dims a multiple of 32 up to 256). The fused
   kernels of sm70 / sm75, where Triton does not run; on sm80+ the tuner times them only when
@@ -153,3 +156,23 @@ for _op in TILELANG_OPS:  # the norms, SiTU and the gated add keep their inputs 
     register_backend(_op, "tilelang", _tilelang_fn(_op), _tilelang_available(_op),
                      fits=attention.tilelang_fits if _op == "varlen_attention" else None,
                      keeps_inputs_only=_op != "varlen_attention", opt_in=_sm80_or_newer)
+
+
+def _gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    if torch.device(device).type != "cuda":  # asked before TileLang is imported
+        return False
+    module = triton_module("tilelang_gemm")
+    return module is not None and module.can_run(device, dtype)
+
+
+def _tilelang_linear(x, weight, acc=None):
+    module = triton_module("tilelang_gemm")
+    if module is None:
+        raise RuntimeError(f"linear (tilelang): TileLang cannot be imported here ({_why['tilelang_gemm']})")
+    return module.linear(x, weight, acc)
+
+
+_tilelang_linear.__qualname__ = "tilelang.linear"
+register_backend("linear", "tilelang", _tilelang_linear, _gemm_available,
+                 fits=lambda dims: dims["K"] % 8 == 0 and dims["O"] % 8 == 0,
+                 keeps_inputs_only=True, opt_in=_sm80_or_newer)

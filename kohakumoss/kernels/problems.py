@@ -15,7 +15,8 @@ MOSS-Image DiT (``kohakumoss.model.dit``): text blocks over the text tokens, joi
 image + text tokens, the final norm over the image tokens. An op with no ``Problem`` is not
 tuned (its backend is chosen statically, or it is the reference).
 
-Legend: N tokens, B samples, D width, F ffn width, H heads, Dh head dim, S segments,
+Legend: N tokens, B samples, D width, F ffn width, K x O a linear's input x output width, H
+heads, Dh head dim, S segments,
 L longest segment.
 """
 
@@ -130,6 +131,11 @@ def _make_quant(d, dtype, device, g, wg):
     return _rand(g, device, dtype, d["N"], d["K"]), codes, scale, None
 
 
+def _make_linear(d, dtype, device, g, wg):
+    weight = _rand(g, device, dtype, d["O"], d["K"], grad=wg) / d["K"] ** 0.5
+    return _rand(g, device, dtype, d["N"], d["K"]), weight.detach().requires_grad_(wg)
+
+
 PROBLEMS: dict[str, Problem] = {p.op: p for p in (
     Problem("rms_norm", lambda x, w, eps: {"N": _rows(x), "D": x.shape[-1]}, ("N", "D"),
             _make_rms),
@@ -158,6 +164,9 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
     Problem("quant_linear",
             lambda x, codes, scale, bias: {"N": _rows(x), "K": x.shape[-1], "O": codes.shape[0]},
             ("N", "K", "O"), _make_quant),
+    Problem("linear",
+            lambda x, weight, acc=None: {"N": _rows(x), "K": x.shape[-1], "O": weight.shape[0]},
+            ("N", "K", "O"), _make_linear),
 )}
 
 
@@ -201,6 +210,8 @@ def plan_problems(config: DiTConfig, batches: Iterable[Sequence[tuple[int, int]]
                                      "S": sum(1 for j in joint if j)})
             add("gated_residual", {"N": n, "D": D, "B": B})
             add("situ", {"N": n, "F": F})
+            for k, o in ((D, D), (D, 2 * F), (F, D)):  # q, k, v and o; up|gate; down
+                add("linear", {"N": n, "K": k, "O": o})
         if n_img:
             add("modulated_rms_norm", {"N": n_img, "D": D, "B": B})
             add("flow_loss", {"N": n_img, "C": config.latent_channels, "B": B})

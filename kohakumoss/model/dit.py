@@ -136,12 +136,12 @@ class JointBlock(nn.Module):
         shift_a, scale_a = mod_B6D[:, 0], mod_B6D[:, 1]
         eps, gate_a = self._stream(mod_B6D[:, 2])
         y = ops.modulated_rms_norm(x_ND, self.norm1.weight, shift_a, scale_a, seg_N, eps)
-        q, k, v = ops.linears(y, (p["q"], p["k"], p["v"]))
+        q, k, v = ops.linears(y, (p["q"], p["k"], p["v"]), ops.linear)
         q = ops.qk_norm_rope(q.view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
         k = ops.qk_norm_rope(k.view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
         v = v.view(N, self.heads, Dh)
         o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
-        return ops.gated_residual(x_ND, p["o"](o), gate_a, seg_N)
+        return ops.gated_residual(x_ND, ops.linears(o, (p["o"],), ops.linear)[0], gate_a, seg_N)
 
     def mlp(self, x_ND, mod_B6D, seg_N, ops: OpTable):
         """The MLP half: ``x + gate_f * down(situ(up_gate(norm2(x))))``."""
@@ -149,8 +149,9 @@ class JointBlock(nn.Module):
         shift_f, scale_f = mod_B6D[:, 3], mod_B6D[:, 4]
         eps, gate_f = self._stream(mod_B6D[:, 5])
         y = ops.modulated_rms_norm(x_ND, self.norm2.weight, shift_f, scale_f, seg_N, eps)
-        u, g = p["ffn_up_gate"](y).split(self.ffn_dim, dim=-1)
-        return ops.gated_residual(x_ND, p["ffn_down"](ops.situ(u, g)), gate_f, seg_N)
+        u, g = ops.linears(y, (p["ffn_up_gate"],), ops.linear)[0].split(self.ffn_dim, dim=-1)
+        h = ops.situ(u, g)
+        return ops.gated_residual(x_ND, ops.linears(h, (p["ffn_down"],), ops.linear)[0], gate_f, seg_N)
 
 
 class MOSSImageTransformer(nn.Module):

@@ -248,10 +248,42 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     return [y.view(*x.shape[:-1], y.shape[1]) for y in ys]
 
 
-def linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
-    """The linears ``modules`` that read one input, each on ``x``. An adapter may put one
-    node for the group in a model's table (``kohakumoss/adapters/shared.py``)."""
-    return [m(x) for m in modules]
+def linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` (a bias-free block linear's product; weight [O, K], a transposed
+    view taken as it is), ``+ acc`` when given. ``acc`` may be overwritten (a LoRA node's
+    temporary: the product accumulates onto it, as ``addmm_``); never one autograd tracks."""
+    if acc is None:
+        return F.linear(x, weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and acc.requires_grad or _dispatch_mode():
+        return torch.addmm(acc, x2, weight.t())
+    return acc.addmm_(x2, weight.t())
+
+
+def _dispatch_mode() -> bool:
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return is_in_torch_dispatch_mode()
+
+
+def plain_linear(m) -> bool:
+    """A bias-free ``nn.Linear`` that its own call would run as ``F.linear`` alone: no adapter
+    in its forward, no hooks (a weight ring's loads, engines' wrappers)."""
+    from torch.nn.modules import module as _module
+
+    return type(m) is torch.nn.Linear and m.bias is None and "forward" not in m.__dict__ \
+        and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                 or m._backward_pre_hooks or _module._global_forward_hooks
+                 or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                 or _module._global_backward_pre_hooks)
+
+
+def linears(x: torch.Tensor, modules, linear: Callable = linear) -> list[torch.Tensor]:
+    """The linears ``modules`` that read one input, each on ``x``: a plain one
+    (``plain_linear``) through ``linear`` (the caller's table's ``ops.linear``), any other
+    through its own call. An adapter may put one node for the group in a model's table
+    (``kohakumoss/adapters/shared.py``)."""
+    return [linear(x, m.weight) if plain_linear(m) else m(x) for m in modules]
 
 
 REFERENCE: dict[str, Callable] = {
@@ -268,6 +300,7 @@ REFERENCE: dict[str, Callable] = {
     "quant_linear": quant_linear,
     "fp8_linear": fp8_linear,
     "fp8_lora_linears": fp8_lora_linears,
+    "linear": linear,
     "linears": linears,
 }
 
