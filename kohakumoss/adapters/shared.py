@@ -23,20 +23,12 @@ import functools
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
 from kohakumoss.adapters.folded import fp8_fold_parts, fp8_lora_linears, folded_forward, lora_linears
 from kohakumoss.adapters.runtime import _needs_own_dtype, _run, folds
+from kohakumoss.model.ops import hooked
 from kohakumoss.model.ops import linear as ref_linear
 from kohakumoss.model.ops import linears as ops_linears
-
-
-def _hooked(m: nn.Module) -> bool:
-    """Hooks other than plain forward pre-hooks, which a call of ``m`` would run."""
-    return bool(m._forward_hooks or m._forward_pre_hooks_with_kwargs or m._backward_hooks
-                or m._backward_pre_hooks or _module._global_forward_hooks
-                or _module._global_forward_pre_hooks or _module._global_backward_hooks
-                or _module._global_backward_pre_hooks)
 
 
 def _pre_hooked(m: nn.Module, x: torch.Tensor) -> tuple:
@@ -84,7 +76,7 @@ def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Te
     changes the input, or any other hook, takes the modules' own route. A lone folding
     module is its own node (``folded_forward``) with its base product through ``linear``;
     a plain linear goes to ``linear`` itself."""
-    if any(_hooked(m) for m in modules):
+    if any(hooked(m) for m in modules):
         return [m(x) for m in modules]
     if len(modules) < 2:
         lyco = _folding(modules[0])

@@ -126,22 +126,24 @@ register_backend("varlen_attention", "flex", attention.flex_varlen_attention,
 TILELANG_OPS = ("rms_norm", "modulated_rms_norm", "situ", "gated_residual", "varlen_attention")
 
 
-def _tilelang_available(op: str) -> Callable[[torch.device, torch.dtype], bool]:
+def _tilelang_available(op: str, module_name: str = "tilelang_ops"
+                        ) -> Callable[[torch.device, torch.dtype], bool]:
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         if torch.device(device).type != "cuda":  # asked before TileLang is imported
             return False
-        module = triton_module("tilelang_ops")
-        return module is not None and module.can_run(device, dtype, op == "varlen_attention")
+        module = triton_module(module_name)
+        return module is not None and (module.can_run(device, dtype, True) if op == "varlen_attention"
+                                       else module.can_run(device, dtype))
 
     return available
 
 
-def _tilelang_fn(op: str) -> Callable:
+def _tilelang_fn(op: str, module_name: str = "tilelang_ops") -> Callable:
     def fn(*args):
-        module = triton_module("tilelang_ops")
+        module = triton_module(module_name)
         if module is None:
             raise RuntimeError(f"{op} (tilelang): TileLang cannot be imported here "
-                               f"({_why['tilelang_ops']})")
+                               f"({_why[module_name]})")
         return getattr(module, op)(*args)
 
     fn.__name__, fn.__qualname__ = op, f"tilelang.{op}"
@@ -156,23 +158,7 @@ for _op in TILELANG_OPS:  # the norms, SiTU and the gated add keep their inputs 
     register_backend(_op, "tilelang", _tilelang_fn(_op), _tilelang_available(_op),
                      fits=attention.tilelang_fits if _op == "varlen_attention" else None,
                      keeps_inputs_only=_op != "varlen_attention", opt_in=_sm80_or_newer)
-
-
-def _gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    if torch.device(device).type != "cuda":  # asked before TileLang is imported
-        return False
-    module = triton_module("tilelang_gemm")
-    return module is not None and module.can_run(device, dtype)
-
-
-def _tilelang_linear(x, weight, acc=None):
-    module = triton_module("tilelang_gemm")
-    if module is None:
-        raise RuntimeError(f"linear (tilelang): TileLang cannot be imported here ({_why['tilelang_gemm']})")
-    return module.linear(x, weight, acc)
-
-
-_tilelang_linear.__qualname__ = "tilelang.linear"
-register_backend("linear", "tilelang", _tilelang_linear, _gemm_available,
+register_backend("linear", "tilelang", _tilelang_fn("linear", "tilelang_gemm"),
+                 _tilelang_available("linear", "tilelang_gemm"),
                  fits=lambda dims: dims["K"] % 8 == 0 and dims["O"] % 8 == 0,
                  keeps_inputs_only=True, opt_in=_sm80_or_newer)

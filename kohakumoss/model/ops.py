@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as _module
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -255,27 +257,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = Non
     if acc is None:
         return F.linear(x, weight)
     x2 = x.reshape(-1, x.shape[-1])
-    if torch.is_grad_enabled() and acc.requires_grad or _dispatch_mode():
+    if torch.is_grad_enabled() and acc.requires_grad or is_in_torch_dispatch_mode():
         return torch.addmm(acc, x2, weight.t())
     return acc.addmm_(x2, weight.t())
 
 
-def _dispatch_mode() -> bool:
-    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-
-    return is_in_torch_dispatch_mode()
+def hooked(m) -> bool:
+    """Hooks other than plain forward pre-hooks, which a call of module ``m`` would run."""
+    return bool(m._forward_hooks or m._forward_pre_hooks_with_kwargs or m._backward_hooks
+                or m._backward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks)
 
 
 def plain_linear(m) -> bool:
     """A bias-free ``nn.Linear`` that its own call would run as ``F.linear`` alone: no adapter
     in its forward, no hooks (a weight ring's loads, engines' wrappers)."""
-    from torch.nn.modules import module as _module
-
     return type(m) is torch.nn.Linear and m.bias is None and "forward" not in m.__dict__ \
-        and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                 or m._backward_pre_hooks or _module._global_forward_hooks
-                 or _module._global_forward_pre_hooks or _module._global_backward_hooks
-                 or _module._global_backward_pre_hooks)
+        and not m._forward_pre_hooks and not hooked(m)
 
 
 def linears(x: torch.Tensor, modules, linear: Callable = linear) -> list[torch.Tensor]:
