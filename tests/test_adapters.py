@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kohakumoss.adapters import apply_adapters, preset_patterns, resolve_targets, targeted_modules
+from kohakumoss.adapters import (apply_adapters, preset_patterns, resolve_targets, targeted_modules,
+                                 targeted_paths)
 from kohakumoss.config import AdapterConfig
 from kohakumoss.formats.comfy import load_adapter_file
 from kohakumoss.formats.lycoris import lycoris_state_dict, save_lycoris
@@ -195,6 +196,26 @@ def test_presets_at_real_size():
         preset_patterns("attn-only")
     with pytest.raises(ValueError, match=r"layers\.N\.proj\.q"):
         targeted_modules(model, [r"layers\.\d+\.attn\.q$"])
+
+
+@pytest.mark.parametrize("name", ["tiny", "base"])
+def test_module_paths_without_the_model_are_the_built_models(name):
+    """``DiTConfig.module_paths`` (what ``kmoss scan`` checks targets against, no torch) lists
+    the built model's Linear and RMSNormWeight paths, in order; matching them gives the same
+    layers as matching the modules."""
+    from torch import nn
+
+    from kohakumoss.model.dit import RMSNormWeight
+
+    with torch.device("meta"):
+        model = MOSSImageTransformer(FLAVORS[name])
+    linears, norms = FLAVORS[name].module_paths()
+    assert linears == [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert norms == [n for n, m in model.named_modules() if isinstance(m, RMSNormWeight)]
+    for preset in ("attn", "all+modulation"):
+        lin, nrm = preset_patterns(preset)
+        assert targeted_paths(linears, norms, lin) == targeted_modules(model, lin)
+        assert targeted_paths(linears, norms, nrm, "norm") == targeted_modules(model, nrm, "norm")
 
 
 def test_loraplus_groups_and_weight_decay_rule():

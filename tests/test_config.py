@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -134,3 +136,24 @@ def test_params_file_with_lr_in_scientific_notation(tmp_path):
     path.write_text(text.replace("lr: 1e-4", "lr: fast"))
     with pytest.raises(ConfigError, match="optim.lr = 'fast' is not allowed: a number"):
         load_params(path)
+
+
+def test_loading_params_of_the_tiny_model_imports_no_torch(tmp_path):
+    """``kmoss scan`` and ``kmoss plan`` load params first (every check, the adapter's targets
+    included) and need no torch after: a stage that runs on every ``dvc repro`` starts in about
+    a second, not six."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["model"].update(transformer="tiny", text_encoder="tiny", vae="tiny")
+    raw["caption"]["tokenizer"] = "tiny"
+    raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
+    raw["adapter"]["targets"] = [r"layers\.0\.proj\.q$"]
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    code = ("import sys; from kohakumoss.params import load_params; load_params(sys.argv[1]); "
+            "print(sorted(m for m in ('torch', 'lycoris', 'transformers') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+    raw["adapter"]["targets"] = [r"layers\.\d+\.attn\.q$"]  # and a dead target is still refused
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert res.returncode != 0 and "layers.N.proj.q" in res.stderr, res.stderr

@@ -170,9 +170,10 @@ def test_dvc_repro_then_override_with_exp_run(project):
     assert "Stage 'plan' didn't change" in out and "Stage 'train' didn't change" in out
     assert "Stage 'tune_kernels' didn't change" in out
     assert "train.loss" in _dvc(project, "metrics", "show")
-    # another plan (a short run: the full-length experiment flow is in tests/faults)
+    # another plan, as an experiment up to the plan stage (the full-length experiment flow,
+    # trained and compared beside main, is in tests/faults)
     _dvc(project, "exp", "run", "-S", "run.seed=7", "-S", "resolution.mode=square",
-         "-S", "train.steps=20")
+         "-S", "train.steps=20", "plan")
     m2 = json.loads((project / "artifacts/plan/manifest.json").read_text())
     assert m2["content_hash"] != m1["content_hash"]
     summary = json.loads((project / "artifacts/plan/summary.json").read_text())

@@ -19,17 +19,13 @@ from lycoris.modules.tlora import clear_timestep_mask, compute_timestep_mask, se
 from torch import nn
 
 from kohakumoss.adapters.norms import NormDelta
+from kohakumoss.adapters.options import NETWORK_MODULE, check_options
 from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
 from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
 from kohakumoss.adapters.shared import shared_input_linears
-from kohakumoss.model.dit import RMSNormWeight
 
 PREFIX = "lora_unet"
-NETWORK_MODULE = {"lora": "lora", "locon": "locon", "dora": "lora", "loha": "loha",
-                  "lokr": "lokr", "oft": "diag-oft", "boft": "boft", "glora": "glora",
-                  "ia3": "ia3", "dylora": "dylora", "tlora": "tlora"}
-DORA_ALGOS = ("lora", "locon", "loha", "lokr", "dora")
 TLORA_DEFAULTS = {"mask_min_rank": 1, "mask_alpha": 1.0, "mask_max_timestep": 1000}
 # the zero-initialised factor(s) of each kind: LoRA+ gives them lr * ratio (docs/adapters.md#algorithms, docs/adapters.md#optimizer-groups)
 LORA_PLUS = {"locon": ("lora_up.weight",), "loha": ("hada_w2_a",), "lokr": ("lokr_w2", "lokr_w2_b"),
@@ -66,31 +62,12 @@ def lycoris_preset(regexes: list[str]) -> dict:
             "exclude_name": [], "lora_prefix": PREFIX}
 
 
-def _check(cfg) -> None:
-    if cfg.full:
-        raise ValueError("adapter.algo 'full' is a full finetune, not an adapter: train the "
-                         "model's own parameters instead of calling apply_adapters")
-    if cfg.algo not in NETWORK_MODULE:
-        raise ValueError(f"adapter.algo {cfg.algo!r}: one of {', '.join(NETWORK_MODULE)}, full")
-    if cfg.dora and cfg.algo not in DORA_ALGOS:
-        raise ValueError(f"adapter.dora works with {', '.join(DORA_ALGOS)}, not {cfg.algo!r}")
-    if (cfg.dora or cfg.algo == "dora") and cfg.dropout > 0:
-        raise ValueError("DoRA ignores input dropout: set adapter.dropout to 0 (rank and "
-                         "module dropout still work)")
-    if cfg.algo == "oft" and cfg.dropout > 0:
-        raise ValueError("LyCORIS 4.1.3's OFT input dropout fails (its mask does not fit the "
-                         "rotation blocks): set adapter.dropout to 0 for oft (rank_dropout and "
-                         "module_dropout work)")
-    if cfg.algo == "tlora" and cfg.mode == "merge":
-        raise ValueError("T-LoRA's per-token rank masks need adapter.mode 'bypass'")
-
-
 def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
     """Freeze ``model`` and put ``cfg``'s adapter on its targeted layers (init seeded by ``seed``)."""
-    _check(cfg)
+    check_options(cfg)
     regexes = resolve_targets(cfg)
     paths = targeted_modules(model, regexes)
-    norm_paths = (targeted_modules(model, resolve_norm_targets(cfg), RMSNormWeight, check=False)
+    norm_paths = (targeted_modules(model, resolve_norm_targets(cfg), "norm", check=False)
                   if cfg.train_norms else [])
     if not paths:
         raise ValueError(f"adapter targets {regexes} select no linear layer")

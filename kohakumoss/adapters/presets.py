@@ -12,10 +12,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from torch import nn
-
-from kohakumoss.model.dit import RMSNormWeight
-
 JOINT_ATTN = r"layers\.\d+\.proj\.(q|k|v|o)$"
 JOINT_MLP = r"layers\.\d+\.proj\.(ffn_up_gate|ffn_down)$"
 TEXT_BLOCK = r"text_embedder\.blocks\.\d+\.(qkv|proj|ffn_gate|ffn_up|ffn_down)$"
@@ -78,19 +74,32 @@ def _shapes(names: Iterable[str]) -> str:
     return ", ".join(_unique(re.sub(r"\.\d+(?=\.|$)", ".N", n) for n in names))
 
 
-def targeted_modules(model: nn.Module, regexes: Sequence[str], kind: type = nn.Linear,
-                     check: bool = True) -> list[str]:
-    """Paths of the ``kind`` modules (Linear, or RMSNormWeight) matched by ``regexes``.
+def targeted_paths(linears: Sequence[str], norms: Sequence[str], regexes: Sequence[str],
+                   kind: str = "linear", check: bool = True) -> list[str]:
+    """Paths of the ``kind`` ("linear" or "norm") modules matched by ``regexes``, among a
+    model's Linear and RMSNormWeight module paths (``model.config.module_paths`` lists them
+    without building the model).
 
     With ``check``, a regex that matches no Linear and no norm of the model is an error
     naming it and listing the model's valid module paths.
     """
-    found = [n for n, m in model.named_modules() if isinstance(m, kind) and _matches(regexes, n)]
+    found = [n for n in (linears if kind == "linear" else norms) if _matches(regexes, n)]
     if check:
-        known = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, RMSNormWeight))]
+        known = [*linears, *norms]
         dead = [p for p in regexes if not any(_matches([p], n) for n in known)]
         if dead:
             raise ValueError(f"adapter target pattern(s) {dead} match no module of the model; "
                              f"patterns are Python regexes matched with re.match against module "
                              f"paths: {_shapes(known)}")
     return found
+
+
+def targeted_modules(model, regexes: Sequence[str], kind: str = "linear", check: bool = True) -> list[str]:
+    """``targeted_paths`` over a built model's modules (nn.Linear; RMSNormWeight: "norm")."""
+    from torch import nn
+
+    from kohakumoss.model.dit import RMSNormWeight
+
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    norms = [n for n, m in model.named_modules() if isinstance(m, RMSNormWeight)]
+    return targeted_paths(linears, norms, regexes, kind, check)

@@ -3,9 +3,9 @@
 ``check_adapter`` is pure config (the algorithm and its options go together, the preset
 parses, the target regexes compile); ``check_weights`` reads only file headers and config
 files (every weight path exists and holds what its key asks for); ``check_targets`` matches
-the adapter's targets against the module paths of the configured transformer, built on the
-meta device (no memory, no weights). ``kohakumoss.params.load_params`` runs all three, so
-``kmoss scan`` refuses a LoKr on a path that matches nothing before any image is read,
+the adapter's targets against the module paths of the configured transformer
+(``DiTConfig.module_paths``: nothing built, no torch imported).
+``kohakumoss.params.load_params`` runs all three, so ``kmoss scan`` refuses a LoKr on a path that matches nothing before any image is read,
 instead of ``kmoss train`` refusing it after the caches are built.
 """
 
@@ -14,14 +14,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
-from kohakumoss.adapters.inject import _check as check_combination
-from kohakumoss.adapters.presets import resolve_norm_targets, resolve_targets, targeted_modules
+from kohakumoss.adapters.options import check_options
+from kohakumoss.adapters.presets import resolve_norm_targets, resolve_targets, targeted_paths
 from kohakumoss.config import Params
 from kohakumoss.configlib import ConfigError
 from kohakumoss.model.config import FLAVORS, DiTConfig
-from kohakumoss.model.dit import MOSSImageTransformer, RMSNormWeight
 
 TINY = "tiny"
 
@@ -32,7 +29,7 @@ def check_adapter(p: Params) -> None:
         return
     where = f"{p.path}: adapter"
     try:
-        check_combination(p.adapter)
+        check_options(p.adapter)
         patterns = resolve_targets(p.adapter) + (resolve_norm_targets(p.adapter)
                                                  if p.adapter.train_norms else [])
     except ValueError as e:
@@ -131,13 +128,12 @@ def check_targets(p: Params, config: DiTConfig) -> None:
     """Every target regex matches a module of this transformer, and some linear is trained."""
     if p.adapter.full:
         return
-    with torch.device("meta"):
-        model = MOSSImageTransformer(config)
+    paths = config.module_paths()  # the model's, without building it (no torch)
     where = f"{p.path}: adapter"
     try:
-        linears = targeted_modules(model, resolve_targets(p.adapter))
+        linears = targeted_paths(*paths, resolve_targets(p.adapter))
         if p.adapter.train_norms:
-            targeted_modules(model, resolve_norm_targets(p.adapter), RMSNormWeight, check=False)
+            targeted_paths(*paths, resolve_norm_targets(p.adapter), "norm", check=False)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
     if not linears:

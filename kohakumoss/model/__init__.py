@@ -3,11 +3,23 @@
 ``config`` (flavors, inference from shapes), ``layout`` (the packed varlen layout built on
 the host), ``ops`` (the op table every forward goes through), ``dit`` (the modules, named
 exactly as the official state-dict keys) and ``checkpoints`` (file formats).
+
+The package's names load on first use: ``kohakumoss.model.config`` alone (the shapes and
+module paths ``kmoss scan`` checks params against) imports no torch.
 """
 
 from kohakumoss.model.config import FLAVORS, DiTConfig, flavor, infer_config
-from kohakumoss.model.dit import MOSSImageTransformer, cast_model
-from kohakumoss.model.layout import PackedLayout, build_layout
+
+_LAZY = {"MOSSImageTransformer": "dit", "cast_model": "dit", "PackedLayout": "layout",
+         "build_layout": "layout"}
 
 __all__ = ["FLAVORS", "DiTConfig", "MOSSImageTransformer", "PackedLayout", "build_layout",
            "cast_model", "flavor", "infer_config"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"kohakumoss.model.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'kohakumoss.model' has no attribute {name!r}")

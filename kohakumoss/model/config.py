@@ -56,6 +56,23 @@ class DiTConfig:
         return (C * D + D + T * D + D + self.text_blocks * text_block + FD * D + 2 * D + D * D
                 + 6 * D * D + 6 * D + self.depth * joint + D + D * C + 2 * D * D + 2 * D)
 
+    def module_paths(self) -> tuple[list[str], list[str]]:
+        """(Linear paths, RMSNormWeight paths) of ``MOSSImageTransformer(self)``, each in
+        ``named_modules`` order, without building it (``kmoss scan`` checks adapter targets
+        with no torch; ``tests/test_adapters.py`` holds this to the built model's)."""
+        text_linears = ("qkv", "proj", "ffn_gate", "ffn_up", "ffn_down")
+        joint_linears = ("q", "k", "v", "o", "ffn_up_gate", "ffn_down")
+        norms = ("norm1", "norm2", "q_norm", "k_norm")
+        linears = ["video_embedder", "text_embedder.proj",
+                   *(f"text_embedder.blocks.{i}.{n}" for i in range(self.text_blocks) for n in text_linears),
+                   "time_embedding.0", "time_embedding.2", "shared_block_modulation",
+                   *(f"layers.{i}.proj.{n}" for i in range(self.depth) for n in joint_linears),
+                   "final_linear_video", "video_head_modulation"]
+        norm_paths = [*(f"text_embedder.blocks.{i}.{n}" for i in range(self.text_blocks) for n in norms),
+                      *(f"layers.{i}.{n}" for i in range(self.depth) for n in norms),
+                      "final_norm_video"]
+        return linears, norm_paths
+
     def hf_config(self) -> dict:
         """The diffusers-style ``config.json`` of a transformer folder."""
         return {"_class_name": "MOSSImageTransformer", "_diffusers_version": "0.38.0",
