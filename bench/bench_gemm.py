@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kohakumoss.model import FLAVORS
-from _report import report  # bench/_report.py (the script's folder is on sys.path)
+from _report import cuda_ms, report  # bench/_report.py (the script's folder is on sys.path)
 
 # BM, BN, BK, stages, warps; 2 stages leave shared memory for the tile an accumulating
 # epilogue loads (3 stages of 128 x 256 plus two output tiles exceed the H200's 227 KiB)
@@ -78,22 +78,6 @@ def triton_call(a, b, c, b_kmajor: bool, accumulate: bool, cfg):
                                         stages, num_warps=warps, num_stages=stages)
 
 
-def median_ms(fn, reps: int, iters: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return sorted(out)[len(out) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8399, 8403, 16800])
@@ -115,11 +99,11 @@ def main() -> None:
                      "forward onto an output": (lambda: y.addmm_(x, w.t()), (x, w, y, True, True))}
             for case, (vendor, args) in cases.items():
                 row = {"tokens": M, "linear": name, "K": K, "O": O, "case": case,
-                       "cublas_ms": round(median_ms(vendor, a.reps), 4)}
+                       "cublas_ms": round(cuda_ms(vendor, a.reps), 4)}
                 for cfg in CONFIGS:
                     label = f"triton_{cfg[0]}x{cfg[1]}x{cfg[3]}_ms"
                     try:
-                        row[label] = round(median_ms(triton_call(*args, cfg), a.reps), 4)
+                        row[label] = round(cuda_ms(triton_call(*args, cfg), a.reps), 4)
                     except triton.runtime.errors.OutOfResources as e:
                         row[label] = f"does not fit: {str(e)[:60]}"
                 best = min(v for k, v in row.items() if k.startswith("triton_") and isinstance(v, float))

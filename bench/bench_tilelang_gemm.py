@@ -24,7 +24,7 @@ import torch
 
 from kohakumoss.kernels import tilelang_gemm as G
 from kohakumoss.model import ops
-from _report import report  # bench/_report.py (the script's folder is on sys.path)
+from _report import cuda_ms, report  # bench/_report.py (the script's folder is on sys.path)
 
 # (K, O): q/k/v/o, q|k|v as one, up|gate, down
 SHAPES = ((3072, 3072), (3072, 9216), (3072, 16384), (8192, 3072))
@@ -33,24 +33,7 @@ FORMS = ("forward", "forward+acc", "input_grad", "input_grad+acc")
 
 def _events(fn, reps: int) -> tuple[float, float]:
     """(median ms of single calls, mean ms of back-to-back calls)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    single = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        single.append(a.elapsed_time(b))
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return sorted(single)[reps // 2], a.elapsed_time(b) / reps
+    return cuda_ms(fn, 1, reps), cuda_ms(fn, reps, 1)
 
 
 def _calls(M: int, K: int, O: int, form: str):
