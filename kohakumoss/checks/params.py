@@ -5,8 +5,9 @@ parses, the target regexes compile); ``check_weights`` reads only file headers a
 files (every weight path exists and holds what its key asks for); ``check_targets`` matches
 the adapter's targets against the module paths of the configured transformer
 (``DiTConfig.module_paths``: nothing built, no torch imported).
-``kohakumoss.params.load_params`` runs all three, so ``kmoss scan`` refuses a LoKr on a path that matches nothing before any image is read,
-instead of ``kmoss train`` refusing it after the caches are built.
+``kohakumoss.params.load_params`` runs all three, so ``kmoss scan`` refuses a LoKr on a path
+that matches nothing before any image is read, instead of ``kmoss train`` refusing it after
+the caches are built.
 """
 
 from __future__ import annotations
