@@ -394,7 +394,8 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     torch.cuda.empty_cache()
     return {"budget": budget, "base": base, "weights_gib": weights,
             "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],
-            "step_s": t, "samples_per_s": per / t, "peak_gib": peak, "estimate_gib": est,
+            "step_s": t, "step_times_s": [round(x, 4) for x in times], "samples_per_s": per / t,
+            "peak_gib": peak, "estimate_gib": est,
             "reserved_gib": reserved, "device_used_gib": held, "host_peak_gib": host_peak_gib(),
             **streamed,
             "model_tflops_per_step": flops / 1e12, "mfu": flops / t / rate, "trainable_params":

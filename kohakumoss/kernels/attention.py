@@ -178,4 +178,4 @@ def flex_varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch
     # once (as a training step does), not with retain_graph=True (H200, torch 2.11: the
     # failures once blamed on flex's numbers were a test retaining the graph)
     out = fn(q, k, v, block_mask=_document_mask(segs, q_NHd.device), scale=1.0 / math.sqrt(Dh))
-    return out[0].transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)  # squeeze: a view in backward too

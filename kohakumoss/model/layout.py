@@ -51,7 +51,18 @@ class PackedLayout:
         return int(sum(self.joint_len))
 
     def to(self, device: torch.device | str) -> PackedLayout:
-        moved = {f.name: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+        """The layout on ``device``. To a CUDA device the host tensors go through page-locked
+        memory: a copy from pageable memory makes the host wait for the device's queued
+        work (a step's whole backward, when the trainer makes the next batch during it)."""
+        device = torch.device(device)
+        pin = device.type == "cuda"
+
+        def move(v: torch.Tensor) -> torch.Tensor:
+            if pin and v.device.type == "cpu":
+                v = v.pin_memory()
+            return v.to(device, non_blocking=True)
+
+        moved = {f.name: (move(v) if isinstance(v, torch.Tensor) else v)
                  for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
         return PackedLayout(**moved)
 

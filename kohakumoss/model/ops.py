@@ -94,14 +94,16 @@ def varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tens
                      lengths: list[int]) -> torch.Tensor:
     """Softmax attention within each contiguous segment of ``lengths`` tokens. Each input is
     split once (not sliced per segment): its gradient is then one ``cat`` of the segments'
-    gradients, where slices would each write a zero-filled full-size tensor and add them."""
+    gradients, where slices would each write a zero-filled full-size tensor and add them.
+    The batch dim goes by ``squeeze``, not ``[0]``: a select's backward writes a zero-filled
+    tensor and copies the gradient into it, where a squeeze's is a view."""
     scale = 1.0 / math.sqrt(q_NHd.shape[-1])
     lengths = [int(n) for n in lengths]
     out = []
     for q, k, v in zip(*(t.split(lengths) for t in (q_NHd, k_NHd, v_NHd))):
         if q.shape[0]:
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            out.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1))
+            out.append(F.scaled_dot_product_attention(q, k, v, scale=scale).squeeze(0).transpose(0, 1))
     return torch.cat(out) if out else q_NHd.new_zeros(q_NHd.shape)
 
 

@@ -61,8 +61,8 @@ def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torc
     z, target = noised(x0, eps, sigma[layout.seg_img])
     weight = batch.loss_weight * sigma_weight(sigma, p.objective.weighting)
     return StepInputs(_moved(z, device), _moved(target, device),
-                      _moved(torch.cat(text_rows), device), sigma.to(device), layout.to(device),
-                      weight.to(device), layout.n_img)
+                      _moved(torch.cat(text_rows), device), _moved(sigma, device), layout.to(device),
+                      _moved(weight, device), layout.n_img)
 
 
 def _moved(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
