@@ -1,4 +1,5 @@
-"""`kmoss tune_kernels`: time every kernel backend on the plan's shapes; keep the fastest."""
+"""`kmoss tune_kernels`: time every kernel backend on the plan's shapes; keep the fastest for
+the run."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def main(
     counts bucketed), time forward + backward of every backend that can run on this device
     in the training dtype (the reference, torch.compile, Triton, ...) and record the fastest
     in a table keyed by this device's signature (device, software versions, kernel sources).
+    Fastest for the run: a backend whose first call builds something (a compile, a kernel's
+    JIT) must save the plan's calls more than that build costs.
 
     Entries the table already holds for this signature are kept; only new shapes are
     measured, within kernels.tune_seconds. `kmoss train` uses the table when its signature
@@ -43,7 +46,8 @@ def main(
         for s in row["shapes"]:
             speed = f" {s['speedup']:.2f}x over reference" if s["speedup"] else ""
             failed = f" (failed: {', '.join(s['failed'])})" if s["failed"] else ""
-            console.print(f"    {s['dtype']} {s['shape']}: {s['winner']}{speed}{failed}",
+            note = f" ({s['note']})" if s["note"] else ""
+            console.print(f"    {s['dtype']} {s['shape']}: {s['winner']}{speed}{failed}{note}",
                           highlight=False)
     if "first_run" in tuning:
         console.print(f"first-run tuning time: {tuning['first_run']['seconds']:.1f} s "

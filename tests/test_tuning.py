@@ -18,7 +18,7 @@ from kohakumoss.kernels import KernelRegistry, TunedOp, build_op_table, entry_ke
 from kohakumoss.kernels import table as table_mod
 from kohakumoss.kernels import tuning
 from kohakumoss.kernels.compiled import COMPILED, CompiledOp
-from kohakumoss.kernels.problems import PROBLEMS, bucket, plan_problems
+from kohakumoss.kernels.problems import PROBLEMS, bucket, plan_calls, plan_problems
 from kohakumoss.kernels.table import (KernelTable, device_signature, read_table, signature_key,
                                       winners, write_table)
 from kohakumoss.model import FLAVORS, ops
@@ -75,6 +75,93 @@ def test_plan_problems_follow_the_model():
                                          "N=64,D=64": {"N": 50, "D": 64, "B": 1},
                                          "N=32,D=64": {"N": 30, "D": 64, "B": 1}}
     assert got["varlen_attention"]["N=192,L=128,H=2,Dh=32"]["S"] == 2
+
+
+def test_plan_calls_are_the_calls_the_model_makes():
+    """``plan_calls`` writes the model's structure out by hand: held here to what the tiny
+    model's forward calls, op by op and bucket by bucket."""
+    from kohakumoss.model import build_layout
+    from kohakumoss.model.build import random_transformer
+
+    c = FLAVORS["tiny"]
+    samples = [(12, 6), (10, 0), (1, 3)]
+    layout = build_layout([(3, 4), (2, 5), (1, 1)], [6, 0, 3])
+    model = random_transformer(c, "cpu")
+    seen: dict[str, dict[str, int]] = {}
+
+    def counting(op, fn):
+        def call(*args, **kwargs):
+            key = PROBLEMS[op].key(PROBLEMS[op].dims(*args, **kwargs))
+            seen.setdefault(op, {})[key] = seen.get(op, {}).get(key, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    for op in PROBLEMS:
+        if op in ops.REFERENCE and op != "quant_linear":
+            model.ops.override(op, counting(op, getattr(model.ops, op)))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        pred = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                     torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(3, generator=g), layout)
+        model.ops.flow_loss(pred, pred, layout.seg_img, torch.ones(3), layout.n_img, "mse", 1.0)
+    assert seen == plan_calls(c, [samples])
+    assert plan_calls(c, [samples, samples])["situ"] == {k: 2 * v for k, v in seen["situ"].items()}
+
+
+def test_rank_weighs_a_backend_s_build_against_the_run_s_calls():
+    ms, build = {"reference": 1.0, "compile": 0.5}, {"reference": 0.0, "compile": 100.0}
+    assert tuning.rank(ms, build) == ["compile", "reference"]  # no count: per call
+    assert tuning.rank(ms, build, calls=150) == ["reference", "compile"]  # saves 75 ms
+    assert tuning.rank(ms, build, calls=250) == ["compile", "reference"]  # saves 125 ms
+    assert tuning.rank({**ms, "compile": 0.99}, build, calls=10**6) == ["reference", "compile"]
+
+
+def _slow_reference(monkeypatch, ms: float):
+    def situ(u, g):
+        time.sleep(ms / 1e3)
+        return ops.situ(u, g)
+    monkeypatch.setitem(tuning.REFERENCE, "situ", situ)
+
+
+class Building(Counting):
+    """A backend whose first call builds (sleeps ``build`` seconds), then runs fast."""
+
+    def __init__(self, build: float):
+        super().__init__()
+        self.build = build
+
+    def __call__(self, *args):
+        if not self.calls:
+            time.sleep(self.build)
+        return super().__call__(*args)
+
+
+def test_a_backend_whose_build_outweighs_a_short_run_loses_it_and_wins_a_long_one(tmp_path, monkeypatch):
+    _slow_reference(monkeypatch, 2.0)
+    builder = Building(0.3)
+    r = _registry(builder=builder)
+    one = {"situ": {"N=24,F=8": {"N": 20, "F": 8}}}
+    key = "situ/float32/N=24,F=8"
+    short = tuning.tune(one, CPU, F32, budget_s=60, registry=r, calls={"situ": {"N=24,F=8": 10}})
+    entry = short.entries[key]
+    assert entry["build_ms"]["builder"] >= 300 and entry["ms"]["reference"] >= 2.0
+    assert entry["calls"] == 10 and entry["order"] == ["reference", "builder"]
+    note = tuning.build_note(entry)
+    assert note.startswith("builder is ") and "over 10 calls" in note
+    # the stage keeps the measurement and re-ranks it for a longer plan: nothing is timed again
+    builder = Building(0.3)  # a fresh process's
+    r = _registry(builder=builder)
+    section, _, _ = tuning.tune_table(tmp_path / "kernels", one, CPU, F32, budget_s=60, registry=r,
+                                      calls={"situ": {"N=24,F=8": 10}}, params={}, inputs={})
+    assert section["entries"][key]["order"][0] == "reference"
+    builder.calls = 0
+    section, result, _ = tuning.tune_table(tmp_path / "kernels", one, CPU, F32, budget_s=60, registry=r,
+                                           calls={"situ": {"N=24,F=8": 1000}}, params={}, inputs={})
+    assert not result.entries and builder.calls == 0
+    assert section["entries"][key]["order"] == ["builder", "reference"]
+    stored = read_table(tmp_path / "kernels").section(device_signature(CPU))["entries"][key]
+    assert stored["order"] == ["builder", "reference"] and stored["calls"] == 1000
+    assert tuning.build_note(stored) is None
 
 
 def test_the_tuner_picks_the_faster_backend():

@@ -12,8 +12,9 @@ For each tunable op of the op table (``kohakumoss.model.ops``) a ``Problem`` say
 
 ``plan_problems(config, batches)`` lists the shapes a plan's batches give each op of the
 MOSS-Image DiT (``kohakumoss.model.dit``): text blocks over the text tokens, joint blocks over
-image + text tokens, the final norm over the image tokens. An op with no ``Problem`` is not
-tuned (its backend is chosen statically, or it is the reference).
+image + text tokens, the final norm over the image tokens; ``plan_calls`` how many calls the
+run makes in each shape bucket (what a backend's build is weighed against). An op with no
+``Problem`` is not tuned (its backend is chosen statically, or it is the reference).
 
 Legend: N tokens, B samples, D width, F ffn width, K x O a linear's input x output width, H
 heads, Dh head dim, S segments,
@@ -175,44 +176,63 @@ def call_dtype(args: Sequence) -> torch.dtype:
     return next(a.dtype for a in args if isinstance(a, torch.Tensor))
 
 
+def batch_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[tuple[str, Dims, int]]:
+    """The op calls one training use of a batch makes (``samples``: each sample's
+    ``(image_tokens, text_tokens)``), as ``(op, dims, calls)``: the MOSS-Image DiT's structure
+    (``kohakumoss.model.dit``), held to the model's own calls by ``tests/test_tuning.py``."""
+    D, F, H, Dh = config.dim, config.ffn_dim, config.heads, config.head_dim
+    img = [int(i) for i, _ in samples]
+    txt = [int(t) for _, t in samples]
+    B, n_img, n_txt = len(samples), sum(img), sum(txt)
+    out: list[tuple[str, Dims, int]] = []
+    if not B:
+        return out
+    if config.text_blocks and n_txt:  # per text block: two norms, q and k, one attention...
+        S, L, tb = sum(1 for t in txt if t), max(txt), config.text_blocks
+        out += [("rms_norm", {"N": n_txt, "D": D}, 2 * tb),
+                ("qk_norm_rope", {"N": n_txt, "H": H, "Dh": Dh}, 2 * tb),
+                ("varlen_attention", {"N": n_txt, "H": H, "Dh": Dh, "L": L, "S": S}, tb),
+                ("residual", {"N": n_txt, "D": D}, 2 * tb),
+                ("situ", {"N": n_txt, "F": F}, tb)]
+    joint = [i + t for i, t in zip(img, txt)]
+    n, depth = sum(joint), config.depth
+    if n:  # per joint block: two modulated norms, q and k, two gated adds, six linears...
+        out += [("modulated_rms_norm", {"N": n, "D": D, "B": B}, 2 * depth),
+                ("qk_norm_rope", {"N": n, "H": H, "Dh": Dh}, 2 * depth),
+                ("varlen_attention", {"N": n, "H": H, "Dh": Dh, "L": max(joint),
+                                      "S": sum(1 for j in joint if j)}, depth),
+                ("gated_residual", {"N": n, "D": D, "B": B}, 2 * depth),
+                ("situ", {"N": n, "F": F}, depth),
+                ("linear", {"N": n, "K": D, "O": D}, 4 * depth),  # q, k, v and o
+                ("linear", {"N": n, "K": D, "O": 2 * F}, depth),  # up|gate
+                ("linear", {"N": n, "K": F, "O": D}, depth)]  # down
+    if n_img:  # the final norm and the loss
+        out += [("modulated_rms_norm", {"N": n_img, "D": D, "B": B}, 1),
+                ("flow_loss", {"N": n_img, "C": config.latent_channels, "B": B}, 1)]
+    return out
+
+
 def plan_problems(config: DiTConfig, batches: Iterable[Sequence[tuple[int, int]]]
                   ) -> dict[str, dict[str, Dims]]:
     """``{op: {key: dims}}``: the shapes each op sees over ``batches`` (per batch, each
     sample's ``(image_tokens, text_tokens)``); per key, the dims of its largest batch."""
-    D, F, H, Dh = config.dim, config.ffn_dim, config.heads, config.head_dim
     out: dict[str, dict[str, Dims]] = {op: {} for op in PROBLEMS}
-
-    def add(op: str, dims: Dims) -> None:
-        key = PROBLEMS[op].key(dims)
-        held = out[op].get(key)
-        if held is None or dims["N"] > held["N"]:
-            out[op][key] = dims
-
     for samples in batches:
-        img = [int(i) for i, _ in samples]
-        txt = [int(t) for _, t in samples]
-        B, n_img, n_txt = len(samples), sum(img), sum(txt)
-        if not B:
-            continue
-        if config.text_blocks and n_txt:
-            S, L = sum(1 for t in txt if t), max(txt)
-            add("rms_norm", {"N": n_txt, "D": D})
-            add("qk_norm_rope", {"N": n_txt, "H": H, "Dh": Dh})
-            add("varlen_attention", {"N": n_txt, "H": H, "Dh": Dh, "L": L, "S": S})
-            add("residual", {"N": n_txt, "D": D})
-            add("situ", {"N": n_txt, "F": F})
-        joint = [i + t for i, t in zip(img, txt)]
-        n = sum(joint)
-        if n:
-            add("modulated_rms_norm", {"N": n, "D": D, "B": B})
-            add("qk_norm_rope", {"N": n, "H": H, "Dh": Dh})
-            add("varlen_attention", {"N": n, "H": H, "Dh": Dh, "L": max(joint),
-                                     "S": sum(1 for j in joint if j)})
-            add("gated_residual", {"N": n, "D": D, "B": B})
-            add("situ", {"N": n, "F": F})
-            for k, o in ((D, D), (D, 2 * F), (F, D)):  # q, k, v and o; up|gate; down
-                add("linear", {"N": n, "K": k, "O": o})
-        if n_img:
-            add("modulated_rms_norm", {"N": n_img, "D": D, "B": B})
-            add("flow_loss", {"N": n_img, "C": config.latent_channels, "B": B})
+        for op, dims, _ in batch_calls(config, samples):
+            key = PROBLEMS[op].key(dims)
+            held = out[op].get(key)
+            if held is None or dims["N"] > held["N"]:
+                out[op][key] = dims
     return {op: shapes for op, shapes in out.items() if shapes}
+
+
+def plan_calls(config: DiTConfig, batches: Iterable[Sequence[tuple[int, int]]]
+               ) -> dict[str, dict[str, int]]:
+    """``{op: {key: calls}}``: how many times a run over ``batches`` calls each op in each
+    shape bucket (forward and backward counting as one use, as the tuner times them)."""
+    out: dict[str, dict[str, int]] = {}
+    for samples in batches:
+        for op, dims, calls in batch_calls(config, samples):
+            key = PROBLEMS[op].key(dims)
+            out.setdefault(op, {})[key] = out.get(op, {}).get(key, 0) + calls
+    return out

@@ -3,11 +3,14 @@
 What is timed: one training use of the op, forward then backward (``autograd.grad`` of the
 output against a fixed random gradient, for the activations, and for the op's parameters in
 a full finetune), on inputs of the bucket's largest planned shape
-(``kohakumoss.kernels.problems``). Two warm-up calls (the first compiles what compiles),
-then the median of 5 to 50 timed calls (as many as fit in ~50 ms): CUDA events on a GPU,
-``perf_counter`` on the CPU. A backend that raises is
-recorded as failed, with the reason, and never ranked. A backend must beat the reference by
-``MARGIN`` to rank before it (the reference is exact, and a tie is noise).
+(``kohakumoss.kernels.problems``). Two warm-up calls, the first one's wall time kept (it
+compiles what compiles: its excess over a call is the backend's build, ``build_ms``), then
+the median of 5 to 50 timed calls (as many as fit in ~50 ms): CUDA events on a GPU,
+``perf_counter`` on the CPU. A backend that raises is recorded as failed, with the reason,
+and never ranked. A backend must beat the reference by ``MARGIN`` to rank before it (the
+reference is exact, and a tie is noise), and, given the run's calls of the entry
+(``plan_calls``), save the run more than its build costs: a short run on small shapes keeps
+the reference rather than spend seconds compiling to save milliseconds.
 
 ``tune(problems, device, dtype, budget_s=...)`` spends at most ``budget_s`` seconds (checked
 between measurements, so one compile may overrun it); an entry the budget cut short is not
@@ -94,41 +97,68 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 
 
 def time_forward_backward(fn: Callable, args: tuple, device: torch.device,
-                          generator: torch.Generator) -> float:
-    """Median milliseconds of ``fn(*args)`` plus its backward (see the module)."""
+                          generator: torch.Generator) -> tuple[float, float]:
+    """Milliseconds of ``fn(*args)`` plus its backward (see the module): the median, and the
+    first call's wall time (with what it built: a compile, a kernel's JIT)."""
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
     out = fn(*args)
     grad = torch.randn(out.shape, generator=generator, device=device).to(out.dtype)
+    torch.autograd.grad(out, leaves, grad)
+    sync()
+    built = (time.perf_counter() - t0) * 1e3
 
     def step():
         torch.autograd.grad(fn(*args), leaves, grad)
 
     timer = _timer(device)
-    for _ in range(WARMUP):
+    for _ in range(WARMUP - 1):
         step()
     first = timer(step)
     n = min(max(int(TARGET_S * 1e3 / max(first, 1e-3)), REPEATS[0]), REPEATS[1])
-    return statistics.median([first] + [timer(step) for _ in range(n - 1)])
+    return statistics.median([first] + [timer(step) for _ in range(n - 1)]), built
 
 
-def rank(ms: Mapping[str, float]) -> list[str]:
-    """Backend names fastest first; one not ``MARGIN`` faster than the reference goes after it."""
+def rank(ms: Mapping[str, float], build: Mapping[str, float] | None = None,
+         calls: int | None = None) -> list[str]:
+    """Backend names, the best first: by time per call, or, given the run's ``calls`` of
+    the entry, by the run's total (``calls`` times the time per call, plus ``build``: what
+    the backend's first call cost beyond a call). One that is not ``MARGIN`` faster per call
+    than the reference, or whose build costs the run more than its calls save, goes after it."""
+    build = build or {}
+
+    def total(n: str) -> float:
+        return ms[n] * calls + build.get(n, 0.0) if calls is not None else ms[n]
+
+    order = sorted(ms, key=lambda n: (total(n), n != REFERENCE_NAME, n))
     ref = ms.get(REFERENCE_NAME)
-    order = sorted(ms, key=lambda n: (ms[n], n != REFERENCE_NAME, n))
     if ref is None:
         return order
-    ahead = [n for n in order if n != REFERENCE_NAME and ms[n] < ref * (1 - MARGIN)]
+    ahead = [n for n in order if n != REFERENCE_NAME and ms[n] < ref * (1 - MARGIN)
+             and total(n) < total(REFERENCE_NAME)]
     return ahead + [REFERENCE_NAME] + [n for n in order if n not in ahead and n != REFERENCE_NAME]
+
+
+def rerank(entry: dict[str, Any], calls: int | None) -> bool:
+    """Order a kept ``entry`` for a run of ``calls`` (its times as measured); True if it
+    was kept for another count."""
+    if calls is None or entry.get("calls") == calls or not entry.get("ms"):
+        return False
+    entry.update(order=rank(entry["ms"], entry.get("build_ms"), calls), calls=calls)
+    return True
 
 
 def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names: Sequence[str],
             registry: KernelRegistry, expired: Callable[[], bool],
-            weights_grad: bool = True) -> dict[str, Any] | None:
-    """One entry: every backend in ``names`` (the reference first) timed on ``dims``;
-    None when ``expired()`` turned true before the last one was timed."""
+            weights_grad: bool = True, calls: int | None = None) -> dict[str, Any] | None:
+    """One entry: every backend in ``names`` (the reference first) timed on ``dims``, ranked
+    for a run of ``calls`` (``rank``); None when ``expired()`` turned true before the last
+    one was timed."""
     generator = torch.Generator(device=device).manual_seed(0)
     args = PROBLEMS[op].make(dims, dtype, device, generator, weights_grad)
-    ms, failed = {}, {}
+    ms, build, failed = {}, {}, {}
     for name in names:
         if expired():
             return None
@@ -138,7 +168,8 @@ def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names
             continue
         fn = REFERENCE[op] if b is None else b.fn
         try:
-            ms[name] = round(time_forward_backward(fn, args, device, generator), 4)
+            per_call, first = time_forward_backward(fn, args, device, generator)
+            ms[name], build[name] = round(per_call, 4), round(max(0.0, first - per_call), 3)
         except torch.OutOfMemoryError as e:
             failed[name] = failure_reason(e)
             if device.type == "cuda":
@@ -148,18 +179,20 @@ def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names
             registry.note(("tune-failed", op, name, str(dtype)),
                           f"{op}: backend {name} failed while tuning ({failed[name]}); not used",
                           logging.WARNING)
-    return {"order": rank(ms), "ms": ms, "failed": failed, "shape": dims,
-            "grads": "all" if weights_grad else "activations"}
+    return {"order": rank(ms, build, calls), "ms": ms, "build_ms": build, "calls": calls,
+            "failed": failed, "shape": dims, "grads": "all" if weights_grad else "activations"}
 
 
 def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
          dtype: torch.dtype, *, budget_s: float, allow: Sequence[str] | None = None,
          have: Mapping[str, Any] | None = None, weights_grad: bool = True,
+         calls: Mapping[str, Mapping[str, int]] | None = None,
          registry: KernelRegistry = KERNELS, clock: Callable[[], float] = time.monotonic
          ) -> TuneResult:
     """Measure every wanted entry not in ``have`` within ``budget_s`` seconds; the op's
     parameters take gradients when ``weights_grad`` (a full finetune), else only the
-    activations do (an adapter run's frozen base)."""
+    activations do (an adapter run's frozen base). ``calls`` (``plan_calls``): the run's
+    calls per op and shape key, which each entry is ranked for (None: by time per call)."""
     device = torch.device(device)
     start = clock()
     todo = {k: v for k, v in wanted_entries(problems, device, dtype, allow=allow,
@@ -173,8 +206,9 @@ def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         for key, (op, dims) in todo.items():
             names = [REFERENCE_NAME] + [b.name for b in registry.eligible(op, device, dtype, allow)]
+            n = entry_calls(calls, op, dims)
             entry = None if expired() else measure(op, dims, device, dtype, names, registry,
-                                                   expired, weights_grad)
+                                                   expired, weights_grad, n)
             if entry is None:
                 untuned.append(key)
             else:
@@ -182,15 +216,21 @@ def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
     return TuneResult(entries, round(clock() - start, 3), untuned)
 
 
+def entry_calls(calls: Mapping[str, Mapping[str, int]] | None, op: str, dims: Dims) -> int | None:
+    """The run's calls of ``op`` in the bucket of ``dims`` (None without ``calls``)."""
+    return None if calls is None else calls.get(op, {}).get(PROBLEMS[op].key(dims), 0)
+
+
 def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]],
                device: torch.device | str, dtype: torch.dtype, *, budget_s: float,
                allow: Sequence[str] | None = None, weights_grad: bool = True,
+               calls: Mapping[str, Mapping[str, int]] | None = None,
                params: dict[str, Any], inputs: dict[str, Manifest],
                registry: KernelRegistry = KERNELS) -> tuple[dict[str, Any], TuneResult, Manifest]:
     """Bring ``directory``'s table up to date for this device and ``problems``: keep what it
-    holds for this signature, measure the missing entries, drop sections measured on this
-    device with other software or kernel sources. Returns (this device's section, what was
-    measured now, the manifest)."""
+    holds for this signature (re-ranked for this run's ``calls``), measure the missing
+    entries, drop sections measured on this device with other software or kernel sources.
+    Returns (this device's section, what was measured now, the manifest)."""
     directory = Path(directory)
     signature = device_signature(device)
     table = KernelTable()
@@ -209,8 +249,13 @@ def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]]
     if new:
         section = {"signature": signature, "entries": {}, "tuning": {}}
         table.devices[signature_key(signature)] = section
-    result = tune(problems, device, dtype, budget_s=budget_s, allow=allow,
-                  have=section["entries"], weights_grad=weights_grad, registry=registry)
+    reranked = False
+    for key, (op, dims) in wanted_entries(problems, device, dtype, allow=allow,
+                                          registry=registry).items():
+        if key in section["entries"]:
+            reranked |= rerank(section["entries"][key], entry_calls(calls, op, dims))
+    result = tune(problems, device, dtype, budget_s=budget_s, allow=allow, have=section["entries"],
+                  weights_grad=weights_grad, calls=calls, registry=registry)
     section["entries"].update(result.entries)
     run = {"seconds": result.seconds, "budget_s": budget_s, "measured": len(result.entries),
            "untuned": len(result.untuned)}
@@ -220,7 +265,7 @@ def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]]
     if new or result.entries or result.untuned:
         tuning["last_run"] = run
         tuning["total_seconds"] = round(tuning.get("total_seconds", 0.0) + result.seconds, 3)
-    changed = new or bool(stale) or bool(result.entries) or bool(result.untuned)
+    changed = new or reranked or bool(stale) or bool(result.entries) or bool(result.untuned)
     info = {"device": signature["name"], "entries": len(section["entries"]),
             "untuned": len(result.untuned), "first_run_seconds": tuning["first_run"]["seconds"]}
     manifest = write_table(directory, table, params=params, inputs=inputs, info=info, write=changed)
@@ -228,7 +273,8 @@ def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]]
 
 
 def summary(section: dict[str, Any], dtype: torch.dtype | None = None) -> list[dict[str, Any]]:
-    """Per op: the shapes tuned, each winner and its speedup over the reference."""
+    """Per op: the shapes tuned, each winner, its speedup over the reference, and why the
+    reference won where a backend was faster per call (``build_note``)."""
     rows: dict[str, dict[str, Any]] = {}
     for key, entry in sorted(section["entries"].items()):
         parsed = parse_entry_key(key)
@@ -243,5 +289,20 @@ def summary(section: dict[str, Any], dtype: torch.dtype | None = None) -> list[d
             else None
         row["shapes"].append({"dtype": str(dt).removeprefix("torch."), "shape": shape,
                               "winner": best, "speedup": speedup, "ms": ms,
-                              "failed": entry.get("failed", {})})
+                              "failed": entry.get("failed", {}), "note": build_note(entry)})
     return list(rows.values())
+
+
+def build_note(entry: dict[str, Any]) -> str | None:
+    """Where the reference leads an entry that a backend runs faster per call: that the
+    backend's build costs the run more than its calls save (else None)."""
+    ms, build, calls = entry["ms"], entry.get("build_ms") or {}, entry.get("calls")
+    ref = ms.get(REFERENCE_NAME)
+    if not entry["order"] or entry["order"][0] != REFERENCE_NAME or not ref or calls is None:
+        return None
+    quick = [n for n in ms if n != REFERENCE_NAME and ms[n] < ref * (1 - MARGIN)]
+    if not quick:
+        return None
+    n = min(quick, key=ms.get)
+    return (f"{n} is {ref / ms[n]:.2f}x per call, but building it ({build.get(n, 0.0) / 1e3:.1f} s) "
+            f"costs more than the {(ref - ms[n]) * calls / 1e3:.2f} s it saves over {calls} calls")

@@ -46,7 +46,7 @@ from kohakumoss.artifacts import MANIFEST
 from kohakumoss.config import Params, stage_params
 from kohakumoss.configlib import ConfigError
 from kohakumoss.kernels import KERNELS, build_op_table
-from kohakumoss.kernels.problems import plan_problems
+from kohakumoss.kernels.problems import plan_calls, plan_problems
 from kohakumoss.kernels.table import TABLE, describe, device_signature, read_table, winners
 from kohakumoss.kernels.tuning import TuneResult, tune, tune_table
 from kohakumoss.model.config import DiTConfig
@@ -237,9 +237,11 @@ def tune_kernels(params: Params, plan_dir: str | Path, out: str | Path
     dtype = precision_policy(params.train.dtype, full=params.adapter.full).compute
     plan, manifest = read_plan(plan_dir)
     off = params.kernels.table == "off"
-    problems = {} if off else plan_problems(transformer_config(params), plan_token_batches(plan))
+    config, batches = transformer_config(params), plan_token_batches(plan)
+    problems = {} if off else plan_problems(config, batches)
     return tune_table(out, problems, device, dtype, budget_s=params.kernels.tune_seconds,
                       allow=_allow(params), weights_grad=_weights_grad(params),
+                      calls=plan_calls(config, batches),
                       params=stage_params(params, TUNE_PARAMS), inputs={"plan": manifest})
 
 
@@ -289,7 +291,7 @@ def tuned_kernels(params: Params, plan: EnginePlan, directory: str | Path | None
     dtype = plan.precision.compute
     have = section["entries"] if section else {}
     result = tune(problems, plan.device, dtype, budget_s=k.retune_seconds, allow=_allow(params),
-                  have=have, weights_grad=_weights_grad(params))
+                  have=have, weights_grad=_weights_grad(params), calls=plan_calls(config, batches))
     if result.entries or result.untuned:
         log.warning("measured %d kernel shape(s) the table lacks in %.1f s (kernels.retune_seconds"
                     " = %g; not saved: `kmoss tune_kernels` keeps them)%s", len(result.entries),
