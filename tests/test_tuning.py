@@ -108,12 +108,26 @@ def test_plan_calls_are_the_calls_the_model_makes():
     assert plan_calls(c, [samples, samples])["situ"] == {k: 2 * v for k, v in seen["situ"].items()}
 
 
-def test_rank_weighs_a_backend_s_build_against_the_run_s_calls():
-    ms, build = {"reference": 1.0, "compile": 0.5}, {"reference": 0.0, "compile": 100.0}
-    assert tuning.rank(ms, build) == ["compile", "reference"]  # no count: per call
-    assert tuning.rank(ms, build, calls=150) == ["reference", "compile"]  # saves 75 ms
-    assert tuning.rank(ms, build, calls=250) == ["compile", "reference"]  # saves 125 ms
-    assert tuning.rank({**ms, "compile": 0.99}, build, calls=10**6) == ["reference", "compile"]
+def test_settle_weighs_a_backend_s_builds_against_the_run_s_calls():
+    def entries(build_small: float):
+        return {"situ/float32/N=24,F=8": {"ms": {"reference": 1.0, "compile": 0.5}, "order": [],
+                                          "build_ms": {"reference": 0.0, "compile": 100.0}},
+                "situ/float32/N=48,F=8": {"ms": {"reference": 2.0, "compile": 2.5}, "order": [],
+                                          "build_ms": {"reference": 0.0, "compile": build_small}}}
+
+    short, long = {"situ": {"N=24,F=8": 150, "N=48,F=8": 9}}, {"situ": {"N=24,F=8": 250}}
+    got = entries(0.0)
+    assert tuning.settle(got, short)  # saves 75 ms for 100 ms of build: the reference
+    assert [e["order"][0] for e in got.values()] == ["reference", "reference"]
+    assert got["situ/float32/N=24,F=8"]["demoted"] == {"compile": {"saved_ms": 75.0, "build_ms": 100.0}}
+    assert not tuning.settle(got, short)  # settled already
+    assert tuning.settle(got, long)  # 125 ms saved
+    assert [e["order"][0] for e in got.values()] == ["compile", "reference"]
+    got = entries(30.0)  # the builds of every shape the op is built for count
+    tuning.settle(got, long)
+    assert [e["order"][0] for e in got.values()] == ["reference", "reference"]
+    assert not tuning.settle(got, None) and tuning.rank({"reference": 1.0, "compile": 0.5}) == \
+        ["compile", "reference"]  # no plan: by time per call
 
 
 def _slow_reference(monkeypatch, ms: float):
@@ -147,7 +161,7 @@ def test_a_backend_whose_build_outweighs_a_short_run_loses_it_and_wins_a_long_on
     assert entry["build_ms"]["builder"] >= 300 and entry["ms"]["reference"] >= 2.0
     assert entry["calls"] == 10 and entry["order"] == ["reference", "builder"]
     note = tuning.build_note(entry)
-    assert note.startswith("builder is ") and "over 10 calls" in note
+    assert note.startswith("builder is ") and "(0.3 s) costs more than the 0.0" in note
     # the stage keeps the measurement and re-ranks it for a longer plan: nothing is timed again
     builder = Building(0.3)  # a fresh process's
     r = _registry(builder=builder)

@@ -8,9 +8,9 @@ compiles what compiles: its excess over a call is the backend's build, ``build_m
 the median of 5 to 50 timed calls (as many as fit in ~50 ms): CUDA events on a GPU,
 ``perf_counter`` on the CPU. A backend that raises is recorded as failed, with the reason,
 and never ranked. A backend must beat the reference by ``MARGIN`` to rank before it (the
-reference is exact, and a tie is noise), and, given the run's calls of the entry
-(``plan_calls``), save the run more than its build costs: a short run on small shapes keeps
-the reference rather than spend seconds compiling to save milliseconds.
+reference is exact, and a tie is noise), and, given the run's calls (``plan_calls``), save
+the run more over the op's shapes than its builds there cost (``settle``): a short run on
+small shapes keeps the reference rather than spend seconds compiling to save milliseconds.
 
 ``tune(problems, device, dtype, budget_s=...)`` spends at most ``budget_s`` seconds (checked
 between measurements, so one compile may overrun it); an entry the budget cut short is not
@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,41 +121,57 @@ def time_forward_backward(fn: Callable, args: tuple, device: torch.device,
     return statistics.median([first] + [timer(step) for _ in range(n - 1)]), built
 
 
-def rank(ms: Mapping[str, float], build: Mapping[str, float] | None = None,
-         calls: int | None = None) -> list[str]:
-    """Backend names, the best first: by time per call, or, given the run's ``calls`` of
-    the entry, by the run's total (``calls`` times the time per call, plus ``build``: what
-    the backend's first call cost beyond a call). One that is not ``MARGIN`` faster per call
-    than the reference, or whose build costs the run more than its calls save, goes after it."""
-    build = build or {}
-
-    def total(n: str) -> float:
-        return ms[n] * calls + build.get(n, 0.0) if calls is not None else ms[n]
-
-    order = sorted(ms, key=lambda n: (total(n), n != REFERENCE_NAME, n))
+def rank(ms: Mapping[str, float], demoted: Collection[str] = ()) -> list[str]:
+    """Backend names fastest first; one not ``MARGIN`` faster than the reference, or
+    ``demoted`` (its build costs the run more than it saves: ``settle``), goes after it."""
     ref = ms.get(REFERENCE_NAME)
+    order = sorted(ms, key=lambda n: (ms[n], n != REFERENCE_NAME, n))
     if ref is None:
         return order
-    ahead = [n for n in order if n != REFERENCE_NAME and ms[n] < ref * (1 - MARGIN)
-             and total(n) < total(REFERENCE_NAME)]
+    ahead = [n for n in order if n != REFERENCE_NAME and n not in demoted
+             and ms[n] < ref * (1 - MARGIN)]
     return ahead + [REFERENCE_NAME] + [n for n in order if n not in ahead and n != REFERENCE_NAME]
 
 
-def rerank(entry: dict[str, Any], calls: int | None) -> bool:
-    """Order a kept ``entry`` for a run of ``calls`` (its times as measured); True if it
-    was kept for another count."""
-    if calls is None or entry.get("calls") == calls or not entry.get("ms"):
+def settle(entries: Mapping[str, dict[str, Any]], calls: Mapping[str, Mapping[str, int]] | None
+           ) -> bool:
+    """Rank ``entries`` (entry key -> entry) for a run that makes ``calls`` (``plan_calls``).
+    Per op, a backend whose builds over the op's entries (``build_ms``, summed: a process
+    builds it once and rebuilds it for new shapes as the tuner did) cost more than it saves
+    over the run's calls of the entries where it is faster goes after the reference in all
+    of them; ``demoted`` records the two sums. True if an entry changed. Without ``calls``,
+    nothing changes (the order is by time per call)."""
+    if calls is None:
         return False
-    entry.update(order=rank(entry["ms"], entry.get("build_ms"), calls), calls=calls)
-    return True
+    groups: dict[str, list[tuple[dict[str, Any], int]]] = {}
+    for key, entry in entries.items():
+        parsed = parse_entry_key(key)
+        if parsed is not None and entry.get("ms"):
+            op, _, shape = parsed
+            groups.setdefault(op, []).append((entry, calls.get(op, {}).get(shape, 0)))
+    changed = False
+    for group in groups.values():
+        demoted = {}
+        for name in sorted({n for e, _ in group for n in e["ms"]} - {REFERENCE_NAME}):
+            saved = sum((e["ms"][REFERENCE_NAME] - e["ms"][name]) * n for e, n in group
+                        if name in e["ms"] and REFERENCE_NAME in e["ms"]
+                        and e["ms"][name] < e["ms"][REFERENCE_NAME] * (1 - MARGIN))
+            built = sum((e.get("build_ms") or {}).get(name, 0.0) for e, _ in group)
+            if built > saved:
+                demoted[name] = {"saved_ms": round(saved, 3), "build_ms": round(built, 3)}
+        for entry, n in group:
+            settled = {"order": rank(entry["ms"], demoted), "calls": n, "demoted": demoted}
+            changed |= any(entry.get(k) != v for k, v in settled.items())
+            entry.update(settled)
+    return changed
 
 
 def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names: Sequence[str],
             registry: KernelRegistry, expired: Callable[[], bool],
-            weights_grad: bool = True, calls: int | None = None) -> dict[str, Any] | None:
+            weights_grad: bool = True) -> dict[str, Any] | None:
     """One entry: every backend in ``names`` (the reference first) timed on ``dims``, ranked
-    for a run of ``calls`` (``rank``); None when ``expired()`` turned true before the last
-    one was timed."""
+    by time per call (``settle`` ranks it for a run); None when ``expired()`` turned true
+    before the last one was timed."""
     generator = torch.Generator(device=device).manual_seed(0)
     args = PROBLEMS[op].make(dims, dtype, device, generator, weights_grad)
     ms, build, failed = {}, {}, {}
@@ -179,8 +195,8 @@ def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names
             registry.note(("tune-failed", op, name, str(dtype)),
                           f"{op}: backend {name} failed while tuning ({failed[name]}); not used",
                           logging.WARNING)
-    return {"order": rank(ms, build, calls), "ms": ms, "build_ms": build, "calls": calls,
-            "failed": failed, "shape": dims, "grads": "all" if weights_grad else "activations"}
+    return {"order": rank(ms), "ms": ms, "build_ms": build, "failed": failed, "shape": dims,
+            "grads": "all" if weights_grad else "activations"}
 
 
 def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
@@ -192,7 +208,8 @@ def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
     """Measure every wanted entry not in ``have`` within ``budget_s`` seconds; the op's
     parameters take gradients when ``weights_grad`` (a full finetune), else only the
     activations do (an adapter run's frozen base). ``calls`` (``plan_calls``): the run's
-    calls per op and shape key, which each entry is ranked for (None: by time per call)."""
+    calls per op and shape key, which the measured entries are ranked for (``settle``;
+    None: by time per call)."""
     device = torch.device(device)
     start = clock()
     todo = {k: v for k, v in wanted_entries(problems, device, dtype, allow=allow,
@@ -206,19 +223,14 @@ def tune(problems: Mapping[str, Mapping[str, Dims]], device: torch.device | str,
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         for key, (op, dims) in todo.items():
             names = [REFERENCE_NAME] + [b.name for b in registry.eligible(op, device, dtype, allow)]
-            n = entry_calls(calls, op, dims)
             entry = None if expired() else measure(op, dims, device, dtype, names, registry,
-                                                   expired, weights_grad, n)
+                                                   expired, weights_grad)
             if entry is None:
                 untuned.append(key)
             else:
                 entries[key] = entry
+    settle(entries, calls)
     return TuneResult(entries, round(clock() - start, 3), untuned)
-
-
-def entry_calls(calls: Mapping[str, Mapping[str, int]] | None, op: str, dims: Dims) -> int | None:
-    """The run's calls of ``op`` in the bucket of ``dims`` (None without ``calls``)."""
-    return None if calls is None else calls.get(op, {}).get(PROBLEMS[op].key(dims), 0)
 
 
 def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]],
@@ -228,9 +240,9 @@ def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]]
                params: dict[str, Any], inputs: dict[str, Manifest],
                registry: KernelRegistry = KERNELS) -> tuple[dict[str, Any], TuneResult, Manifest]:
     """Bring ``directory``'s table up to date for this device and ``problems``: keep what it
-    holds for this signature (re-ranked for this run's ``calls``), measure the missing
-    entries, drop sections measured on this device with other software or kernel sources.
-    Returns (this device's section, what was measured now, the manifest)."""
+    holds for this signature, measure the missing entries, rank the plan's entries for its
+    ``calls`` (``settle``), drop sections measured on this device with other software or
+    kernel sources. Returns (this device's section, what was measured now, the manifest)."""
     directory = Path(directory)
     signature = device_signature(device)
     table = KernelTable()
@@ -249,14 +261,11 @@ def tune_table(directory: str | Path, problems: Mapping[str, Mapping[str, Dims]]
     if new:
         section = {"signature": signature, "entries": {}, "tuning": {}}
         table.devices[signature_key(signature)] = section
-    reranked = False
-    for key, (op, dims) in wanted_entries(problems, device, dtype, allow=allow,
-                                          registry=registry).items():
-        if key in section["entries"]:
-            reranked |= rerank(section["entries"][key], entry_calls(calls, op, dims))
     result = tune(problems, device, dtype, budget_s=budget_s, allow=allow, have=section["entries"],
                   weights_grad=weights_grad, calls=calls, registry=registry)
     section["entries"].update(result.entries)
+    wanted = wanted_entries(problems, device, dtype, allow=allow, registry=registry)
+    reranked = settle({k: e for k, e in section["entries"].items() if k in wanted}, calls)
     run = {"seconds": result.seconds, "budget_s": budget_s, "measured": len(result.entries),
            "untuned": len(result.untuned)}
     tuning = section.setdefault("tuning", {})
@@ -294,15 +303,16 @@ def summary(section: dict[str, Any], dtype: torch.dtype | None = None) -> list[d
 
 
 def build_note(entry: dict[str, Any]) -> str | None:
-    """Where the reference leads an entry that a backend runs faster per call: that the
-    backend's build costs the run more than its calls save (else None)."""
-    ms, build, calls = entry["ms"], entry.get("build_ms") or {}, entry.get("calls")
-    ref = ms.get(REFERENCE_NAME)
-    if not entry["order"] or entry["order"][0] != REFERENCE_NAME or not ref or calls is None:
+    """Where ``settle`` put the reference before a backend that runs this entry faster per
+    call: that the backend's builds cost the run more than it saves (else None)."""
+    ms, ref = entry["ms"], entry["ms"].get(REFERENCE_NAME)
+    if not entry["order"] or entry["order"][0] != REFERENCE_NAME or not ref:
         return None
-    quick = [n for n in ms if n != REFERENCE_NAME and ms[n] < ref * (1 - MARGIN)]
+    quick = [n for n in entry.get("demoted") or {} if n in ms and ms[n] < ref * (1 - MARGIN)]
     if not quick:
         return None
     n = min(quick, key=ms.get)
-    return (f"{n} is {ref / ms[n]:.2f}x per call, but building it ({build.get(n, 0.0) / 1e3:.1f} s) "
-            f"costs more than the {(ref - ms[n]) * calls / 1e3:.2f} s it saves over {calls} calls")
+    d = entry["demoted"][n]
+    return (f"{n} is {ref / ms[n]:.2f}x per call, but building it for this op's shapes "
+            f"({d['build_ms'] / 1e3:.1f} s) costs more than the {d['saved_ms'] / 1e3:.2f} s it "
+            f"saves over the run's calls")
