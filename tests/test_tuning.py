@@ -21,7 +21,8 @@ from kohakumoss.kernels.compiled import COMPILED, CompiledOp
 from kohakumoss.kernels.problems import PROBLEMS, bucket, plan_calls, plan_problems
 from kohakumoss.kernels.table import (KernelTable, device_signature, read_table, signature_key,
                                       winners, write_table)
-from kohakumoss.model import FLAVORS, ops
+from kohakumoss.model import FLAVORS, build_layout, ops
+from kohakumoss.model.build import random_transformer
 from kohakumoss.precision import precision_policy
 from kohakumoss.training.engines import EnginePlan, tuned_kernels
 
@@ -80,9 +81,6 @@ def test_plan_problems_follow_the_model():
 def test_plan_calls_are_the_calls_the_model_makes():
     """``plan_calls`` writes the model's structure out by hand: held here to what the tiny
     model's forward calls, op by op and bucket by bucket."""
-    from kohakumoss.model import build_layout
-    from kohakumoss.model.build import random_transformer
-
     c = FLAVORS["tiny"]
     samples = [(12, 6), (10, 0), (1, 3)]
     layout = build_layout([(3, 4), (2, 5), (1, 1)], [6, 0, 3])
