@@ -157,3 +157,15 @@ def test_loading_params_of_the_tiny_model_imports_no_torch(tmp_path):
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert res.returncode != 0 and "layers.N.proj.q" in res.stderr, res.stderr
+
+
+def test_the_trainer_and_the_cache_readers_import_no_transformers():
+    """A training run on cached text needs no text encoder: ``kmoss train``'s modules (and the
+    cache readers every stage shares) leave transformers unimported (~2 s a start); the
+    encoders load where they encode."""
+    code = ("import sys; import kohakumoss.training.trainer, kohakumoss.cache.fill, "
+            "kohakumoss.cache.weights; from kohakumoss.encoders import VAE, to_tokens; "
+            "print('transformers' in sys.modules); from kohakumoss.encoders import TextEncoder; "
+            "print('transformers' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.split() == ["False", "True"], res.stdout + res.stderr
