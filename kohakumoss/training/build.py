@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from kohakumoss.adapters.inject import lora_name
 from kohakumoss.artifacts import Manifest, atomic_write_json
 from kohakumoss.cache.build import check_sources, text_identity, vae_identity
 from kohakumoss.cache.lookup import BatchCaches
@@ -194,8 +193,11 @@ def build_components(params: Params, paths: RunPaths,
         # (taken before placement: a streamed full finetune holds its blocks in bf16 after it)
         # an adapter's update runs beside the next forward, block by block (a full
         # finetune's streamed blocks take theirs through the weight ring: not overlapped)
-        update = HostUpdate(named, device) if p.adapter.full else \
-            OverlappedUpdate(named, device, model, renamed=lora_name)
+        if p.adapter.full:
+            update = HostUpdate(named, device)
+        else:  # LyCORIS (and torch._dynamo with it) loads only for an adapter run
+            from kohakumoss.adapters.inject import lora_name
+            update = OverlappedUpdate(named, device, model, renamed=lora_name)
         named = update.named_masters
         log.info("optimizer on the host: %d tensors (%s of masters, gradients and landing "
                  "buffers in host memory); the device keeps no gradient or optimizer state",
