@@ -51,20 +51,19 @@ class PackedLayout:
         return int(sum(self.joint_len))
 
     def to(self, device: torch.device | str) -> PackedLayout:
-        """The layout on ``device``. To a CUDA device the host tensors go through page-locked
-        memory: a copy from pageable memory makes the host wait for the device's queued
-        work (a step's whole backward, when the trainer makes the next batch during it)."""
-        device = torch.device(device)
-        pin = device.type == "cuda"
+        """The layout on ``device`` (``moved``: queued behind a CUDA device's work)."""
+        moved_ = {f.name: (moved(v, device) if isinstance(v, torch.Tensor) else v)
+                  for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        return PackedLayout(**moved_)
 
-        def move(v: torch.Tensor) -> torch.Tensor:
-            if pin and v.device.type == "cpu":
-                v = v.pin_memory()
-            return v.to(device, non_blocking=True)
 
-        moved = {f.name: (move(v) if isinstance(v, torch.Tensor) else v)
-                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
-        return PackedLayout(**moved)
+def moved(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``. A host tensor goes to a CUDA device through page-locked memory:
+    a copy from pageable memory makes the host wait for the device's queued work (a step's
+    whole backward, when the trainer makes the next batch during it)."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _cu(lengths: Sequence[int]) -> torch.Tensor:

@@ -241,7 +241,7 @@ def tune_kernels(params: Params, plan_dir: str | Path, out: str | Path
     problems = {} if off else plan_problems(config, batches)
     return tune_table(out, problems, device, dtype, budget_s=params.kernels.tune_seconds,
                       allow=_allow(params), weights_grad=_weights_grad(params),
-                      calls=plan_calls(config, batches),
+                      calls=None if off else plan_calls(config, batches),
                       params=stage_params(params, TUNE_PARAMS), inputs={"plan": manifest})
 
 

@@ -17,7 +17,7 @@ from kohakumoss.data.loader import HostBatch
 from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import noised, sigma_weight
 from kohakumoss.diffusion.timesteps import batch_sigmas
-from kohakumoss.model.layout import PackedLayout, build_layout
+from kohakumoss.model.layout import PackedLayout, build_layout, moved
 
 
 @dataclasses.dataclass
@@ -60,17 +60,10 @@ def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torc
     eps = noise_for(global_batch, p.run.seed, x0.shape[0], x0.shape[1])
     z, target = noised(x0, eps, sigma[layout.seg_img])
     weight = batch.loss_weight * sigma_weight(sigma, p.objective.weighting)
-    return StepInputs(_moved(z, device), _moved(target, device),
-                      _moved(torch.cat(text_rows), device), _moved(sigma, device), layout.to(device),
-                      _moved(weight, device), layout.n_img)
+    return StepInputs(moved(z, device), moved(target, device),
+                      moved(torch.cat(text_rows), device), moved(sigma, device), layout.to(device),
+                      moved(weight, device), layout.n_img)
 
-
-def _moved(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``t`` on ``device``; to a CUDA device through page-locked memory, so the copy is
-    queued behind the device's work instead of waiting for it (``training.ahead``)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def make_timesteps(p: Params):
