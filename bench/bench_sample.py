@@ -53,7 +53,8 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="*", default=[])
     ap.add_argument("--compile-blocks", action="store_true")
     ap.add_argument("--no-vae", action="store_true")
-    ap.add_argument("--cuda-graph", action="store_true", help="replay the forward as a CUDA graph")
+    ap.add_argument("--cuda-graph", nargs="*", choices=["off", "on"], default=["off"],
+                    help="replay the forward as a CUDA graph (on), eager (off), or both in turn")
     ap.add_argument("--profile", action="store_true", help="profile 2 steps of batch 1 (bench_train's)")
     ap.add_argument("--tune", action="store_true",
                     help="the per-shape ops (the block linears' GEMM) as the tuner picks them")
@@ -65,7 +66,7 @@ def main() -> None:
     neg = torch.randn(10, 4096, generator=g)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "size": "1024x1024", "runs": [],
-           "kernels": a.kernels, "tuned": a.tune, "compile_blocks": a.compile_blocks, "cuda_graph": a.cuda_graph}
+           "kernels": a.kernels, "tuned": a.tune, "compile_blocks": a.compile_blocks}
     t0 = time.perf_counter()
     sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
@@ -75,18 +76,19 @@ def main() -> None:
 
         res["profile"] = profile_step(lambda: sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0,
                                                      device="cuda", dtype=torch.bfloat16))
-    for b in a.batches:
-        reqs = [Request(pos, neg, (64, 64), i) for i in range(b)]
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        lat = sample(model, reqs, a.steps, 3.0, 5.0, device="cuda", dtype=torch.bfloat16,
-                     cuda_graph=a.cuda_graph)
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        res["runs"].append({"batch": b, "seconds": dt, "seconds_per_image": dt / b,
-                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
-        print(json.dumps(res["runs"][-1]), flush=True)
+    for graph in a.cuda_graph or ["on"]:
+        for b in a.batches:
+            reqs = [Request(pos, neg, (64, 64), i) for i in range(b)]
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            lat = sample(model, reqs, a.steps, 3.0, 5.0, device="cuda", dtype=torch.bfloat16,
+                         cuda_graph=graph == "on")
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            res["runs"].append({"batch": b, "cuda_graph": graph, "seconds": dt, "seconds_per_image": dt / b,
+                                "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+            print(json.dumps(res["runs"][-1]), flush=True)
     if a.no_vae:
         report(res, a.name or "bench_sample")
         return

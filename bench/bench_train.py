@@ -346,7 +346,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
         stepper = FusedStep(named, opt) if memory.optimizer == "fused" else \
             StreamedStates(named, opt, torch.device("cuda"))
     keys = [f"{i:032x}" for i in range(per * (steps + 2))]
-    times = []
+    times, segments = [], []  # each timed step's time and its samples' joint lengths
     torch.cuda.reset_peak_memory_stats()
     held = 0.0
     try:
@@ -361,6 +361,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
             held = max(held, held_gib())
             if s >= 2:
                 times.append(time.perf_counter() - t0)
+                segments.append(list(layout.joint_len))
         if update is not None:
             update.wait()
     except torch.OutOfMemoryError as e:
@@ -394,7 +395,8 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     torch.cuda.empty_cache()
     return {"budget": budget, "base": base, "weights_gib": weights,
             "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],
-            "step_s": t, "step_times_s": [round(x, 4) for x in times], "samples_per_s": per / t,
+            "step_s": t, "step_times_s": [round(x, 4) for x in times],
+            "step_segments": segments, "samples_per_s": per / t,
             "peak_gib": peak, "estimate_gib": est,
             "reserved_gib": reserved, "device_used_gib": held, "host_peak_gib": host_peak_gib(),
             **streamed,
@@ -551,9 +553,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for cap in caps:
             CAP[0] = cap
-            for base in a.bases:
+            for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
                 for b in a.budgets:
-                    res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{cap:g}-{b}-{base}",
+                    res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{cap:g}-{b}-{base}-{i}",
                                                   a.profile, base))
                     print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:

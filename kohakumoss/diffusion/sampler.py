@@ -12,6 +12,7 @@ and negative branches are packed into one forward (negatives skip the config's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -86,30 +87,54 @@ def velocity(model: MOSSImageTransformer, x: list[torch.Tensor], reqs: Sequence[
 
 
 class GraphedVelocity:
-    """``Packed.velocity`` captured once in a CUDA graph and replayed every step: the ~2000
-    kernels of a forward launch as one, with no host work between them. The latents and
-    the noise levels live in the graph's own input tensors; ``__call__`` copies them in
-    (device to device), replays and returns the graph's output tensor (overwritten by the
-    next call). Same kernels on the same inputs as the eager forward: the same numbers."""
+    """``Packed.velocity`` captured once in a CUDA graph and replayed every later step: the
+    ~2000 kernels of a forward launch as one, with no host work between them.
 
-    def __init__(self, model: MOSSImageTransformer, packed: Packed, x: torch.Tensor,
-                 s: torch.Tensor, skip_layers: Sequence[int]):
-        self.x, self.s = x.clone(), s.clone()
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):  # warm-up outside the capture: lazy inits, autotuning
-            for _ in range(2):
-                packed.velocity(model, self.x, self.s, skip_layers)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.v = packed.velocity(model, self.x, self.s, skip_layers)
+    The first call runs the forward eagerly (a real step, which also does the lazy set-up
+    capture cannot: kernel builds, library handles and workspaces of the stream) and then
+    captures it, so the capture's host work overlaps that step on the device and no forward
+    is spent on warming up. Capture goes straight to ``capture_begin``: ``torch.cuda.graph``
+    would synchronize the device and empty the allocator's caches first. The latents and
+    noise levels live in the graph's own input tensors; a call copies them in (device to
+    device), replays and returns the graph's output tensor (overwritten by the next call).
+    Same kernels on the same inputs as the eager forward: the same numbers. Calls must come
+    on a side stream (``sample`` runs the loop on one): capture cannot use the default
+    stream. A capture that fails leaves the eager forward in place, said once."""
+
+    def __init__(self, model: MOSSImageTransformer, packed: Packed, skip_layers: Sequence[int]):
+        self.model, self.packed, self.skip = model, packed, skip_layers
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.failed = False
+
+    def eager(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return self.packed.velocity(self.model, x, s, self.skip)
 
     def __call__(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        self.x.copy_(x)
-        self.s.copy_(s)
-        self.graph.replay()
-        return self.v
+        if self.graph is not None:
+            self.x.copy_(x)
+            self.s.copy_(s)
+            self.graph.replay()
+            return self.v
+        v = self.eager(x, s)
+        if not self.failed:
+            self._capture(x, s)
+        return v
+
+    def _capture(self, x: torch.Tensor, s: torch.Tensor) -> None:
+        self.x, self.s = x.clone(), s.clone()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            graph.capture_begin()
+            try:
+                self.v = self.eager(self.x, self.s)
+            finally:
+                graph.capture_end()
+        except Exception as e:  # an op that cannot be captured: the eager forward
+            self.failed = True
+            log.warning("sampling without a CUDA graph: capturing the forward failed (%s: %s)",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return
+        self.graph = graph
 
 
 def sample(model: MOSSImageTransformer, reqs: Sequence[Request], steps: int = 50, cfg: float = 3.0,
@@ -129,17 +154,17 @@ def sample(model: MOSSImageTransformer, reqs: Sequence[Request], steps: int = 50
     x = torch.cat(noise).to(device)
     levels = [packed.sigmas(sig) for sig in sigmas[:-1]]  # made now: no host work per step
 
-    def velocity(x, s):
-        return packed.velocity(model, x, s, skip)
-
-    if cuda_graph and x.device.type == "cuda" and len(levels) > 1:
-        try:
-            velocity = GraphedVelocity(model, packed, x, levels[0], skip)
-        except Exception as e:  # an op that cannot be captured: the eager forward
-            log.warning("sampling without a CUDA graph: capturing the forward failed (%s: %s)",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    for i in range(len(sigmas) - 1):
-        x = x + (sigmas[i + 1] - sigmas[i]) * velocity(x, levels[i])
-        if callback:
-            callback(i + 1, len(sigmas) - 1)
+    velocity = GraphedVelocity(model, packed, skip)
+    graphed = cuda_graph and x.device.type == "cuda" and len(levels) > 1
+    side = torch.cuda.Stream(x.device) if graphed else None
+    if side is not None:  # capture needs a stream of its own; the loop runs there
+        side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for i in range(len(sigmas) - 1):
+            v = velocity(x, levels[i]) if graphed else velocity.eager(x, levels[i])
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+            if callback:
+                callback(i + 1, len(sigmas) - 1)
+    if side is not None:
+        torch.cuda.current_stream(x.device).wait_stream(side)
     return [xi.clone() for xi in x.cpu().split([len(n) for n in noise])]
