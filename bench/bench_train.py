@@ -305,7 +305,7 @@ def profile_step(run_step, rows: int = 45) -> dict:
 
 
 def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
-               profiled: bool = False, base: str = "keep", route: str = "fused") -> dict:
+               profiled: bool = False, base: str = "keep") -> dict:
     from kohakumoss.adapters import apply_adapters
 
     per = max(1, budget // (4096 + text_len + 3))
@@ -316,10 +316,6 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     model = random_base(full=False, base=base)
     weights = (torch.cuda.memory_allocated() - before) / 2**30  # the model as held, no adapter
     adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
-    if route == "separate":  # the up|gate linear's LoRA and SiTU as separate nodes
-        from kohakumoss.model.ops import linear_situ
-
-        model.ops.override("linear_situ", linear_situ)
     ring = None
     memory = ENGINES.get("memory", MemoryEngines())
     if memory.stream_slots:
@@ -397,7 +393,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     del model, opt, adapters, ring, update, stepper
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
-    return {"budget": budget, "base": base, "situ_route": route, "weights_gib": weights,
+    return {"budget": budget, "base": base, "weights_gib": weights,
             "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],
             "step_s": t, "step_times_s": [round(x, 4) for x in times],
             "step_segments": segments, "samples_per_s": per / t,
@@ -515,9 +511,6 @@ def main() -> None:
                     help="the per-shape ops (the block linears' GEMM) as the tuner picks them")
     ap.add_argument("--tune-backends", nargs="*", default=[],
                     help="with --tune: the backends it times (opt-in ones: tilelang)")
-    ap.add_argument("--situ-routes", nargs="*", choices=["fused", "separate"], default=["fused"],
-                    help="the up|gate LoRA and SiTU as one node (fused; where the table's SiTU is "
-                         "Triton) or separate nodes; several: each in turn, per base")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per budget: kernels by CUDA time, shares by family")
@@ -560,11 +553,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for cap in caps:
             CAP[0] = cap
-            runs = [(base, route) for base in a.bases for route in a.situ_routes]
-            for i, (base, route) in enumerate(runs):  # one may come twice (A B A B: the card's drift)
+            for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
                 for b in a.budgets:
                     res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{cap:g}-{b}-{base}-{i}",
-                                                  a.profile, base, route))
+                                                  a.profile, base))
                     print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:
             res["full"] = bench_full(a.text, root, a.steps)

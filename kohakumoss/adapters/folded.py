@@ -51,56 +51,11 @@ class _LoraLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x2, h, weight, down, up = ctx.saved_tensors
         need_x, need_w, need_b, need_down, need_up = ctx.needs_input_grad[:5]
-        dx, dw, d_down, d_up = _lora_grads(ctx.linear, dy, x2, h, weight, down, up,
-                                           (need_x, need_w, need_down, need_up))
-        return dx, dw, dy.sum(0) if need_b else None, d_down, d_up, None, None
-
-
-def _lora_grads(linear, dy, x2, h, weight, down, up, needs) -> tuple:
-    """``(dx, dW, d_down, d_up)`` of ``x W^T + (x A^T) B^T`` given its output gradient ``dy``
-    (``needs``: which of the four are wanted): ``t = dy B``, ``dA = t^T x``, ``dB = dy^T h``,
-    and ``dx = t A`` with ``dy W`` accumulated onto it in place by ``linear``."""
-    need_x, need_w, need_down, need_up = needs
-    t = torch.mm(dy, up)
-    dx = linear(dy, weight.t(), torch.mm(t, down)) if need_x else None
-    return (dx, torch.mm(dy.t(), x2) if need_w else None, torch.mm(t.t(), x2) if need_down else None,
-            torch.mm(dy.t(), h) if need_up else None)
-
-
-class _LoraSitu(torch.autograd.Function):
-    """``situ`` of an up|gate linear's output with its LoRA as one node: the base product is
-    written alone and the kernels (``kernels/triton_lora_situ.py``) add the delta ``h B^T``
-    tile by tile, forward and backward. Saved: the input, ``h``, the base product (SiTU's
-    input, as the separate nodes save it) and the weights."""
-
-    @staticmethod
-    def forward(ctx, x2, weight, down, up, linear, kernels):
-        h = torch.mm(x2, down.t())
-        ctx.linear, ctx.kernels = linear, kernels
-        base = linear(x2, weight)
-        ctx.save_for_backward(x2, h, base, weight, down, up)
-        return kernels.situ_lora(base, h, up)
-
-    @staticmethod
-    def backward(ctx, go):
-        x2, h, base, weight, down, up = ctx.saved_tensors
-        dy = ctx.kernels.situ_lora_bwd(go, base, h, up)
-        return (*_lora_grads(ctx.linear, dy, x2, h, weight, down, up, ctx.needs_input_grad[:4]),
+        t = torch.mm(dy, up)
+        dx = ctx.linear(dy, weight.t(), torch.mm(t, down)) if need_x else None
+        return (dx, torch.mm(dy.t(), x2) if need_w else None, dy.sum(0) if need_b else None,
+                torch.mm(t.t(), x2) if need_down else None, torch.mm(dy.t(), h) if need_up else None,
                 None, None)
-
-
-def lora_situ(x: torch.Tensor, weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
-              alpha: float, kernels, linear=None) -> torch.Tensor:
-    """``situ(u, g)`` of ``[u | g] = lora_linear(x, weight, None, down, up, alpha)`` as one
-    node (``_LoraSitu``), in the dtype the linear computes in; ``kernels``: the module of
-    ``situ_lora`` and ``situ_lora_bwd``; ``linear``: the base product's op."""
-    dev, autocast, dt = _compute_dtype(x)
-    up = up * alpha if alpha != 1.0 else up
-    x_c, w_c, down_c, up_c = (t if t.dtype == dt else t.to(dt) for t in (x, weight, down, up))
-    with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-        out = _LoraSitu.apply(x_c.reshape(-1, x.shape[-1]), w_c, down_c, up_c, linear or ref_linear,
-                              kernels)
-    return out.view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def _compute_dtype(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:

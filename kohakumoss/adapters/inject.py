@@ -23,7 +23,7 @@ from kohakumoss.adapters.options import NETWORK_MODULE, check_options
 from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
 from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
-from kohakumoss.adapters.shared import shared_input_linears, shared_linear_situ
+from kohakumoss.adapters.shared import shared_input_linears
 
 PREFIX = "lora_unet"
 TLORA_DEFAULTS = {"mask_min_rank": 1, "mask_alpha": 1.0, "mask_max_timestep": 1000}
@@ -96,9 +96,8 @@ def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
         norms[path] = NormDelta(lora_name(path), model.get_submodule(path), master_dtype(w))
     aset = AdapterSet(cfg, seed, network, modules, norms)
     ops = getattr(model, "ops", None)
-    if ops is not None:  # q, k and v as one LoRA node where all three fold, the up|gate
-        ops.override("linears", shared_input_linears)  # linear's with SiTU (adapters/shared.py)
-        ops.override("linear_situ", shared_linear_situ)
+    if ops is not None:  # q, k and v as one LoRA node where all three fold (adapters/shared.py)
+        ops.override("linears", shared_input_linears)
     return aset
 
 

@@ -12,12 +12,6 @@ pre-hooks run first, as a call of the module would run them (a weight ring's loa
 pre-hook that changes the input, or any other hook, sends the group through the modules
 themselves, so the result never depends on the route beyond the order of fp32 sums.
 
-``shared_linear_situ`` (the table's ``linear_situ``) does the same for the up|gate linear
-and SiTU after it: where the linear folds, has no hooks at all, and the table's ``situ``
-runs Triton at this shape, the base product is written alone and the LoRA's delta is added
-inside SiTU's kernels (``kernels/triton_lora_situ.py``): no pass over the [tokens, 2F]
-output to add it, and none for the product's epilogue to read it back.
-
 What one node saves over three: the input is read once for the three down products and
 once for their gradient, and the input gradient is one tensor (``t A`` with each
 ``dy W`` accumulated in place) instead of three added by autograd.
@@ -26,21 +20,15 @@ once for their gradient, and the input gradient is one tensor (``t A`` with each
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
-from kohakumoss.adapters.folded import (_compute_dtype, fp8_fold_parts, fp8_lora_linears, folded_forward,
-                                        lora_linears, lora_situ)
+from kohakumoss.adapters.folded import fp8_fold_parts, fp8_lora_linears, folded_forward, lora_linears
 from kohakumoss.adapters.runtime import _needs_own_dtype, _run, folds
 from kohakumoss.model.ops import hooked
 from kohakumoss.model.ops import linear as ref_linear
-from kohakumoss.model.ops import linear_situ as ops_linear_situ
 from kohakumoss.model.ops import linears as ops_linears
-
-log = logging.getLogger(__name__)
 
 
 def _pre_hooked(m: nn.Module, x: torch.Tensor) -> tuple:
@@ -105,51 +93,3 @@ def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Te
             len({p[0].codes.shape[0] for p in fp8}) == 1 and len({p[0].fp8_grad for p in fp8}) == 1:
         return fp8_lora_linears(x, fp8)
     return [m.forward(*a) for m, a in zip(modules, args)]
-
-
-SITU_MAX_RANK = 128
-"""The widest LoRA the fused SiTU kernels take: each tile holds ``h`` [32, r] and two
-[r, 128] slices of ``B`` in registers. A wider one takes the separate route."""
-
-_StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
-_broken: dict[str, str] = {}  # device type -> why the fused kernels failed there (said once)
-
-
-def _situ_lora_kernels(situ, rows: int, width: int, dtype: torch.dtype, device: torch.device):
-    """The module of the fused SiTU kernels when the table's ``situ`` runs Triton for
-    [rows, width] halves of ``dtype`` (a tuned or chosen op that says so), else None."""
-    from kohakumoss.kernels import backends
-
-    backend_for = getattr(situ, "backend_for", None)
-    if backend_for is None or device.type in _broken or device.type == "meta":  # meta: estimates
-        return None
-    half = torch.empty((rows, width), dtype=dtype, device="meta")
-    if backend_for(half, half) != "triton":
-        return None
-    return backends.triton_module("triton_lora_situ")
-
-
-def shared_linear_situ(x: torch.Tensor, module: nn.Module, ops) -> torch.Tensor:
-    """``ops.linear_situ`` as one node (``folded.lora_situ``) where ``module`` folds a LoRA
-    of rank <= ``SITU_MAX_RANK`` onto a plain bias-free linear, has no hooks of any kind, and
-    ``ops.situ`` runs Triton at this shape; otherwise the model's own route. A failure of the
-    fused kernels sends this device's later calls the separate way, said once."""
-    parts = None if module._forward_pre_hooks or hooked(module) else fold_parts(module)
-    lyco = _folding(module) if parts is not None else None
-    if parts is None or lyco is None or parts[1].shape[0] > SITU_MAX_RANK or \
-            (x.dtype != lyco.dtype_tensor.dtype and _needs_own_dtype(lyco)):
-        return ops_linear_situ(x, module, ops)
-    weight, down, up, alpha = parts
-    dt = _compute_dtype(x)[2]
-    kernels = _situ_lora_kernels(ops.situ, x.numel() // x.shape[-1], weight.shape[0] // 2, dt, x.device)
-    if kernels is None:
-        return ops_linear_situ(x, module, ops)
-    try:
-        return lora_situ(x, weight, down, up, alpha, kernels, ops.linear)
-    except _StopRecomputation:  # checkpointing ending a recomputation early: not a failure
-        raise
-    except Exception as e:  # a kernel that fails to build or run here: the separate route
-        _broken[x.device.type] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        log.warning("the fused LoRA + SiTU kernels failed on %s (%s); the up|gate linear and "
-                    "SiTU run separately", x.device.type, _broken[x.device.type])
-        return ops_linear_situ(x, module, ops)

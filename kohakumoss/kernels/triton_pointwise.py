@@ -29,37 +29,17 @@ _TILE, _BLOCK_C = 4096, 1024  # the elementwise tile: elements, widest column bl
 
 
 @jit
-def situ_value(u, g):
-    """``4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)`` of fp32 u and g."""
-    t4, sp, a2 = gate_parts(g)
-    gate = 4.0 * tl.where(g >= 0.0, t4 * sp, -t4 * (a2 * sp))  # 4 tanh(g/4) sigmoid(g)
-    tu = tanh_nonneg(tl.abs(u) * 0.04)
-    return gate * (25.0 * tl.where(u < 0.0, -tu, tu))  # times 25 tanh(u/25)
-
-
-@jit
-def situ_grads(go, u, g):
-    """``(du, dg)`` of SiTU at fp32 u and g, given its output gradient ``go`` (fp32)."""
-    t4, sp, a2 = gate_parts(g)
-    pos = g >= 0.0
-    sig = tl.where(pos, sp, a2 * sp)  # sigmoid(g)
-    tg = tl.where(pos, t4, -t4)  # tanh(g/4)
-    tu = tanh_nonneg(tl.abs(u) * 0.04)
-    tu = tl.where(u < 0.0, -tu, tu)  # tanh(u/25)
-    # d/dg 4 tanh(g/4) sigmoid(g) = (1 - tanh^2) sigmoid + 4 tanh sigmoid (1 - sigmoid),
-    # and sigmoid(g) (1 - sigmoid(g)) = e^-|g| sigmoid(|g|)^2 on either side of 0
-    dgate = (1.0 - t4 * t4) * sig + 4.0 * tg * (a2 * sp * sp)
-    return go * (4.0 * tg * sig) * (1.0 - tu * tu), go * (25.0 * tu) * dgate
-
-
-@jit
 def _situ_fwd(U, G, OUT, R, C, su, sg, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     m = (rows < R) & (cols < C)
     u = tl.load(U + rows * su + cols, mask=m, other=0.0).to(tl.float32)
     g = tl.load(G + rows * sg + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + rows * C + cols, rounded(situ_value(u, g), OUT.dtype.element_ty), mask=m)
+    t4, sp, a2 = gate_parts(g)
+    gate = 4.0 * tl.where(g >= 0.0, t4 * sp, -t4 * (a2 * sp))  # 4 tanh(g/4) sigmoid(g)
+    tu = tanh_nonneg(tl.abs(u) * 0.04)
+    value = 25.0 * tl.where(u < 0.0, -tu, tu)  # 25 tanh(u/25)
+    tl.store(OUT + rows * C + cols, rounded(gate * value, OUT.dtype.element_ty), mask=m)
 
 
 @jit
@@ -70,7 +50,17 @@ def _situ_bwd(GO, U, G, DU, DG, R, C, sgo, su, sg, sd, BLOCK_R: tl.constexpr, BL
     go = tl.load(GO + rows * sgo + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + rows * su + cols, mask=m, other=0.0).to(tl.float32)
     g = tl.load(G + rows * sg + cols, mask=m, other=0.0).to(tl.float32)
-    du, dg = situ_grads(go, u, g)
+    t4, sp, a2 = gate_parts(g)
+    pos = g >= 0.0
+    sig = tl.where(pos, sp, a2 * sp)  # sigmoid(g)
+    tg = tl.where(pos, t4, -t4)  # tanh(g/4)
+    tu = tanh_nonneg(tl.abs(u) * 0.04)
+    tu = tl.where(u < 0.0, -tu, tu)  # tanh(u/25)
+    # d/dg 4 tanh(g/4) sigmoid(g) = (1 - tanh^2) sigmoid + 4 tanh sigmoid (1 - sigmoid),
+    # and sigmoid(g) (1 - sigmoid(g)) = e^-|g| sigmoid(|g|)^2 on either side of 0
+    dgate = (1.0 - t4 * t4) * sig + 4.0 * tg * (a2 * sp * sp)
+    du = go * (4.0 * tg * sig) * (1.0 - tu * tu)
+    dg = go * (25.0 * tu) * dgate
     tl.store(DU + rows * sd + cols, rounded(du, DU.dtype.element_ty), mask=m)
     tl.store(DG + rows * sd + cols, rounded(dg, DG.dtype.element_ty), mask=m)
 

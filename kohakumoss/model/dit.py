@@ -149,7 +149,8 @@ class JointBlock(nn.Module):
         shift_f, scale_f = mod_B6D[:, 3], mod_B6D[:, 4]
         eps, gate_f = self._stream(mod_B6D[:, 5])
         y = ops.modulated_rms_norm(x_ND, self.norm2.weight, shift_f, scale_f, seg_N, eps)
-        h = ops.linear_situ(y, p["ffn_up_gate"], ops)  # situ of [u | g], each ffn_dim wide
+        u, g = ops.linears(y, (p["ffn_up_gate"],), ops.linear)[0].split(self.ffn_dim, dim=-1)
+        h = ops.situ(u, g)
         return ops.gated_residual(x_ND, ops.linears(h, (p["ffn_down"],), ops.linear)[0], gate_f, seg_N)
 
 

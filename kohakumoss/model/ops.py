@@ -287,16 +287,6 @@ def linears(x: torch.Tensor, modules, linear: Callable = linear) -> list[torch.T
     return [linear(x, m.weight) if plain_linear(m) else m(x) for m in modules]
 
 
-def linear_situ(x: torch.Tensor, module, ops) -> torch.Tensor:
-    """SiTU of the up|gate linear ``module``'s output ``[u | g]`` (two halves of one width),
-    as the table ``ops`` computes each: its ``linears`` (and ``linear``), then its ``situ``.
-    An adapter may put one node for the linear, its LoRA and SiTU in a model's table
-    (``kohakumoss/adapters/shared.py``)."""
-    ug = ops.linears(x, (module,), ops.linear)[0]
-    u, g = ug.split(ug.shape[-1] // 2, dim=-1)
-    return ops.situ(u, g)
-
-
 REFERENCE: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "modulated_rms_norm": modulated_rms_norm,
@@ -313,7 +303,6 @@ REFERENCE: dict[str, Callable] = {
     "fp8_lora_linears": fp8_lora_linears,
     "linear": linear,
     "linears": linears,
-    "linear_situ": linear_situ,
 }
 
 
