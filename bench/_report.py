@@ -1,11 +1,16 @@
 """The benchmarks' one way to report: the results as JSON on stdout, and in ``$OUT/<name>.json``
-when ``$OUT`` is set (the device machine sends that folder back); and their one CUDA-event
-timer, ``cuda_ms``."""
+when ``$OUT`` is set (the device machine sends that folder back); their one CUDA-event
+timer, ``cuda_ms``; and ``CardLog``, the card's clock, power and temperature while a run
+goes (an H200 at its 700 W limit runs its SMs ~20% below their top clock, and a figure
+means little without it)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import statistics
+import subprocess
 
 
 def report(res: dict, name: str) -> None:
@@ -35,3 +40,56 @@ def cuda_ms(fn, reps: int = 1, iters: int = 15) -> float:
         b.synchronize()
         out.append(a.elapsed_time(b) / reps)
     return sorted(out)[len(out) // 2]
+
+
+class CardLog:
+    """``with CardLog(device_index) as log: ...``: ``nvidia-smi`` samples the card's SM clock
+    (MHz), power draw (W) and temperature (C) every ``ms`` while the block runs;
+    ``log.summary()`` gives each as ``[min, median, max]`` and the number of samples, or {}
+    where there is no ``nvidia-smi`` or it printed nothing usable."""
+
+    FIELDS = ("sm_mhz", "power_w", "temp_c")
+
+    def __init__(self, index: int = 0, ms: int = 500):
+        self.index, self.ms = index, ms
+        self.proc: subprocess.Popen | None = None
+        self.text = ""
+
+    def __enter__(self) -> "CardLog":
+        exe = shutil.which("nvidia-smi")
+        if exe:
+            self.proc = subprocess.Popen(
+                [exe, "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+                 "-i", str(self.index), "-lms", str(self.ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.text, _ = self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.text, _ = self.proc.communicate()
+
+    def summary(self) -> dict:
+        return card_summary(self.text, self.FIELDS)
+
+
+def card_summary(text: str, fields: tuple[str, ...] = CardLog.FIELDS) -> dict:
+    """``nvidia-smi``'s csv lines (one value per field, no units) as ``{field: [min, median,
+    max]}`` plus ``samples``; lines that do not parse (``[N/A]``, a cut-off last line) are
+    skipped."""
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            rows.append([float(p) for p in parts])
+        except ValueError:
+            continue
+    rows = [r for r in rows if len(r) == len(fields)]
+    if not rows:
+        return {}
+    out = {f: [min(col), statistics.median(col), max(col)] for f, col in zip(fields, zip(*rows))}
+    return {**out, "samples": len(rows)}

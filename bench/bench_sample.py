@@ -23,7 +23,7 @@ import torch
 from kohakumoss.diffusion.sampler import Request, sample
 from kohakumoss.model import FLAVORS, MOSSImageTransformer
 from kohakumoss.model.build import random_transformer
-from _report import report  # bench/_report.py (the script's folder is on sys.path)
+from _report import CardLog, report  # bench/_report.py (the script's folder is on sys.path)
 
 
 def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False) -> MOSSImageTransformer:
@@ -81,13 +81,15 @@ def main() -> None:
             reqs = [Request(pos, neg, (64, 64), i) for i in range(b)]
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            lat = sample(model, reqs, a.steps, 3.0, 5.0, device="cuda", dtype=torch.bfloat16,
-                         cuda_graph=graph == "on")
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            with CardLog(torch.cuda.current_device()) as card:  # the card's clock and power
+                t0 = time.perf_counter()
+                lat = sample(model, reqs, a.steps, 3.0, 5.0, device="cuda", dtype=torch.bfloat16,
+                             cuda_graph=graph == "on")
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
             res["runs"].append({"batch": b, "cuda_graph": graph, "seconds": dt, "seconds_per_image": dt / b,
-                                "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+                                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                                "card": card.summary()})
             print(json.dumps(res["runs"][-1]), flush=True)
     if a.no_vae:
         report(res, a.name or "bench_sample")

@@ -41,7 +41,7 @@ from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.training.engines import EnginePlan, apply_engines
 from kohakumoss.training.optim import build_optimizer
-from _report import report  # bench/_report.py (the script's folder is on sys.path)
+from _report import CardLog, report  # bench/_report.py (the script's folder is on sys.path)
 
 
 KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in order}
@@ -349,21 +349,23 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     times, segments = [], []  # each timed step's time and its samples' joint lengths
     torch.cuda.reset_peak_memory_stats()
     held = 0.0
+    card = CardLog(torch.cuda.current_device())
     try:
         batch = step_inputs(lat, txt, keys[:per], 0)
-        for s in range(steps + 2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            upcoming = (lambda s=s: step_inputs(lat, txt, keys[(s + 1) * per:(s + 2) * per], s + 1)) \
-                if s + 1 < steps + 2 else None
-            layout, batch = step_fn(model, opt, batch, update, upcoming, stepper)
-            torch.cuda.synchronize()
-            held = max(held, held_gib())
-            if s >= 2:
-                times.append(time.perf_counter() - t0)
-                segments.append(list(layout.joint_len))
-        if update is not None:
-            update.wait()
+        with card:  # the card's clock and power over the steps
+            for s in range(steps + 2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                upcoming = (lambda s=s: step_inputs(lat, txt, keys[(s + 1) * per:(s + 2) * per], s + 1)) \
+                    if s + 1 < steps + 2 else None
+                layout, batch = step_fn(model, opt, batch, update, upcoming, stepper)
+                torch.cuda.synchronize()
+                held = max(held, held_gib())
+                if s >= 2:
+                    times.append(time.perf_counter() - t0)
+                    segments.append(list(layout.joint_len))
+            if update is not None:
+                update.wait()
     except torch.OutOfMemoryError as e:
         out = {"budget": budget, "samples_per_step": per, "cap_gib": CAP[0], "error": "out of memory",
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -396,7 +398,7 @@ def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
     return {"budget": budget, "base": base, "weights_gib": weights,
             "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],
             "step_s": t, "step_times_s": [round(x, 4) for x in times],
-            "step_segments": segments, "samples_per_s": per / t,
+            "step_segments": segments, "card": card.summary(), "samples_per_s": per / t,
             "peak_gib": peak, "estimate_gib": est,
             "reserved_gib": reserved, "device_used_gib": held, "host_peak_gib": host_peak_gib(),
             **streamed,
