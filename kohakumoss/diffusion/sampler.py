@@ -154,15 +154,15 @@ def sample(model: MOSSImageTransformer, reqs: Sequence[Request], steps: int = 50
     x = torch.cat(noise).to(device)
     levels = [packed.sigmas(sig) for sig in sigmas[:-1]]  # made now: no host work per step
 
-    velocity = GraphedVelocity(model, packed, skip)
-    graphed = cuda_graph and x.device.type == "cuda" and len(levels) > 1
-    side = torch.cuda.Stream(x.device) if graphed else None
-    if side is not None:  # capture needs a stream of its own; the loop runs there
+    graphed = GraphedVelocity(model, packed, skip)
+    side = None
+    if cuda_graph and x.device.type == "cuda" and len(levels) > 1:
+        side = torch.cuda.Stream(x.device)  # capture needs a stream of its own; the loop runs there
         side.wait_stream(torch.cuda.current_stream(x.device))
+    velocity = graphed if side is not None else graphed.eager
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         for i in range(len(sigmas) - 1):
-            v = velocity(x, levels[i]) if graphed else velocity.eager(x, levels[i])
-            x = x + (sigmas[i + 1] - sigmas[i]) * v
+            x = x + (sigmas[i + 1] - sigmas[i]) * velocity(x, levels[i])
             if callback:
                 callback(i + 1, len(sigmas) - 1)
     if side is not None:

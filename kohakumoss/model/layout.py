@@ -52,9 +52,9 @@ class PackedLayout:
 
     def to(self, device: torch.device | str) -> PackedLayout:
         """The layout on ``device`` (``moved``: queued behind a CUDA device's work)."""
-        moved_ = {f.name: (moved(v, device) if isinstance(v, torch.Tensor) else v)
+        fields = {f.name: (moved(v, device) if isinstance(v, torch.Tensor) else v)
                   for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
-        return PackedLayout(**moved_)
+        return PackedLayout(**fields)
 
 
 def moved(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
