@@ -139,7 +139,8 @@ def test_modulated_rms_norm(lengths, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
 def test_norms_of_an_adapter_run(dtype):
     """Frozen norm weights and modulation (LoRA): only x takes a gradient, and the kernels
-    make no reductions; and each of weight, shift, scale needing one alone."""
+    make no reductions (samples in order and shuffled); and each of weight, shift, scale
+    needing one alone."""
     needs_triton()
     g = torch.Generator().manual_seed(14)
     lengths = [9, 1, 4]
@@ -155,6 +156,10 @@ def test_norms_of_an_adapter_run(dtype):
         named = {"x": x, "weight": w, "shift": shift, "scale": scale}
         compare(triton_fn("modulated_rms_norm"), ops.modulated_rms_norm,
                 (x, w, shift, scale, seg, 1e-6), {k: named[k] for k in ["x", *wants]}, TOL[dtype])
+    # dx alone walks the rows in token order, each row's scale by its sample: any seg order
+    shuffled = seg_of(lengths, True, g)
+    compare(triton_fn("modulated_rms_norm"), ops.modulated_rms_norm,
+            (x, w, shift.detach(), scale.detach(), shuffled, 1e-6), {"x": x}, TOL[dtype])
 
 
 @triton_test

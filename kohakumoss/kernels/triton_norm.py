@@ -97,6 +97,30 @@ def _norm_bwd(G, X, W, SCALE, ORDER, STARTS, DX, PW, PSC, PSH, R, D, sg, sx, s_s
         tl.store(PSH + pid * D + cols, acc_sh, mask=cmask)
 
 
+@jit
+def _norm_bwd_rows(G, X, W, SCALE, SEG, DX, R, D, sg, sx, s_sc, eps,
+                   HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``dx`` alone (no reduction over rows): tiles of rows in token order, each row's
+    scale fetched through its sample, as the forward reads them."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask, cmask = rows < R, cols < D
+    m = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + r64 * sg + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    xh = x * rstd[:, None]
+    if HAS_MOD:
+        s = tl.load(SEG + rows, mask=rmask, other=0).to(tl.int64)[:, None]
+        g = g * (1.0 + tl.load(SCALE + s * s_sc + cols[None, :], mask=m, other=0.0).to(tl.float32))
+    gw = g * w
+    c = tl.sum(gw * xh, axis=1) / D
+    dx = rstd[:, None] * (gw - xh * c[:, None])
+    tl.store(DX + r64 * D + cols[None, :], rounded(dx, DX.dtype.element_ty), mask=m)
+
+
 def _tile(D: int) -> tuple[int, int]:
     block_d = pow2(D)
     return max(1, min(64, 4096 // block_d)), block_d
@@ -117,20 +141,24 @@ def _forward(x, w, shift, scale, seg, eps, has_mod):
 
 def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad):
     """(dx, dw or [0], dshift and dscale in fp32 or [0, D]). Without a reduction to make,
-    every program takes one tile of rows; with one, B K programs walk their chunks."""
+    every program takes one tile of rows in token order (``_norm_bwd_rows``); with one, B K
+    programs walk their chunks of each sample's rows."""
     R, D = x.shape
     g = rows2d(g, D)
     B = scale.shape[0] if has_mod else 1
     block_r, block_d = _tile(D)
-    reduce = weight_grad or (has_mod and mod_grad)
-    tiles = max(1, triton.cdiv(R, block_r))
-    if reduce:
-        K = max(1, triton.cdiv(programs(x.device), B))
-    else:  # about two programs a tile (samples' sizes are not known here without a sync)
-        K = tiles if B == 1 else max(1, triton.cdiv(2 * tiles, B))
-    P = B * K
     f32 = dict(dtype=torch.float32, device=x.device)
     dx = torch.empty((R, D), dtype=x.dtype, device=x.device)
+    if not (weight_grad or (has_mod and mod_grad)):  # dx alone: rows in order, no partials
+        if R > 0:
+            _norm_bwd_rows[(triton.cdiv(R, block_r),)](
+                g, x, w, scale, seg, dx, R, D, g.stride(0), x.stride(0),
+                scale.stride(0) if has_mod else 0, eps, HAS_MOD=has_mod, BLOCK_R=block_r,
+                BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
+        empty = torch.empty((0, D), **f32)
+        return dx, torch.empty((0,), dtype=w.dtype, device=x.device), empty, empty
+    K = max(1, triton.cdiv(programs(x.device), B))
+    P = B * K
     pw = torch.empty((P, D) if weight_grad else (1, 1), **f32)
     psc = torch.empty((P, D) if has_mod and mod_grad else (1, 1), **f32)
     psh = torch.empty_like(psc)
