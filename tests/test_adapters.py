@@ -484,3 +484,84 @@ def test_a_stacked_adapter_keeps_the_separate_path(monkeypatch):
             outs.append(model(*inputs))
     assert not calls
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+
+
+def _lora_bf16(engines=(), grouped=True):
+    """A tiny bf16 model with a trained-looking rank-4 LoRA (alpha 2: scale 0.5) in float32,
+    its block engines applied; ``grouped=False``: each layer casts its own factors."""
+    from kohakumoss.adapters.casts import detach_cast_groups
+    from kohakumoss.model.build import tiny_transformer
+    from kohakumoss.model.dit import cast_model
+
+    model = cast_model(tiny_transformer(), torch.bfloat16)
+    aset = apply_adapters(model, _cfg("lora", mode="bypass"), seed=0)  # preset all: blocks and the rest
+    with torch.no_grad():
+        for p in aset.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    if not grouped:
+        detach_cast_groups(aset.modules, aset.cast_hook)
+    for engine in engines:
+        engine(model)
+    return model, aset
+
+
+def _lora_step(model, aset):
+    inputs, target = _batch(torch.float32)
+    for p in aset.trainable_parameters():
+        p.grad = None
+    out = model(*inputs)
+    F.mse_loss(out.float(), target).backward()
+    return out, [p.grad.clone() for p in aset.trainable_parameters()]
+
+
+def test_a_blocks_lora_factors_are_cast_together_exactly_as_one_by_one(monkeypatch):
+    """A bf16 step casts each block's float32 LoRA factors in one node per alpha
+    (``adapters/casts.py``), once per forward: outputs and gradients are the one-by-one
+    casts' bit for bit, also after a fused AdamW step (which writes the parameters without
+    bumping their versions), and in forwards without autograd."""
+    from kohakumoss.adapters import casts
+
+    builds = []
+    apply = casts._JoinedCast.apply
+    monkeypatch.setattr(casts._JoinedCast, "apply", lambda *a: builds.append(a[1]) or apply(*a))
+    runs = []
+    for grouped in (True, False):
+        model, aset = _lora_bf16(grouped=grouped)
+        opt = torch.optim.AdamW(aset.trainable_parameters(), lr=1e-2, fused=True)
+        seen = []
+        for _ in range(2):
+            builds.clear()
+            seen.append(_lora_step(model, aset))
+            blocks = len(model.layers) + len(model.text_embedder.blocks)
+            assert builds == ([1.0, 0.5] * blocks if grouped else [])  # downs, then the ups
+            opt.step()
+        builds.clear()
+        with torch.no_grad():
+            seen.append((model(*_batch(torch.float32)[0]), []))
+            seen.append((model(*_batch(torch.float32)[0]), []))
+        assert len(builds) == (2 * 2 * blocks if grouped else 0)  # once per block and forward
+        runs.append(seen)
+    for (out, grads), (ref, ref_grads) in zip(*runs):
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+        assert len(grads) == len(ref_grads) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("engine", ["checkpoint blocks", "sub-block", "selective", "recompute + sub-block",
+                                    "partial + rebuild"])
+def test_joint_lora_casts_hold_under_the_memory_engines(engine, monkeypatch):
+    """A recomputation in backward reuses the forward's joint casts (no block casts twice;
+    under selective checkpointing's dispatch mode each layer casts its own): outputs and
+    LoRA gradients equal the plain step's bit for bit."""
+    from kohakumoss.adapters import casts
+    from test_memory import ENGINES
+
+    ref, ref_grads = _lora_step(*_lora_bf16())
+    builds = []
+    apply = casts._JoinedCast.apply
+    monkeypatch.setattr(casts._JoinedCast, "apply", lambda *a: builds.append(a[1]) or apply(*a))
+    model, aset = _lora_bf16(ENGINES[engine])
+    out, grads = _lora_step(model, aset)
+    blocks = len(model.layers) + len(model.text_embedder.blocks)
+    assert len(builds) == (0 if engine == "selective" else 2 * blocks)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))

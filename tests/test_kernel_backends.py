@@ -136,6 +136,37 @@ def test_modulated_rms_norm(lengths, dtype):
 
 
 @triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("lengths", [LENGTHS["mixed"], LENGTHS["long"]], ids=["mixed", "long"])
+def test_a_halfs_norm_sums_the_closing_adds_gradient_in_its_kernel(lengths, dtype):
+    """``ops.stream_norm`` on the Triton norm returns ``(norm(x), x)`` through one node whose
+    backward adds the closing gated add's gradient of x to the norm's own in the kernel. The
+    half ``x + gate * (norm(x) m)`` against the references' (samples in order and shuffled;
+    only x trained, as a LoRA run; then weight and modulation too)."""
+    needs_triton()
+    fn = triton_fn("modulated_rms_norm")
+    g = torch.Generator().manual_seed(21)
+    N, D, B = sum(lengths), 48, len(lengths)
+
+    def half(norm, gated):
+        def run(x, w, shift, scale, seg, gate, m):
+            y, x_res = ops.stream_norm(norm, x, w, shift, scale, seg, 1e-6)
+            return gated(x_res, y @ m, gate, seg)
+        return run
+
+    mine, ref = half(fn, triton_fn("gated_residual")), half(ops.modulated_rms_norm, ops.gated_residual)
+    for shuffle, wants in ((False, []), (True, []), (True, ["weight", "shift", "scale"])):
+        x, m = leaf(g, N, D, dtype=dtype), leaf(g, D, D, dtype=dtype, scale=D ** -0.5, grad=False)
+        w = leaf(g, D, dtype=dtype, grad="weight" in wants)
+        shift, scale = (leaf(g, B, D, scale=0.5, grad=n in wants) for n in ("shift", "scale"))
+        gate = leaf(g, B, D, grad=False)
+        args = (x, w, shift, scale, seg_of(lengths, shuffle, g), gate, m)
+        assert "_StreamNormBackward" in _graph(mine(*args))
+        named = {"x": x, "weight": w, "shift": shift, "scale": scale}
+        compare(mine, ref, args, {k: named[k] for k in ["x", *wants]}, TOL[dtype])
+
+
+@triton_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
 def test_norms_of_an_adapter_run(dtype):
     """Frozen norm weights and modulation (LoRA): only x takes a gradient, and the kernels

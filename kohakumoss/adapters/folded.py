@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from kohakumoss.adapters.casts import lora_factors
 from kohakumoss.model.ops import linear as ref_linear
 
 
@@ -64,6 +65,11 @@ def _compute_dtype(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
     dev = x.device.type
     autocast = torch.amp.is_autocast_available(dev)
     return dev, autocast, torch.get_autocast_dtype(dev) if autocast and torch.is_autocast_enabled(dev) else x.dtype
+
+
+def linear_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear on ``x`` computes in (autocast's where it is on, else ``x``'s)."""
+    return _compute_dtype(x)[2]
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -153,12 +159,13 @@ def folded_forward(lyco, x: torch.Tensor, linear=None) -> torch.Tensor:
     out of place onto another wrapper's (it may keep its output) and under a dispatch mode
     (a base output that selective checkpointing keeps is never mutated)."""
     alpha = float(lyco.scale) * float(lyco.multiplier)
-    fp8 = fp8_fold_parts(lyco)
+    fp8 = fp8_fold_parts(lyco, x.dtype)
     if fp8 is not None:
         return fp8_lora_linears(x, [fp8])[0]
     if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:
         base = lyco.org_module[0]  # kmoss_unevaluated: a recomputation reads no output
-        return lora_linear(x, base.weight, base.bias, lyco.lora_down.weight, lyco.lora_up.weight, alpha,
+        down, up = lora_factors(lyco, linear_dtype(x))  # alpha in up, as lora_linear puts it
+        return lora_linear(x, base.weight, base.bias, down, up, 1.0,
                            evaluate=not getattr(base, "kmoss_unevaluated", False), linear=linear)
     y = lyco.org_forward(x)
     h = F.linear(x, lyco.lora_down.weight.to(x))
@@ -179,13 +186,18 @@ def _owns_output(lyco) -> bool:
         getattr(lyco.org_forward, "__func__", None) is type(base).forward
 
 
-def fp8_fold_parts(lyco) -> tuple[nn.Module, torch.Tensor, torch.Tensor, float] | None:
+def fp8_fold_parts(lyco, dtype: torch.dtype | None = None
+                   ) -> tuple[nn.Module, torch.Tensor, torch.Tensor, float] | None:
     """``(base, down, up, alpha)`` when the layer's base runs fp8 compute and takes its LoRA
-    into one node (``QuantizedLinear.lora_op``: no bias, no rotation), else None."""
+    into one node (``QuantizedLinear.lora_op``: no bias, no rotation), else None. With
+    ``dtype`` (the input's), ``down`` and ``alpha * up`` come cast to it (``lora_factors``)
+    and ``alpha`` is 1."""
     base = lyco.org_module[0]
     lora_op = getattr(base, "lora_op", None)
     if lora_op is None or not _owns_output(lyco) or lora_op() is None:
         return None
+    if dtype is not None:
+        return base, *lora_factors(lyco, dtype), 1.0
     return base, lyco.lora_down.weight, lyco.lora_up.weight, float(lyco.scale) * float(lyco.multiplier)
 
 
@@ -197,6 +209,7 @@ def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor,
     layers = []
     for base, down, up, alpha in parts:
         up = up * alpha if alpha != 1.0 else up
-        layers.append((base.codes, base.scale, down.to(x.dtype), up.to(x.dtype)))
+        layers.append((base.codes, base.scale, down if down.dtype == x.dtype else down.to(x.dtype),
+                       up if up.dtype == x.dtype else up.to(x.dtype)))
     base = parts[0][0]
     return base.lora_op()(x, layers, base.fp8_grad)

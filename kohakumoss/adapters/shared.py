@@ -24,7 +24,9 @@ import functools
 import torch
 from torch import nn
 
-from kohakumoss.adapters.folded import fp8_fold_parts, fp8_lora_linears, folded_forward, lora_linears
+from kohakumoss.adapters.casts import lora_factors
+from kohakumoss.adapters.folded import (fp8_fold_parts, fp8_lora_linears,
+                                        folded_forward, linear_dtype, lora_linears)
 from kohakumoss.adapters.runtime import _needs_own_dtype, _run, folds
 from kohakumoss.model.ops import hooked
 from kohakumoss.model.ops import linear as ref_linear
@@ -52,21 +54,26 @@ def _folding(m: nn.Module):
     return lyco
 
 
-def fold_parts(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+def fold_parts(m: nn.Module, dtype: torch.dtype | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
     """``(weight, down, up, alpha)`` when ``m``'s forward now is a folding LoRA on a plain
-    bias-free linear, else None."""
+    bias-free linear, else None. With ``dtype`` (the linears' compute dtype), ``down`` and
+    ``alpha * up`` come cast to it (``casts.lora_factors``) and ``alpha`` is 1."""
     lyco = _folding(m)
     if lyco is None:
         return None
     if getattr(lyco.org_forward, "__func__", None) is not nn.Linear.forward or m.bias is not None:
         return None
+    if dtype is not None:
+        return m.weight, *lora_factors(lyco, dtype), 1.0
     return m.weight, lyco.lora_down.weight, lyco.lora_up.weight, float(lyco.scale) * float(lyco.multiplier)
 
 
-def _fp8_parts(m: nn.Module) -> tuple | None:
-    """``folded.fp8_fold_parts`` of ``m``'s folding LoRA, when its forward now is one."""
+def _fp8_parts(m: nn.Module, dtype: torch.dtype) -> tuple | None:
+    """``folded.fp8_fold_parts`` of ``m``'s folding LoRA (cast to ``dtype``), when its
+    forward now is one."""
     lyco = _folding(m)
-    return None if lyco is None else fp8_fold_parts(lyco)
+    return None if lyco is None else fp8_fold_parts(lyco, dtype)
 
 
 def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Tensor]:
@@ -85,11 +92,12 @@ def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Te
             return [folded_forward(lyco, x, linear)]
         return [ops_linears(x, modules, linear or ref_linear)[0]]
     args = [_pre_hooked(m, x) for m in modules]
-    parts = [fold_parts(m) for m in modules]
-    if all(len(a) == 1 and a[0] is x for a in args) and all(p is not None for p in parts):
-        return lora_linears(x, parts, linear)
-    fp8 = [_fp8_parts(m) for m in modules]  # fp8 compute bases (precision.fp8_compute)
-    if all(len(a) == 1 and a[0] is x for a in args) and all(p is not None for p in fp8) and \
+    if not all(len(a) == 1 and a[0] is x for a in args):
+        return [m.forward(*a) for m, a in zip(modules, args)]
+    if all(fold_parts(m) is not None for m in modules):  # cast as lora_linears computes
+        return lora_linears(x, [fold_parts(m, linear_dtype(x)) for m in modules], linear)
+    fp8 = [_fp8_parts(m, x.dtype) for m in modules]  # fp8 compute bases (precision.fp8_compute)
+    if all(p is not None for p in fp8) and \
             len({p[0].codes.shape[0] for p in fp8}) == 1 and len({p[0].fp8_grad for p in fp8}) == 1:
         return fp8_lora_linears(x, fp8)
     return [m.forward(*a) for m, a in zip(modules, args)]

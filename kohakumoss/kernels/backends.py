@@ -105,8 +105,15 @@ def _triton_fn(op: str, name: str | None = None) -> Callable:
     return fn
 
 
+# forms ``model.ops.stream_norm`` takes where a call runs the Triton kernels (the norm of a
+# half with its closing add's gradient of x summed in the backward kernel)
+TRITON_STREAM = {"modulated_rms_norm": "stream_modulated_rms_norm"}
+
 for _op in TRITON_OPS:  # each kernel's autograd saves its inputs; backward recomputes the rest
-    register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op), keeps_inputs_only=True)
+    _fn = _triton_fn(_op)
+    if _op in TRITON_STREAM:
+        _fn.stream = _triton_fn(_op, TRITON_STREAM[_op])
+    register_backend(_op, "triton", _fn, _triton_available(_op), keeps_inputs_only=True)
 
 DEQUANT_ROWS = 1024
 """From this many rows a quantized linear dequantizes the layer's weight into a transient

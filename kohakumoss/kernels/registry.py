@@ -148,6 +148,11 @@ class TunedOp:
     def _named(self, name: str) -> Backend:
         return next(b for chain in self.chains.values() for b in chain if b.name == name)
 
+    def fn_for(self, *args) -> Callable:
+        """The function a call with these arguments runs (barring a failure)."""
+        name = self.backend_for(*args)
+        return self.reference if name == REFERENCE_NAME else self._named(name).fn
+
     def __call__(self, *args):
         dims = self.problem.dims(*args)
         chain = self.chain(call_dtype(args), self.problem.key(dims))
@@ -184,6 +189,11 @@ class ChosenOp:
     def keeps_inputs_only_for(self, *args) -> bool:
         usable = self._usable(args)
         return bool(usable) and usable[0].keeps_inputs_only
+
+    def fn_for(self, *args) -> Callable:
+        """The function a call with these arguments runs (barring a failure)."""
+        usable = self._usable(args)
+        return usable[0].fn if usable else self.reference
 
     def __call__(self, *args):
         return _run_first(self, self.backends, self.problem.dims(*args) if self.shaped else None, args)

@@ -98,10 +98,12 @@ def _norm_bwd(G, X, W, SCALE, ORDER, STARTS, DX, PW, PSC, PSH, R, D, sg, sx, s_s
 
 
 @jit
-def _norm_bwd_rows(G, X, W, SCALE, SEG, DX, R, D, sg, sx, s_sc, eps,
-                   HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_bwd_rows(G, X, W, SCALE, SEG, RES, DX, R, D, sg, sx, s_sc, s_res, eps,
+                   HAS_MOD: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
     """``dx`` alone (no reduction over rows): tiles of rows in token order, each row's
-    scale fetched through its sample, as the forward reads them."""
+    scale fetched through its sample, as the forward reads them; with ``HAS_RES`` the
+    gradient ``RES`` that reached x by another path is added before the one rounding."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     rmask, cmask = rows < R, cols < D
@@ -118,6 +120,8 @@ def _norm_bwd_rows(G, X, W, SCALE, SEG, DX, R, D, sg, sx, s_sc, eps,
     gw = g * w
     c = tl.sum(gw * xh, axis=1) / D
     dx = rstd[:, None] * (gw - xh * c[:, None])
+    if HAS_RES:
+        dx += tl.load(RES + r64 * s_res + cols[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(DX + r64 * D + cols[None, :], rounded(dx, DX.dtype.element_ty), mask=m)
 
 
@@ -139,10 +143,11 @@ def _forward(x, w, shift, scale, seg, eps, has_mod):
     return out
 
 
-def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad):
+def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None):
     """(dx, dw or [0], dshift and dscale in fp32 or [0, D]). Without a reduction to make,
-    every program takes one tile of rows in token order (``_norm_bwd_rows``); with one, B K
-    programs walk their chunks of each sample's rows."""
+    every program takes one tile of rows in token order (``_norm_bwd_rows``, which adds
+    ``res`` [R, D], x's gradient by another path, where given); with one, B K programs walk
+    their chunks of each sample's rows (``res``: added after)."""
     R, D = x.shape
     g = rows2d(g, D)
     B = scale.shape[0] if has_mod else 1
@@ -151,12 +156,17 @@ def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad):
     dx = torch.empty((R, D), dtype=x.dtype, device=x.device)
     if not (weight_grad or (has_mod and mod_grad)):  # dx alone: rows in order, no partials
         if R > 0:
+            res = None if res is None else rows2d(res, D)
             _norm_bwd_rows[(triton.cdiv(R, block_r),)](
-                g, x, w, scale, seg, dx, R, D, g.stride(0), x.stride(0),
-                scale.stride(0) if has_mod else 0, eps, HAS_MOD=has_mod, BLOCK_R=block_r,
+                g, x, w, scale, seg, g if res is None else res, dx, R, D, g.stride(0),
+                x.stride(0), scale.stride(0) if has_mod else 0, 0 if res is None else res.stride(0),
+                eps, HAS_MOD=has_mod, HAS_RES=res is not None, BLOCK_R=block_r,
                 BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
         empty = torch.empty((0, D), **f32)
         return dx, torch.empty((0,), dtype=w.dtype, device=x.device), empty, empty
+    if res is not None:
+        dx, dw, dshift, dscale = _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad)
+        return dx + res.reshape(dx.shape).to(dx.dtype), dw, dshift, dscale
     K = max(1, triton.cdiv(programs(x.device), B))
     P = B * K
     pw = torch.empty((P, D) if weight_grad else (1, 1), **f32)
@@ -276,6 +286,45 @@ _mod_norm = entry(_mod_norm_op, _mod_norm_impl, _mod_setup, _mod_backward, _mod_
                   _mod_norm_bwd_impl)
 
 
+class _StreamNorm(torch.autograd.Function):
+    """``(modulated_rms_norm(x, ...), x)`` as one node: x comes back (a view) for the residual
+    add that closes the block's half, and the backward adds that add's gradient of x to the
+    norm's own inside the kernel, one pass and one rounding where autograd would sum the two
+    in a pass of its own."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shift, scale, seg, eps):
+        ctx.save_for_backward(x, weight, scale, seg)
+        ctx.eps, ctx.dtypes = eps, (shift.dtype, scale.dtype)
+        return _mod_norm_impl(x, weight, shift, scale, seg, eps), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g, res):
+        x, weight, scale, seg = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if g is None:  # the norm's output unused: x's gradient is the add's alone
+            return res, None, None, None, None, None
+        dx, dw, dshift, dscale = _backward(g, x, weight, scale, seg, ctx.eps, True, need[1],
+                                           need[2] or need[3], res)
+        return (dx, dw if need[1] else None, dshift.to(ctx.dtypes[0]) if need[2] else None,
+                dscale.to(ctx.dtypes[1]) if need[3] else None, None, None)
+
+
+def stream_modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
+                              scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(modulated_rms_norm(...), x)`` with x's two gradients summed in the norm's backward
+    kernel (``ops.stream_norm``; ``_StreamNorm``). Without autograd or under
+    ``torch.compile``: the norm and x itself."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x_ND, weight, shift_BD, scale_BD))):
+        return modulated_rms_norm(x_ND, weight, shift_BD, scale_BD, seg_N, eps), x_ND
+    _check_mod(x_ND, weight, shift_BD, scale_BD, seg_N)
+    return _StreamNorm.apply(lastdim_contiguous(x_ND), lastdim_contiguous(weight),
+                             lastdim_contiguous(shift_BD), lastdim_contiguous(scale_BD), seg_N,
+                             float(eps))
+
+
 # ---- the op-table entries (the references' signatures) -------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -288,9 +337,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
-                       scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float) -> torch.Tensor:
-    """``ops.modulated_rms_norm`` in Triton. ``seg_N`` values must lie in [0, B)."""
+def _check_mod(x_ND, weight, shift_BD, scale_BD, seg_N) -> None:
     check_tensors("modulated_rms_norm", x_ND, weight, shift_BD, scale_BD)
     N, D = x_ND.shape
     if weight.shape != (D,) or shift_BD.shape != scale_BD.shape or shift_BD.shape[-1:] != (D,) \
@@ -299,5 +346,11 @@ def modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch
                          f"{tuple(weight.shape)}, shift {tuple(shift_BD.shape)}, scale "
                          f"{tuple(scale_BD.shape)}, seg {tuple(seg_N.shape)}; want [N, D], [D], "
                          f"[B, D], [B, D], [N]")
+
+
+def modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
+                       scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.modulated_rms_norm`` in Triton. ``seg_N`` values must lie in [0, B)."""
+    _check_mod(x_ND, weight, shift_BD, scale_BD, seg_N)
     return _mod_norm(lastdim_contiguous(x_ND), lastdim_contiguous(weight),
                      lastdim_contiguous(shift_BD), lastdim_contiguous(scale_BD), seg_N, float(eps))

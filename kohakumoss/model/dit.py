@@ -18,7 +18,7 @@ from torch import nn
 
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.layout import PackedLayout
-from kohakumoss.model.ops import OpTable, compute_dtype
+from kohakumoss.model.ops import OpTable, compute_dtype, stream_norm
 
 # modules kept in max(float32, compute dtype) whatever the compute dtype (docs/model.md)
 FP32_MODULES = ("time_embedding", "shared_block_modulation", "video_head_modulation")
@@ -135,7 +135,7 @@ class JointBlock(nn.Module):
         p = self.proj
         shift_a, scale_a = mod_B6D[:, 0], mod_B6D[:, 1]
         eps, gate_a = self._stream(mod_B6D[:, 2])
-        y = ops.modulated_rms_norm(x_ND, self.norm1.weight, shift_a, scale_a, seg_N, eps)
+        y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, self.norm1.weight, shift_a, scale_a, seg_N, eps)
         q, k, v = ops.linears(y, (p["q"], p["k"], p["v"]), ops.linear)
         q = ops.qk_norm_rope(q.view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
         k = ops.qk_norm_rope(k.view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
@@ -148,7 +148,7 @@ class JointBlock(nn.Module):
         p = self.proj
         shift_f, scale_f = mod_B6D[:, 3], mod_B6D[:, 4]
         eps, gate_f = self._stream(mod_B6D[:, 5])
-        y = ops.modulated_rms_norm(x_ND, self.norm2.weight, shift_f, scale_f, seg_N, eps)
+        y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, self.norm2.weight, shift_f, scale_f, seg_N, eps)
         u, g = ops.linears(y, (p["ffn_up_gate"],), ops.linear)[0].split(self.ffn_dim, dim=-1)
         h = ops.situ(u, g)
         return ops.gated_residual(x_ND, ops.linears(h, (p["ffn_down"],), ops.linear)[0], gate_f, seg_N)
