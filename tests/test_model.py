@@ -88,6 +88,27 @@ def test_skip_layer_equals_removing_the_block():
     assert rel_error(skipped, full) > 1e-3
 
 
+def test_samples_skipping_a_layer_keep_their_value_and_the_others_are_unchanged():
+    """``skip_samples`` as a tensor (``torch.where`` over every token) and as host flags whose
+    skipped samples come last (the layer runs on the leading samples' tokens alone) agree,
+    and each sample equals its own forward with or without the layer."""
+    m = _model()
+    hw, lens = [(3, 3), (2, 3), (3, 2)], [5, 4, 6]
+    img, txt, sigma = _inputs(hw, lens)
+    lay = build_layout(hw, lens)
+    with torch.no_grad():
+        for flags in [(False, True, True), (False, False, True), (True, True, True), (True, False, True)]:
+            as_tensor = m(img, txt, sigma, lay, skip_layers=[1], skip_samples=torch.tensor(flags))
+            as_flags = m(img, txt, sigma, lay, skip_layers=[1], skip_samples=list(flags))
+            assert rel_error(as_flags, as_tensor) < 1e-12
+            i0, t0 = 0, 0
+            for i, ((h, w), L) in enumerate(zip(hw, lens)):
+                alone = m(img[i0:i0 + h * w], txt[t0:t0 + L], sigma[i:i + 1], build_layout([(h, w)], [L]),
+                          skip_layers=[1] if flags[i] else [])
+                assert rel_error(as_flags[i0:i0 + h * w], alone) < 1e-12
+                i0, t0 = i0 + h * w, t0 + L
+
+
 def test_zero_gates_make_every_block_the_identity():
     m = _model()
     D = m.config.dim

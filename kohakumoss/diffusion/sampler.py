@@ -51,9 +51,9 @@ class Packed:
         hw = [r.hw for r in reqs]
         texts = [r.text for r in reqs]
         self.skip = None
-        if cfg != 1.0:
+        if cfg != 1.0:  # the negatives last: a skipped layer runs on the positives' tokens alone
             hw, texts = hw + hw, texts + [r.negative for r in reqs]
-            self.skip = torch.tensor([False] * self.B + [True] * self.B, device=device)
+            self.skip = (False,) * self.B + (True,) * self.B
         self.layout = build_layout(hw, [len(t) for t in texts]).to(device)
         self.text = torch.cat(texts).to(device=device, dtype=dtype)
         self.n_img = sum(self.layout.img_len[:self.B])  # the requests' own latent tokens

@@ -210,9 +210,11 @@ class MOSSImageTransformer(nn.Module):
     def forward(self, img_NC: torch.Tensor, text_NT: torch.Tensor, sigma_B: torch.Tensor,
                 layout: PackedLayout, skip_layers: Iterable[int] = (),
                 skip_samples: torch.Tensor | None = None) -> torch.Tensor:
-        """``skip_layers`` are skipped for every sample, or, with ``skip_samples`` (bool [B]),
-        only for those samples: they keep their pre-block value (the CFG negative branch
-        packed with the positive one)."""
+        """``skip_layers`` are skipped for every sample, or, with ``skip_samples`` (bool [B]: a
+        tensor, or a host sequence), only for those samples: they keep their pre-block value
+        (the CFG negative branch packed with the positive one). Where the skipped samples are
+        the last ones (known on the host: the sampler's negatives), a skipped layer runs on
+        the leading samples' tokens alone."""
         ops, c = self.ops, self.config
         mod, head = self.conditioning(sigma_B)
         txt = self.refine_text(text_NT, layout)
@@ -224,15 +226,37 @@ class MOSSImageTransformer(nn.Module):
             x = x * s
         rope = ops.rope_angles(layout.pos_joint, self.rope.bands, c.rope_axes, x.dtype)
         skip = set(skip_layers)
-        keep_tok = None if skip_samples is None else skip_samples.to(x.device)[layout.seg_joint][:, None]
+        lead = _leading(skip_samples) if skip and skip_samples is not None else None
+        keep_tok = None
+        if lead is None and skip and skip_samples is not None:
+            skip_samples = torch.as_tensor(skip_samples, dtype=torch.bool)
+            keep_tok = skip_samples.to(x.device)[layout.seg_joint][:, None]
+        P = sum(layout.joint_len[:lead]) if lead is not None else 0
         for n, block in enumerate(self.layers):
             if n not in skip:
                 x = block(x, mod, layout.seg_joint, rope, layout.joint_len, ops)
+            elif lead is not None:  # the leading samples' tokens alone (their own attention)
+                if lead:
+                    x = torch.cat([block(x[:P], mod, layout.seg_joint[:P], tuple(r[:P] for r in rope),
+                                         layout.joint_len[:lead], ops), x[P:]])
             elif keep_tok is not None:  # attention stays within a sample: exact for the others
                 x = torch.where(keep_tok, x, block(x, mod, layout.seg_joint, rope, layout.joint_len, ops))
         y = ops.modulated_rms_norm(x[layout.img_in_joint], self.final_norm_video.weight,
                                    head[:, 0], head[:, 1], layout.seg_img, c.eps * s * s)
         return self.final_linear_video(y)
+
+
+def _leading(skip_samples) -> int | None:
+    """How many samples lead ``skip_samples`` unskipped when every skipped one comes after
+    them, read on the host (a sequence, or a CPU tensor); else None (a device tensor is
+    never read back: that would wait for the device)."""
+    if isinstance(skip_samples, torch.Tensor):
+        if skip_samples.device.type != "cpu":
+            return None
+        skip_samples = skip_samples.tolist()
+    flags = [bool(f) for f in skip_samples]
+    lead = flags.index(True) if True in flags else len(flags)
+    return lead if all(flags[lead:]) else None
 
 
 def cast_model(model: MOSSImageTransformer, dtype: torch.dtype) -> MOSSImageTransformer:
