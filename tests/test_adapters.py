@@ -499,7 +499,7 @@ def _lora_bf16(engines=(), grouped=True):
         for p in aset.trainable_parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
     if not grouped:
-        detach_cast_groups(aset.modules, aset.cast_hook)
+        detach_cast_groups(aset.modules, aset.attached.cast_hook)
     for engine in engines:
         engine(model)
     return model, aset
@@ -565,3 +565,35 @@ def test_joint_lora_casts_hold_under_the_memory_engines(engine, monkeypatch):
     assert len(builds) == (0 if engine == "selective" else 2 * blocks)
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_a_loaded_files_factors_are_cast_together_and_come_off_with_it(tmp_path, monkeypatch):
+    """A LoRA file loaded in bypass for inference (``load_adapter_file``) casts each block's
+    factors together once per forward, with the one-by-one casts' output bit for bit;
+    ``remove()`` takes the groups and the model's hook off with the adapter."""
+    from kohakumoss.adapters import casts
+    from kohakumoss.model.build import tiny_transformer
+    from kohakumoss.model.dit import cast_model
+
+    model, aset = _lora_bf16()
+    path = save_lycoris(aset, tmp_path / "lora.safetensors", dtype=torch.float32)
+    inputs = _batch(torch.float32)[0]
+    builds = []
+    apply = casts._JoinedCast.apply
+    monkeypatch.setattr(casts._JoinedCast, "apply", lambda *a: builds.append(a[1]) or apply(*a))
+    outs = []
+    for grouped in (True, False):
+        base = cast_model(tiny_transformer(), torch.bfloat16)
+        handle = load_adapter_file(base, path, 0.8, "bypass")
+        assert handle.cast_hook is not None and len(base._forward_pre_hooks) == 1
+        if not grouped:
+            casts.detach_cast_groups(handle.modules, handle.cast_hook)
+        builds.clear()
+        with torch.no_grad():
+            outs.append(base(*inputs))
+        blocks = len(base.layers) + len(base.text_embedder.blocks)
+        assert len(builds) == (2 * blocks if grouped else 0)
+        handle.remove()
+        assert handle.cast_hook is None and not base._forward_pre_hooks
+        assert not any("kmoss_casts" in m.__dict__ for m in handle.modules.values())
+    assert torch.equal(outs[0], outs[1])

@@ -8,7 +8,9 @@ microseconds of device time and a gap after it. Here the factors of one block's 
 LoRAs are cast together (``CastGroup``): one ``cat`` and one cast for the down matrices,
 the same for the up matrices of each ``alpha`` (times ``alpha`` in float32 first), as one
 autograd node each whose backward is one cast back (times ``alpha``). The values are the
-one-by-one casts' exactly, and so are the gradients (``tests/test_adapters.py``).
+one-by-one casts' exactly, and so are the gradients (``tests/test_adapters.py``). The
+training adapters (``inject.apply_adapters``) and the files loaded for inference
+(``formats.comfy.load_adapter_file``, in bypass) get them; ``Attached.remove`` takes them off.
 
 A group's casts are made on its first member's call and reused while they hold: the same
 model forward (``new_forward``, a forward pre-hook on the model, drops them, so a
@@ -109,13 +111,29 @@ def lora_factors(lyco, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return (down if down.dtype == dtype else down.to(dtype)), (up if up.dtype == dtype else up.to(dtype))
 
 
-def attach_cast_groups(model: nn.Module, modules: dict[str, nn.Module], blocks: list[str]):
+def block_paths(model: nn.Module) -> list[str]:
+    """The module paths of ``model``'s repeated blocks (``model.dit.REPEATED``) it has."""
+    from kohakumoss.model.dit import REPEATED
+
+    paths = []
+    for name in REPEATED:
+        try:
+            blocks = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(blocks, nn.ModuleList):
+            paths += [f"{name}.{i}" for i in range(len(blocks))]
+    return paths
+
+
+def attach_cast_groups(model: nn.Module, modules: dict[str, nn.Module]):
     """Give the LoRA/LoCon modules on linears (``modules``: module path -> LyCORIS module)
-    one ``CastGroup`` per block of ``blocks`` (module paths), and ``model`` a forward
-    pre-hook that drops every group's casts; returns the hook's handle (None without groups).
-    Modules outside the blocks keep their own casts."""
+    one ``CastGroup`` per repeated block of ``model``, and ``model`` a forward pre-hook that
+    drops every group's casts; returns the hook's handle (None without groups). Modules
+    outside the blocks keep their own casts."""
     from kohakumoss.adapters.runtime import kind_of
 
+    blocks = block_paths(model)
     groups = []
     for block in blocks:
         members = [lyco for path, lyco in modules.items() if path.startswith(block + ".")

@@ -18,14 +18,13 @@ from lycoris import LycorisNetwork
 from lycoris.modules.tlora import clear_timestep_mask, compute_timestep_mask, set_timestep_mask
 from torch import nn
 
-from kohakumoss.adapters.casts import attach_cast_groups, detach_cast_groups
+from kohakumoss.adapters.casts import attach_cast_groups
 from kohakumoss.adapters.norms import NormDelta
 from kohakumoss.adapters.options import NETWORK_MODULE, check_options
 from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
 from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
 from kohakumoss.adapters.shared import shared_input_linears
-from kohakumoss.model.dit import REPEATED
 
 PREFIX = "lora_unet"
 TLORA_DEFAULTS = {"mask_min_rank": 1, "mask_alpha": 1.0, "mask_max_timestep": 1000}
@@ -97,20 +96,11 @@ def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
         w = model.get_submodule(path).weight
         norms[path] = NormDelta(lora_name(path), model.get_submodule(path), master_dtype(w))
     aset = AdapterSet(cfg, seed, network, modules, norms)
-    blocks = [f"{path}.{i}" for path in REPEATED if isinstance(_find(model, path), nn.ModuleList)
-              for i in range(len(model.get_submodule(path)))]
-    aset.cast_hook = attach_cast_groups(model, modules, blocks)  # adapters/casts.py
+    aset.attached.cast_hook = attach_cast_groups(model, modules)  # adapters/casts.py
     ops = getattr(model, "ops", None)
     if ops is not None:  # q, k and v as one LoRA node where all three fold (adapters/shared.py)
         ops.override("linears", shared_input_linears)
     return aset
-
-
-def _find(model: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 class AdapterSet:
@@ -120,7 +110,6 @@ class AdapterSet:
                  modules: dict[str, nn.Module], norms: dict[str, NormDelta]):
         self.cfg, self.seed, self.network = cfg, seed, network
         self.modules, self.norms = modules, norms
-        self.cast_hook = None  # the model's hook that renews the blocks' joint casts (casts.py)
         self.attached = Attached(modules, norms, 1.0, bypass=cfg.mode == "bypass")
         self.mask_groups = dict(zip(AXES, itertools.count(next(_MASK_IDS))))
         self.masks: dict[str, torch.Tensor] = {}
@@ -261,8 +250,6 @@ class AdapterSet:
     def remove(self) -> None:
         """Take every adapter off the model (its weights and forwards restored exactly)."""
         self.attached.remove()
-        detach_cast_groups(self.modules, self.cast_hook)
-        self.cast_hook = None
         self._clear_masks()
 
     # -- state -----------------------------------------------------------------------

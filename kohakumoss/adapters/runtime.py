@@ -50,6 +50,7 @@ from lycoris.modules import (ButterflyOFTModule, DiagOFTModule, DyLoraModule, Fu
 from lycoris.modules.base import LycorisBaseModule
 from torch import nn
 
+from kohakumoss.adapters.casts import detach_cast_groups
 from kohakumoss.adapters.folded import folded_forward
 from kohakumoss.adapters.norms import NormDelta
 
@@ -308,6 +309,7 @@ class Attached:
     def __init__(self, modules: dict[str, LycorisBaseModule], norms: dict[str, NormDelta],
                  multiplier: float = 1.0, bypass: bool = True):
         self.modules, self.norms = modules, norms
+        self.cast_hook = None  # the model's hook renewing the blocks' joint casts (casts.py)
         self._saved: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self.set_multiplier(multiplier)
         self.set_bypass(bypass)
@@ -384,3 +386,5 @@ class Attached:
         if self.merged:
             self.unmerge()
         self._detach()
+        detach_cast_groups(self.modules, self.cast_hook)
+        self.cast_hook = None

@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kohakumoss.adapters.casts import attach_cast_groups
 from kohakumoss.adapters.runtime import (Attached, dylora_rank, kind_of, merged_weight,
                                          native_merged_weight, weight_delta)
 from kohakumoss.adapters.sets import AdapterSetError, Sets, build_modules
@@ -322,4 +323,6 @@ def load_adapter_file(model: nn.Module, path: str | Path, multiplier: float = 1.
     handle.train(False)
     if mode == "merge":
         handle.merge(multiplier)
+    else:  # each block's LoRA factors cast together per forward (adapters/casts.py)
+        handle.cast_hook = attach_cast_groups(model, modules)
     return handle
