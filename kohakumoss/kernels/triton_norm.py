@@ -23,14 +23,22 @@ from kohakumoss.kernels.triton_common import (check_tensors, jit, lastdim_contig
 
 
 @jit
-def _norm_fwd(X, W, SHIFT, SCALE, SEG, OUT, R, D, sx, s_sh, s_sc, eps,
-              HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _row_tile(X, sx, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile of rows in token order: row and column indices, their masks, the
+    rows as int64 offsets, and x's tile in fp32."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     rmask, cmask = rows < R, cols < D
     m = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return rows, cols, rmask, cmask, m, r64, x
+
+
+@jit
+def _norm_fwd(X, W, SHIFT, SCALE, SEG, OUT, R, D, sx, s_sh, s_sc, eps,
+              HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows, cols, rmask, cmask, m, r64, x = _row_tile(X, sx, R, D, BLOCK_R, BLOCK_D)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None] * w[None, :]
@@ -104,12 +112,7 @@ def _norm_bwd_rows(G, X, W, SCALE, SEG, RES, DX, R, D, sg, sx, s_sc, s_res, eps,
     """``dx`` alone (no reduction over rows): tiles of rows in token order, each row's
     scale fetched through its sample, as the forward reads them; with ``HAS_RES`` the
     gradient ``RES`` that reached x by another path is added before the one rounding."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    rmask, cmask = rows < R, cols < D
-    m = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(X + r64 * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    rows, cols, rmask, cmask, m, r64, x = _row_tile(X, sx, R, D, BLOCK_R, BLOCK_D)
     g = tl.load(G + r64 * sg + cols[None, :], mask=m, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
