@@ -100,6 +100,47 @@ def test_a_static_choice_respects_fits_per_call_and_survives_a_failing_backend(c
         "using the next choice from now on"]
 
 
+def test_a_backends_stream_form_runs_and_a_failing_one_falls_back(caplog):
+    """``ops.stream_norm`` takes a chosen backend's ``stream`` form (the half's norm and x
+    through one node); one that raises marks the backend broken, said once, and the half
+    runs the plain call on the next choice, with the same values."""
+    r = KernelRegistry()
+    streamed, plain = [], Counting(ops.modulated_rms_norm)
+
+    def stream(x, *rest):
+        streamed.append(1)
+        return ops.modulated_rms_norm(x, *rest), x
+
+    def failing(*args):
+        raise RuntimeError("no kernel image for this device")
+
+    good = Counting(ops.modulated_rms_norm)
+    good.stream = stream
+    bad = Counting(ops.modulated_rms_norm)
+    bad.stream = failing
+    r.register("modulated_rms_norm", "good", good, _cpu_fp32)
+    r.register("modulated_rms_norm", "bad", bad, _cpu_fp32)
+    r.register("modulated_rms_norm", "plain", plain, _cpu_fp32)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 8, generator=g), torch.randn(8, generator=g)
+    shift, scale, seg = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g), torch.tensor([0, 0, 0, 1, 1, 1])
+    want = ops.modulated_rms_norm(x, w, shift, scale, seg, 1e-6)
+    op = r.build_op_table(CPU, torch.float32, {"modulated_rms_norm": ["good"]}).modulated_rms_norm
+    y, x_res = ops.stream_norm(op, x, w, shift, scale, seg, 1e-6)
+    assert streamed == [1] and good.calls == 0 and torch.equal(y, want) and x_res is x
+    with caplog.at_level(logging.WARNING, "kohakumoss.kernels"):
+        op = r.build_op_table(CPU, torch.float32, {"modulated_rms_norm": ["bad", "plain"]}).modulated_rms_norm
+        for _ in range(2):
+            y, x_res = ops.stream_norm(op, x, w, shift, scale, seg, 1e-6)
+            assert torch.equal(y, want) and x_res is x
+    assert plain.calls == 2 and bad.calls == 0 and op.broken == {"bad": "RuntimeError: no kernel image for this device"}
+    assert [m.getMessage() for m in caplog.records] == [
+        "modulated_rms_norm: backend bad failed (RuntimeError: no kernel image for this device); "
+        "using the next choice from now on"]
+    y, x_res = ops.stream_norm(ops.modulated_rms_norm, x, w, shift, scale, seg, 1e-6)  # no form
+    assert torch.equal(y, want) and x_res is x
+
+
 @pytest.mark.parametrize("mode", ["block", "selective", "sub-block"])
 def test_checkpointings_early_stop_passes_through_a_chosen_backend(mode):
     """Non-reentrant checkpointing stops a recomputation by raising from inside the op that

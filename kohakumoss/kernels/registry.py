@@ -148,10 +148,10 @@ class TunedOp:
     def _named(self, name: str) -> Backend:
         return next(b for chain in self.chains.values() for b in chain if b.name == name)
 
-    def fn_for(self, *args) -> Callable:
-        """The function a call with these arguments runs (barring a failure)."""
+    def stream(self, *args):
+        """The call's ``stream`` form (``model.ops.stream_norm``), or None (see ``_stream``)."""
         name = self.backend_for(*args)
-        return self.reference if name == REFERENCE_NAME else self._named(name).fn
+        return None if name == REFERENCE_NAME else _stream(self, self._named(name), args)
 
     def __call__(self, *args):
         dims = self.problem.dims(*args)
@@ -190,10 +190,10 @@ class ChosenOp:
         usable = self._usable(args)
         return bool(usable) and usable[0].keeps_inputs_only
 
-    def fn_for(self, *args) -> Callable:
-        """The function a call with these arguments runs (barring a failure)."""
+    def stream(self, *args):
+        """The call's ``stream`` form (``model.ops.stream_norm``), or None (see ``_stream``)."""
         usable = self._usable(args)
-        return usable[0].fn if usable else self.reference
+        return _stream(self, usable[0], args) if usable else None
 
     def __call__(self, *args):
         return _run_first(self, self.backends, self.problem.dims(*args) if self.shaped else None, args)
@@ -203,6 +203,26 @@ class ChosenOp:
 # that saves the last tensor it needs; it must pass through (taken for a failure, the next
 # backend would run the op again and checkpointing refuses the second save)
 _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
+def _stream(op: TunedOp | ChosenOp, backend: Backend, args: tuple):
+    """``backend``'s ``stream`` form of the op (its function's attribute: the norm of a block's
+    half that also returns x, summing x's two gradients in its backward) run on ``args``; None
+    where it has none or where it fails, which marks the backend broken on ``op`` (said once)
+    as a failed call does, so the caller runs the plain call, on the next choice."""
+    form = getattr(backend.fn, "stream", None)
+    if form is None:
+        return None
+    try:
+        return form(*args)
+    except (torch.OutOfMemoryError, _StopRecomputation):
+        raise
+    except Exception as e:
+        op.broken[backend.name] = failure_reason(e)
+        op._note(("broken", op.op, backend.name),
+                 f"{op.op}: backend {backend.name} failed ({op.broken[backend.name]}); "
+                 f"using the next choice from now on", logging.WARNING)
+        return None
 
 
 def _run_first(op: TunedOp | ChosenOp, backends: list[Backend], dims: Dims | None, args: tuple):

@@ -12,17 +12,13 @@ each token; per-sample modulation vectors ``shift``/``scale``/``gate`` are float
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-
-log = logging.getLogger(__name__)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -94,32 +90,19 @@ def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor
     return (_up(x_ND, cd) + _up(gate_BD, cd)[seg_N] * _up(y_ND, cd)).to(x_ND.dtype)
 
 
-_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())  # passes through
-_STREAM_FAILED: set[str] = set()
-
-
 def stream_norm(norm: Callable, x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
                 scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x, ...), x)``: a block half's modulated norm of the residual stream ``x`` (``norm``
     a table's ``modulated_rms_norm``), and ``x`` for the add that closes the half. Where the
-    function the call runs has a ``stream`` form (the Triton kernels': its backward adds the
+    call runs a backend with a ``stream`` form (the Triton kernels': its backward adds the
     closing add's gradient of x to the norm's own in one pass, where autograd would sum them in
-    a pass of its own), x comes back through that node; else x itself. A ``stream`` form that
-    fails is not tried again (said once) and the plain call runs."""
+    a pass of its own), x comes back through that node (``norm.stream``: None where there is
+    none, or where it failed, which the kernel registry handles as a failed call); else x
+    itself."""
     args = (x_ND, weight, shift_BD, scale_BD, seg_N, eps)
-    fn = norm.fn_for(*args) if hasattr(norm, "fn_for") else norm
-    stream = getattr(fn, "stream", None)
-    name = getattr(stream, "__qualname__", "")
-    if stream is not None and name not in _STREAM_FAILED:
-        try:
-            return stream(*args)
-        except (torch.OutOfMemoryError, _STOP):
-            raise
-        except Exception as e:  # the plain call next (it says so itself if it fails too)
-            _STREAM_FAILED.add(name)
-            log.warning("%s failed (%s: %s); the norm and the residual add run apart from now on",
-                        name, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-    return norm(*args), x_ND
+    stream = getattr(norm, "stream", None)
+    out = stream(*args) if stream is not None else None
+    return out if out is not None else (norm(*args), x_ND)
 
 
 def varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tensor,
