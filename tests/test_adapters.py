@@ -547,22 +547,27 @@ def test_a_blocks_lora_factors_are_cast_together_exactly_as_one_by_one(monkeypat
 
 
 @pytest.mark.parametrize("engine", ["checkpoint blocks", "sub-block", "selective", "recompute + sub-block",
-                                    "partial + rebuild"])
+                                    "partial + rebuild", "offload", "offload halves"])
 def test_joint_lora_casts_hold_under_the_memory_engines(engine, monkeypatch):
     """A recomputation in backward reuses the forward's joint casts (no block casts twice;
-    under selective checkpointing's dispatch mode each layer casts its own): outputs and
-    LoRA gradients equal the plain step's bit for bit."""
+    under selective checkpointing's dispatch mode each layer casts its own; offload runs its
+    forward without autograd, so its recomputation casts again, with it): outputs and LoRA
+    gradients equal the plain step's bit for bit."""
     from kohakumoss.adapters import casts
+    from kohakumoss.memory.offload import apply_activation_offload
     from test_memory import ENGINES
 
+    engines = {**ENGINES, "offload": [lambda m: apply_activation_offload(m, "cpu")],
+               "offload halves": [lambda m: apply_activation_offload(m, "cpu", halves=True)]}
     ref, ref_grads = _lora_step(*_lora_bf16())
     builds = []
     apply = casts._JoinedCast.apply
     monkeypatch.setattr(casts._JoinedCast, "apply", lambda *a: builds.append(a[1]) or apply(*a))
-    model, aset = _lora_bf16(ENGINES[engine])
+    model, aset = _lora_bf16(engines[engine])
     out, grads = _lora_step(model, aset)
     blocks = len(model.layers) + len(model.text_embedder.blocks)
-    assert len(builds) == (0 if engine == "selective" else 2 * blocks)
+    per_block = {"selective": 0, "offload": 4, "offload halves": 4}.get(engine, 2)
+    assert len(builds) == per_block * blocks
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
