@@ -7,9 +7,8 @@ contract (references, ``OpTable``) is ``kohakumoss.model.ops``; the problem shap
 Importing the package registers the built-in backends (``compiled``: torch.compile).
 """
 
-from kohakumoss.kernels.registry import (KERNELS, REFERENCE_NAME, Backend, KernelError,
-                                         KernelRegistry, TunedOp, build_op_table, entry_key,
-                                         register_backend)
+from kohakumoss.kernels.dispatch import REFERENCE_NAME, Backend, TunedOp, entry_key
+from kohakumoss.kernels.registry import KERNELS, KernelError, KernelRegistry, build_op_table, register_backend
 from kohakumoss.kernels import compiled  # noqa: E402,F401  (registers the compile backend)
 from kohakumoss.kernels import backends  # noqa: E402,F401  (registers Triton, flash varlen, flex)
 from kohakumoss.kernels import fp8_compute  # noqa: E402,F401  (registers scaled_mm)

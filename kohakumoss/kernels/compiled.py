@@ -9,7 +9,7 @@ memory layout compiles once more (Dynamo's guards).
 
 The first call compiles, lazily: a machine that cannot compile (no C++ compiler for the CPU
 code, no Triton for CUDA, an Inductor bug) raises there, and the tuned dispatch
-(``registry.TunedOp``) falls back to the next choice, saying why once; the tuner records the
+(``dispatch.TunedOp``) falls back to the next choice, saying why once; the tuner records the
 failure and never picks it. Runs wherever ``torch.compile`` does: CPU and CUDA.
 """
 

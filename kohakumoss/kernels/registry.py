@@ -20,228 +20,24 @@ says how to add a backend.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-import torch.utils.checkpoint
 
 from kohakumoss.errors import KohakuError
-from kohakumoss.kernels.problems import PROBLEMS, Dims, Problem, call_dtype
+from kohakumoss.kernels.dispatch import REFERENCE_NAME, Backend, ChosenOp, Fits, TunedOp, parse_entry_key
+from kohakumoss.kernels.problems import PROBLEMS
 from kohakumoss.model.ops import REFERENCE, OpTable
 
 log = logging.getLogger(__name__)
 
-REFERENCE_NAME = "reference"
-
 Choices = Mapping[str, str | Sequence[str]]
 Tuned = Mapping[str, Sequence[str]]  # "op/dtype/shape key" -> backend names, fastest first
-Fits = Callable[[Mapping[str, int]], bool]
 
 
 class KernelError(KohakuError):
     """An unknown op or backend name, or a backend name taken twice."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    op: str
-    name: str
-    fn: Callable
-    available: Callable[[torch.device, torch.dtype], bool]  # can it run on (device, dtype)?
-    fits: Fits | None = None  # does it take this problem shape? None: any shape
-    # its autograd keeps only the op's inputs (a fused backward recomputes the rest), so the
-    # memory engines' recomputation (kohakumoss.memory.recompute) leaves it alone
-    keeps_inputs_only: bool = False
-    # devices where the tuner times it only when ``kernels.backends`` names it (a backend
-    # whose first build is slow, where others cover the op); None: timed everywhere
-    opt_in: Callable[[torch.device], bool] | None = None
-
-    def takes(self, dims: Mapping[str, int]) -> bool:
-        return self.fits is None or bool(self.fits(dims))
-
-
-def entry_key(op: str, dtype: torch.dtype, key: str) -> str:
-    """The tuning table's key of one (op, dtype, shape bucket): ``situ/bfloat16/N=1024,F=128``."""
-    return f"{op}/{str(dtype).removeprefix('torch.')}/{key}"
-
-
-def parse_entry_key(text: str) -> tuple[str, torch.dtype, str] | None:
-    op, _, rest = text.partition("/")
-    name, _, key = rest.partition("/")
-    dtype = getattr(torch, name, None)
-    return (op, dtype, key) if isinstance(dtype, torch.dtype) and key else None
-
-
-def _key_dims(key: str) -> dict[str, int]:
-    """``N=64,F=8`` -> ``{"N": 64, "F": 8}``."""
-    return {k: int(v) for k, _, v in (part.partition("=") for part in key.split(",")) if v}
-
-
-def failure_reason(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
-
-
-class TunedOp:
-    """One op of one model's table, dispatching each call by ``(dtype, shape bucket)``.
-
-    ``chains[(dtype, key)]`` holds the backends to try, fastest first (the reference is
-    always the last resort). A backend that raises is not tried again by this op; the reason
-    is logged once. A call whose shape has no entry follows the entry of the nearest
-    measured shape (same dtype and model sizes, token counts nearest in ratio): a sampler or
-    a preview then runs the kernels training measured; with none such it runs the reference.
-    Either is logged once per key.
-    """
-
-    def __init__(self, op: str, problem: Problem, chains: dict[tuple[torch.dtype, str], list[Backend]],
-                 note: Callable[..., None]):
-        self.op, self.problem, self.chains, self._note = op, problem, chains, note
-        self._resolved: dict[tuple[torch.dtype, str], list[Backend] | None] = {}
-        self.reference = REFERENCE[op]
-        self.broken: dict[str, str] = {}
-        names = sorted({b.name for chain in chains.values() for b in chain})
-        self.__qualname__ = f"tuned({op}: {', '.join([*names, REFERENCE_NAME])})"
-
-    def chain(self, dtype: torch.dtype, key: str) -> list[Backend] | None:
-        """The backends for ``(dtype, key)``: its entry's, else the nearest measured
-        shape's (remembered, said once), else None (the reference)."""
-        if (dtype, key) in self.chains:
-            return self.chains[(dtype, key)]
-        if (dtype, key) in self._resolved:
-            return self._resolved[(dtype, key)]
-        want = _key_dims(key)
-        fixed = [k for k in self.problem.keyed if k not in self.problem.tokens]
-        near = [(sum(abs(math.log(max(have[k], 1) / max(want[k], 1))) for k in self.problem.tokens
-                     if k in want and k in have), other)
-                for (dt, other) in self.chains if dt == dtype
-                for have in [_key_dims(other)] if all(have.get(k) == want.get(k) for k in fixed)]
-        if not near:
-            self._note(("untuned", self.op, dtype, key),
-                       f"{self.op}: the tuning table has no entry for {entry_key(self.op, dtype, key)}"
-                       f" nor a shape like it; it runs the reference")
-            self._resolved[(dtype, key)] = None
-            return None
-        _, other = min(near)
-        self._note(("nearest", self.op, dtype, key),
-                   f"{self.op}: the tuning table has no entry for {entry_key(self.op, dtype, key)}; "
-                   f"it follows the one measured for {other}")
-        self._resolved[(dtype, key)] = self.chains[(dtype, other)]
-        return self._resolved[(dtype, key)]
-
-    def backend_for(self, *args) -> str:
-        """The backend a call with these arguments runs (barring a failure)."""
-        dims = self.problem.dims(*args)
-        for b in self.chain(call_dtype(args), self.problem.key(dims)) or []:
-            if b.name not in self.broken and b.takes(dims):
-                return b.name
-        return REFERENCE_NAME
-
-    def keeps_inputs_only_for(self, *args) -> bool:
-        """Whether the backend a call with these arguments runs keeps only its inputs for
-        backward (``kohakumoss.memory.recompute`` then runs the call as it is)."""
-        name = self.backend_for(*args)
-        return name != REFERENCE_NAME and self._named(name).keeps_inputs_only
-
-    def _named(self, name: str) -> Backend:
-        return next(b for chain in self.chains.values() for b in chain if b.name == name)
-
-    def stream(self, *args):
-        """The call's ``stream`` form (``model.ops.stream_norm``), or None (see ``_stream``)."""
-        name = self.backend_for(*args)
-        return None if name == REFERENCE_NAME else _stream(self, self._named(name), args)
-
-    def __call__(self, *args):
-        dims = self.problem.dims(*args)
-        chain = self.chain(call_dtype(args), self.problem.key(dims))
-        if chain is None:
-            return self.reference(*args)
-        return _run_first(self, chain, dims, args)
-
-
-class ChosenOp:
-    """A static choice (``kernels.backends`` named per op, ``bench --kernels``): the chosen
-    backends that can run on the device, in order, then the reference. Each call takes the
-    first that takes its shape (``fits``; a backend without one takes any); a backend that
-    raises is not tried again by this op, and the reason is logged once."""
-
-    def __init__(self, op: str, backends: list[Backend], note: Callable[..., None]):
-        self.op, self.backends, self._note = op, backends, note
-        self.problem = PROBLEMS.get(op)
-        self.shaped = self.problem is not None and any(b.fits is not None for b in backends)
-        self.reference = REFERENCE[op]
-        self.broken: dict[str, str] = {}
-        if all(b.keeps_inputs_only for b in backends) and not self.shaped:
-            self.keeps_inputs_only = True  # every call that does not fail
-        self.__qualname__ = f"chosen({op}: {', '.join([*(b.name for b in backends), REFERENCE_NAME])})"
-
-    def _usable(self, args) -> list[Backend]:
-        dims = self.problem.dims(*args) if self.shaped else None
-        return [b for b in self.backends
-                if b.name not in self.broken and (dims is None or b.takes(dims))]
-
-    def backend_for(self, *args) -> str:
-        usable = self._usable(args)
-        return usable[0].name if usable else REFERENCE_NAME
-
-    def keeps_inputs_only_for(self, *args) -> bool:
-        usable = self._usable(args)
-        return bool(usable) and usable[0].keeps_inputs_only
-
-    def stream(self, *args):
-        """The call's ``stream`` form (``model.ops.stream_norm``), or None (see ``_stream``)."""
-        usable = self._usable(args)
-        return _stream(self, usable[0], args) if usable else None
-
-    def __call__(self, *args):
-        return _run_first(self, self.backends, self.problem.dims(*args) if self.shaped else None, args)
-
-
-# non-reentrant checkpointing stops a recomputation early by raising this from inside the op
-# that saves the last tensor it needs; it must pass through (taken for a failure, the next
-# backend would run the op again and checkpointing refuses the second save)
-_StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
-
-
-def _stream(op: TunedOp | ChosenOp, backend: Backend, args: tuple):
-    """``backend``'s ``stream`` form of the op (its function's attribute: the norm of a block's
-    half that also returns x, summing x's two gradients in its backward) run on ``args``; None
-    where it has none or where it fails, which marks the backend broken on ``op`` (said once)
-    as a failed call does, so the caller runs the plain call, on the next choice."""
-    form = getattr(backend.fn, "stream", None)
-    if form is None:
-        return None
-    try:
-        return form(*args)
-    except (torch.OutOfMemoryError, _StopRecomputation):
-        raise
-    except Exception as e:
-        op.broken[backend.name] = failure_reason(e)
-        op._note(("broken", op.op, backend.name),
-                 f"{op.op}: backend {backend.name} failed ({op.broken[backend.name]}); "
-                 f"using the next choice from now on", logging.WARNING)
-        return None
-
-
-def _run_first(op: TunedOp | ChosenOp, backends: list[Backend], dims: Dims | None, args: tuple):
-    """The first of ``backends`` that is not broken and takes ``dims`` (None: any shape) runs
-    ``args``; one that raises is marked broken on ``op`` (said once) and the next is tried;
-    the reference when none is left."""
-    for b in backends:
-        if b.name in op.broken or (dims is not None and not b.takes(dims)):
-            continue
-        try:
-            return b.fn(*args)
-        except (torch.OutOfMemoryError, _StopRecomputation):
-            raise  # out of memory is not the backend's fault; checkpointing's early stop passes
-        except Exception as e:  # a backend that fails to build or run: the next one
-            op.broken[b.name] = failure_reason(e)
-            op._note(("broken", op.op, b.name),
-                     f"{op.op}: backend {b.name} failed ({op.broken[b.name]}); "
-                     f"using the next choice from now on", logging.WARNING)
-    return op.reference(*args)
 
 
 class KernelRegistry:

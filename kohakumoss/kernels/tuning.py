@@ -39,8 +39,8 @@ import torch
 from kohakumoss.artifacts import ArtifactError, Manifest
 from kohakumoss.errors import IntegrityError
 from kohakumoss.kernels.problems import PROBLEMS, Dims
-from kohakumoss.kernels.registry import (KERNELS, REFERENCE_NAME, KernelRegistry, entry_key,
-                                         failure_reason, parse_entry_key)
+from kohakumoss.kernels.dispatch import REFERENCE_NAME, entry_key, failure_reason, parse_entry_key
+from kohakumoss.kernels.registry import KERNELS, KernelRegistry
 from kohakumoss.kernels.table import (DEVICE_FIELDS, TABLE, KernelTable, device_signature,
                                       read_table, signature_key, write_table)
 from kohakumoss.model.ops import REFERENCE
