@@ -186,30 +186,20 @@ def _owns_output(lyco) -> bool:
         getattr(lyco.org_forward, "__func__", None) is type(base).forward
 
 
-def fp8_fold_parts(lyco, dtype: torch.dtype | None = None
-                   ) -> tuple[nn.Module, torch.Tensor, torch.Tensor, float] | None:
-    """``(base, down, up, alpha)`` when the layer's base runs fp8 compute and takes its LoRA
-    into one node (``QuantizedLinear.lora_op``: no bias, no rotation), else None. With
-    ``dtype`` (the input's), ``down`` and ``alpha * up`` come cast to it (``lora_factors``)
-    and ``alpha`` is 1."""
+def fp8_fold_parts(lyco, dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, torch.Tensor] | None:
+    """``(base, down, alpha * up)``, the factors in ``dtype`` (the input's; ``lora_factors``),
+    when the layer's base runs fp8 compute and takes its LoRA into one node
+    (``QuantizedLinear.lora_op``: no bias, no rotation), else None."""
     base = lyco.org_module[0]
     lora_op = getattr(base, "lora_op", None)
     if lora_op is None or not _owns_output(lyco) or lora_op() is None:
         return None
-    if dtype is not None:
-        return base, *lora_factors(lyco, dtype), 1.0
-    return base, lyco.lora_down.weight, lyco.lora_up.weight, float(lyco.scale) * float(lyco.multiplier)
+    return base, *lora_factors(lyco, dtype)
 
 
-def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor, torch.Tensor, float]]
+def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
                      ) -> list[torch.Tensor]:
     """The fp8 linears ``parts`` (``fp8_fold_parts``, one input ``x``) with their LoRAs as one
-    node: the base's op table's ``fp8_lora_linears``, the LoRA in x's dtype, ``alpha`` in
-    ``up`` before its cast (as ``lora_linear``)."""
-    layers = []
-    for base, down, up, alpha in parts:
-        up = up * alpha if alpha != 1.0 else up
-        layers.append((base.codes, base.scale, down if down.dtype == x.dtype else down.to(x.dtype),
-                       up if up.dtype == x.dtype else up.to(x.dtype)))
+    node: the base's op table's ``fp8_lora_linears``."""
     base = parts[0][0]
-    return base.lora_op()(x, layers, base.fp8_grad)
+    return base.lora_op()(x, [(b.codes, b.scale, down, up) for b, down, up in parts], base.fp8_grad)

@@ -54,19 +54,16 @@ def _folding(m: nn.Module):
     return lyco
 
 
-def fold_parts(m: nn.Module, dtype: torch.dtype | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
-    """``(weight, down, up, alpha)`` when ``m``'s forward now is a folding LoRA on a plain
-    bias-free linear, else None. With ``dtype`` (the linears' compute dtype), ``down`` and
-    ``alpha * up`` come cast to it (``casts.lora_factors``) and ``alpha`` is 1."""
+def fold_parts(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+    """``(weight, down, alpha * up, 1.0)``, the factors in ``dtype`` (the linears' compute
+    dtype; ``casts.lora_factors``), when ``m``'s forward now is a folding LoRA on a plain
+    bias-free linear, else None."""
     lyco = _folding(m)
     if lyco is None:
         return None
     if getattr(lyco.org_forward, "__func__", None) is not nn.Linear.forward or m.bias is not None:
         return None
-    if dtype is not None:
-        return m.weight, *lora_factors(lyco, dtype), 1.0
-    return m.weight, lyco.lora_down.weight, lyco.lora_up.weight, float(lyco.scale) * float(lyco.multiplier)
+    return m.weight, *lora_factors(lyco, dtype), 1.0
 
 
 def _fp8_parts(m: nn.Module, dtype: torch.dtype) -> tuple | None:
@@ -94,8 +91,10 @@ def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Te
     args = [_pre_hooked(m, x) for m in modules]
     if not all(len(a) == 1 and a[0] is x for a in args):
         return [m.forward(*a) for m, a in zip(modules, args)]
-    if all(fold_parts(m) is not None for m in modules):  # cast as lora_linears computes
-        return lora_linears(x, [fold_parts(m, linear_dtype(x)) for m in modules], linear)
+    dt = linear_dtype(x)
+    parts = [fold_parts(m, dt) for m in modules]  # cast as lora_linears computes
+    if all(p is not None for p in parts):
+        return lora_linears(x, parts, linear)
     fp8 = [_fp8_parts(m, x.dtype) for m in modules]  # fp8 compute bases (precision.fp8_compute)
     if all(p is not None for p in fp8) and \
             len({p[0].codes.shape[0] for p in fp8}) == 1 and len({p[0].fp8_grad for p in fp8}) == 1:
