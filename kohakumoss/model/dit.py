@@ -11,7 +11,7 @@ checkpointing, streaming and sharding engines can find them from outside
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -209,7 +209,7 @@ class MOSSImageTransformer(nn.Module):
 
     def forward(self, img_NC: torch.Tensor, text_NT: torch.Tensor, sigma_B: torch.Tensor,
                 layout: PackedLayout, skip_layers: Iterable[int] = (),
-                skip_samples: torch.Tensor | None = None) -> torch.Tensor:
+                skip_samples: torch.Tensor | Sequence[bool] | None = None) -> torch.Tensor:
         """``skip_layers`` are skipped for every sample, or, with ``skip_samples`` (bool [B]: a
         tensor, or a host sequence), only for those samples: they keep their pre-block value
         (the CFG negative branch packed with the positive one). Where the skipped samples are
