@@ -686,7 +686,7 @@ def run_interpreted(path: Path, names: list[str]) -> None:
     set before anything imports Triton; they must pass."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     here = path.relative_to(ROOT)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                            "-m", "not gpu", *[f"{here}::{name}" for name in names]],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
