@@ -41,6 +41,7 @@ def test_on_cuda_new_segments_are_expandable(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert allocator.tight_allocator(PROFILE_ENGINES["minimal"], torch.device("cuda"))
     try:
+        torch.cuda.empty_cache()  # a block freed by an earlier test would sit in an old segment
         x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
         segments = [s for s in torch.cuda.memory_snapshot() if s["address"] <= x.data_ptr()
                     < s["address"] + s["total_size"]]
