@@ -83,6 +83,10 @@ def kohya_dataset(tmp_path: Path) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the files that hold slow tests first: under pytest-xdist a file is one unit of work
+    # (--dist loadfile), and a long one handed out last would run alone at the end
+    slow = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow)  # stable: each file keeps its order
     import torch
 
     if torch.cuda.is_available():
