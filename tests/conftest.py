@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from pathlib import Path
@@ -82,11 +83,20 @@ def kohya_dataset(tmp_path: Path) -> Path:
     })
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): xdist's count of cores on a CPU machine; none (one
+    process) where CUDA is present, so the ``gpu`` tests never share a device."""
+    import torch
+
+    return 0 if torch.cuda.is_available() else None
+
+
 def pytest_collection_modifyitems(config, items):
-    # the files that hold slow tests first: under pytest-xdist a file is one unit of work
-    # (--dist loadfile), and a long one handed out last would run alone at the end
-    slow = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow)  # stable: each file keeps its order
+    # the files that hold the most slow tests first: under pytest-xdist a file is one unit
+    # of work, handed out in this order (--dist loadfile --no-loadscope-reorder), and a long
+    # one handed out last would run alone at the end
+    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])  # stable: each file keeps its order
     import torch
 
     if torch.cuda.is_available():

@@ -109,6 +109,7 @@ def two_ranks_full(tmp_path_factory):
     return tmp, params, _prepare(tmp, params)
 
 
+@pytest.mark.slow  # ~1 min: two ranks and one process train, then compare
 def test_a_sharded_full_finetune_trains_what_one_process_trains(two_ranks_full):
     """FSDP2 over two ranks: the whole-model checkpoints rank 0 writes equal one process's
     to fp32 round-off (weights and EMA), load in one process like any full finetune's, and a
