@@ -13,7 +13,7 @@ from kohakumoss.memory.profiles import PROFILE_ENGINES
 @pytest.fixture
 def settings(monkeypatch):
     made = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", made.append)
+    monkeypatch.setattr(allocator, "apply_setting", made.append)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     return made
 
@@ -47,4 +47,4 @@ def test_on_cuda_new_segments_are_expandable(monkeypatch):
                     < s["address"] + s["total_size"]]
         assert segments and segments[0]["is_expandable"]
     finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        allocator.apply_setting("expandable_segments:False")

@@ -33,7 +33,15 @@ def tight_allocator(engines: MemoryEngines, device: torch.device) -> bool:
         log.info("allocator: PYTORCH_CUDA_ALLOC_CONF=%s as set (this profile would take %s)",
                  os.environ["PYTORCH_CUDA_ALLOC_CONF"], SETTING)
         return False
-    torch.cuda.memory._set_allocator_settings(SETTING)
+    apply_setting(SETTING)
     log.info("allocator: %s (streamed and offloaded buffers fragment fixed segments; set "
              "PYTORCH_CUDA_ALLOC_CONF to choose otherwise)", SETTING)
     return True
+
+
+def apply_setting(setting: str) -> None:
+    """Give the caching allocator ``setting`` (``PYTORCH_CUDA_ALLOC_CONF``'s syntax) through
+    torch's accelerator call; ``torch.cuda.memory._set_allocator_settings``, which wraps it,
+    warns of its removal since torch 2.11."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(setting)
