@@ -5,8 +5,15 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
+
+# before anything loads OpenMP (torch, numpy's BLAS): threads waiting at a barrier sleep
+# instead of spinning. The suite's processes (xdist workers, the stages DVC runs) share the
+# cores, and a spinning wait burns the time another process would use: test_engines.py and
+# test_export.py beside each other took 81 s with spinning and 52 s without on 2 cores
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import pytest
