@@ -90,6 +90,7 @@ def kohya_dataset(tmp_path: Path) -> Path:
     })
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: no error where it is absent
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): xdist's count of cores on a CPU machine; none (one
     process) where CUDA is present, so the ``gpu`` tests never share a device."""
