@@ -41,7 +41,6 @@ def tight_allocator(engines: MemoryEngines, device: torch.device) -> bool:
 
 def apply_setting(setting: str) -> None:
     """Give the caching allocator ``setting`` (``PYTORCH_CUDA_ALLOC_CONF``'s syntax) through
-    torch's accelerator call; ``torch.cuda.memory._set_allocator_settings``, which wraps it,
-    warns of its removal since torch 2.11."""
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    (setter or torch.cuda.memory._set_allocator_settings)(setting)
+    torch's accelerator call (torch >= 2.11); ``torch.cuda.memory._set_allocator_settings``,
+    which wraps it, warns of its removal."""
+    torch._C._accelerator_setAllocatorSettings(setting)
