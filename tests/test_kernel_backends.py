@@ -508,7 +508,8 @@ def test_the_flow_loss_at_the_real_sizes(loss, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,dtype", [("flash_varlen", torch.bfloat16),
                                            ("flash_varlen", torch.float16),
-                                           ("flex", torch.bfloat16), ("flex", torch.float32)],
+                                           ("flex", torch.bfloat16), ("flex", torch.float32),
+                                           ("fa4", torch.bfloat16), ("fa4", torch.float16)],
                          ids=lambda v: v if isinstance(v, str) else _ids(v))
 def test_attention_at_the_real_sizes(backend, dtype):
     b = KERNELS.backend("varlen_attention", backend)
@@ -613,7 +614,7 @@ def test_flex_attention_forward(case, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash_varlen", "flex"])
+@pytest.mark.parametrize("backend", ["flash_varlen", "flex", "fa4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("case", ATTENTION_SHAPES.values(), ids=ATTENTION_SHAPES.keys())
 def test_attention_forward_and_gradients(case, dtype, backend):
@@ -628,7 +629,7 @@ def test_attention_forward_and_gradients(case, dtype, backend):
 
 def test_attention_backends_refuse_bad_segments():
     q = torch.randn(5, 2, 16)
-    for backend in ("flash_varlen", "flex"):
+    for backend in ("flash_varlen", "flex", "fa4"):
         with pytest.raises(ValueError, match="segment lengths sum to 4"):
             KERNELS.backend("varlen_attention", backend).fn(q, q, q, [3, 1])
 
@@ -644,11 +645,12 @@ def test_every_backend_is_registered_and_says_where_it_runs():
         if COMMON is not None and not INTERPRETED:
             sm80 = CUDA and torch.cuda.get_device_capability() >= (8, 0)
             assert available(DEVICE, torch.bfloat16) == sm80
-    assert {"flash_varlen", "flex"} <= set(KERNELS.names("varlen_attention"))
-    flash = KERNELS.backend("varlen_attention", "flash_varlen").available
-    assert not flash(torch.device("cpu"), torch.bfloat16)
-    if CUDA:
-        assert not flash(DEVICE, torch.float32)  # flash takes 16-bit only
+    assert {"flash_varlen", "flex", "fa4"} <= set(KERNELS.names("varlen_attention"))
+    for name in ("flash_varlen", "fa4"):
+        available = KERNELS.backend("varlen_attention", name).available
+        assert not available(torch.device("cpu"), torch.bfloat16)
+        if CUDA:
+            assert not available(DEVICE, torch.float32)  # 16-bit only
     table = build_op_table("cpu", torch.float64, {op: "triton" for op in ELEMENTWISE})
     assert all(getattr(table, op) is ops.REFERENCE[op] for op in ELEMENTWISE)
 

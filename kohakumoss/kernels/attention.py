@@ -5,6 +5,9 @@ within each contiguous segment of ``lengths`` tokens, scale ``1 / sqrt(Dh)``.
   (``torch.nn.attention.varlen.varlen_attn``, a custom op with its autograd) on the packed
   tokens with cumulative sequence lengths: one launch for every segment, no padding.
   CUDA, sm80+, bf16/fp16, head dim a multiple of 8 up to 256.
+- ``fa4``: FlashAttention-4's kernels (the optional ``flash-attn-4`` package,
+  ``kernels/fa4_attention.py``) on the packed tokens, one launch forward and backward.
+  CUDA sm90-sm110, bf16/fp16, head dim a multiple of 8 up to 128, or 256.
 - ``flex``: flex attention with a document mask (``segment(q) == segment(k)``), compiled
   with ``torch.compile`` on CUDA (fp32/bf16/fp16); on the CPU it runs eagerly, forward only
   (torch has no CPU flex backward).
@@ -83,6 +86,15 @@ def _cu_seqlens(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
                         device=device)
 
 
+def cu_seqlens(segs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The segments' cumulative starts, int32 on ``device`` (kept per layout outside
+    ``torch.compile``; made afresh inside it)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(list(itertools.accumulate(segs, initial=0)), dtype=torch.int32,
+                            device=device)
+    return _cu_seqlens(segs, device)
+
+
 def flash_varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tensor,
                            lengths: list[int]) -> torch.Tensor:
     """``ops.varlen_attention`` through torch's flash varlen kernel (forward and backward)."""
@@ -98,12 +110,23 @@ def flash_varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torc
     if not segs:
         return q_NHd.new_zeros(q_NHd.shape)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_NHd, k_NHd, v_NHd))
-    if torch.compiler.is_compiling():
-        cu = torch.tensor(list(itertools.accumulate(segs, initial=0)), dtype=torch.int32,
-                          device=q.device)
-    else:
-        cu = _cu_seqlens(segs, q.device)
+    cu = cu_seqlens(segs, q.device)
     return _varlen_attn()(q, k, v, cu, cu, max(segs), max(segs))
+
+
+# ---- FlashAttention-4 (its kernels: kernels/fa4_attention.py) ------------------------------
+
+def fa4_fits(dims) -> bool:
+    """FA4's head dims on every card it runs on: multiples of 8 up to 128, and 256 (sm90 alone
+    takes the others up to 256)."""
+    return dims["Dh"] % 8 == 0 and (8 <= dims["Dh"] <= 128 or dims["Dh"] == 256)
+
+
+@functools.lru_cache(maxsize=8)
+def fa4_card(device: torch.device) -> bool:
+    """A card FA4's forward and backward both run on: sm90 (Hopper), sm100/sm110 (Blackwell)."""
+    return (device.type == "cuda" and torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] in (9, 10, 11))
 
 
 # ---- flex attention with a document mask ---------------------------------------------------

@@ -11,6 +11,8 @@
 - ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
+- ``fa4`` (varlen_attention): FlashAttention-4 (the optional ``flash-attn-4`` package, the
+  ``fa4`` extra); CUDA sm90-sm110, bf16/fp16, head dim a multiple of 8 up to 128, or 256.
 - ``tilelang`` (linear): the block linears' products as a TileLang GEMM (``tilelang_gemm``),
   forward and input gradient, the LoRA nodes' accumulating base products too; CUDA sm80+,
   bf16/fp16, K and O multiples of 8; opt-in like the rest of TileLang's kernels.
@@ -19,7 +21,7 @@
   kernels of sm70 / sm75, where Triton does not run; on sm80+ the tuner times them only when
   ``kernels.backends`` names ``tilelang`` (``opt_in``): their first build is nvcc seconds.
 
-Triton and TileLang are imported lazily, on the first availability question or call: a
+Triton, TileLang and FA4 are imported lazily, on the first availability question or call: a
 machine without them, or one where they fail to import, reports these backends unavailable
 (the reason is logged once) and ``kohakumoss`` imports as ever. The attention backends declare their
 head-dim limits (``fits``, used by the tuned dispatch); a static choice is made by device
@@ -128,6 +130,27 @@ register_backend("varlen_attention", "flash_varlen", attention.flash_varlen_atte
                  attention.flash_available, fits=attention.flash_fits)
 register_backend("varlen_attention", "flex", attention.flex_varlen_attention,
                  attention.flex_available, fits=attention.flex_fits)
+
+
+def _fa4_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """bf16/fp16 on a card FA4 runs on, with ``flash-attn-4`` importable (asked in that order:
+    its import takes seconds, so only where the card could use it)."""
+    return (dtype in attention.FLASH_DTYPES and attention.fa4_card(torch.device(device))
+            and triton_module("fa4_attention") is not None)
+
+
+def _fa4_attention(q, k, v, lengths):
+    attention._check("fa4", q, k, v, [int(n) for n in lengths])
+    module = triton_module("fa4_attention")
+    if module is None:
+        raise RuntimeError(f"varlen_attention (fa4): flash-attn-4 cannot be imported here "
+                           f"({_why['fa4_attention']}); pip install 'kohakumoss[fa4]'")
+    return module.varlen_attention(q, k, v, lengths)
+
+
+_fa4_attention.__qualname__ = "fa4.varlen_attention"
+register_backend("varlen_attention", "fa4", _fa4_attention, _fa4_available,
+                 fits=attention.fa4_fits)
 
 
 TILELANG_OPS = ("rms_norm", "modulated_rms_norm", "situ", "gated_residual", "varlen_attention")

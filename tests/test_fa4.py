@@ -1,0 +1,133 @@
+"""The ``fa4`` backend of ``varlen_attention`` (FlashAttention-4's kernels, the optional
+``flash-attn-4`` package; ``kohakumoss/kernels/fa4_attention.py``). Its forward and gradients
+against the reference over the segment cases and at the real sizes are in
+``test_kernel_backends.py``; here: where it is offered, what it says when it cannot run,
+and, on a card it runs on, the tiny model, ``torch.compile`` and deterministic gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kohakumoss.kernels import KERNELS, attention, backends, build_op_table
+from kohakumoss.model import FLAVORS, build_layout, ops
+
+CUDA = torch.cuda.is_available()
+FA4 = KERNELS.backend("varlen_attention", "fa4")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def needs_fa4(dtype=torch.bfloat16):
+    if not (CUDA and FA4.available(torch.device("cuda"), dtype)):
+        why = backends._why.get("fa4_attention", "no sm90-sm110 card here")
+        pytest.skip(f"fa4 cannot run here ({why})")
+
+
+def test_fa4_takes_the_head_dims_of_every_card_it_runs_on():
+    assert [d for d in range(1, 300) if attention.fa4_fits({"Dh": d})] == [*range(8, 129, 8), 256]
+
+
+def test_fa4_is_imported_only_where_its_card_and_dtype_are(monkeypatch):
+    """``flash_attn.cute`` takes seconds to import: the registry asks the card and dtype first."""
+    asked = []
+    monkeypatch.setattr(backends, "triton_module", lambda name: asked.append(name))
+    assert not FA4.available(torch.device("cpu"), torch.bfloat16)
+    if CUDA:
+        assert not FA4.available(torch.device("cuda"), torch.float32)
+    assert asked == []
+
+
+def test_fa4_without_the_package_names_the_extra(monkeypatch):
+    monkeypatch.setattr(backends, "triton_module", lambda name: None)
+    monkeypatch.setitem(backends._why, "fa4_attention", "ModuleNotFoundError: No module named 'flash_attn'")
+    q = torch.randn(4, 2, 16)
+    with pytest.raises(RuntimeError, match=r"flash-attn-4 cannot be imported.*kohakumoss\[fa4\]"):
+        FA4.fn(q, q, q, [3, 1])
+
+
+def test_a_static_fa4_choice_falls_back_to_the_reference_where_it_cannot_run():
+    table = build_op_table("cpu", torch.bfloat16, {"varlen_attention": "fa4"})
+    assert table.varlen_attention is ops.varlen_attention
+
+
+# ---- on a card FA4 runs on -------------------------------------------------------------------
+
+def _tiny_inputs(device):
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5), (1, 1)], [6, 0, 3])
+    g = torch.Generator().manual_seed(10)
+    img = torch.randn(layout.n_img, c.latent_channels, generator=g).to(device)
+    text = torch.randn(layout.n_txt, c.text_dim, generator=g).to(device)
+    return img, text, torch.tensor([0.9, 0.4, 0.05], device=device), layout.to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_tiny_model_with_fa4_attention_matches_the_reference(dtype):
+    """Forward output and every parameter's gradient, the attention alone swapped."""
+    needs_fa4(dtype)
+    from kohakumoss.model import cast_model
+    from kohakumoss.model.build import tiny_transformer
+
+    device = torch.device("cuda")
+    img, text, sigma, layout = _tiny_inputs(device)
+    results = []
+    for swap in (False, True):
+        torch.manual_seed(0)
+        model = cast_model(tiny_transformer(), dtype).to(device)
+        model.ops = build_op_table(device, dtype, {})
+        if swap:  # the backend itself, not a choice that could fall back to the reference
+            model.ops.override("varlen_attention", FA4.fn)
+        v = model(img, text, sigma, layout)
+        v.float().square().mean().backward()
+        results.append((v, {n: p.grad for n, p in model.named_parameters()}))
+    (v_ref, g_ref), (v_fa4, g_fa4) = results
+    assert rel(v_fa4, v_ref) <= 2e-2
+    for name in g_ref:
+        assert rel(g_fa4[name], g_ref[name]) <= 2e-2, name
+
+
+def _inputs(lengths, dtype, seed=3, heads=24, head_dim=128):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    N = sum(lengths)
+    return [torch.randn(N, heads, head_dim, device="cuda", dtype=dtype, generator=g)
+            .requires_grad_() for _ in range(3)]
+
+
+@pytest.mark.gpu
+def test_fa4_under_torch_compile_matches_eager():
+    """The custom ops' fake registrations let ``torch.compile`` trace through the backend."""
+    needs_fa4()
+    lengths = [300, 1, 517]
+    q, k, v = _inputs(lengths, torch.bfloat16)
+    do = torch.randn_like(q)
+
+    def f(q, k, v):
+        return FA4.fn(q, k, v, lengths) * 2.0
+
+    eager = f(q, k, v)
+    want = torch.autograd.grad(eager, (q, k, v), do)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    got = torch.autograd.grad(compiled, (q, k, v), do)
+    assert torch.equal(compiled, eager)
+    for a, b in zip(got, want):
+        assert rel(a, b) <= 1e-6
+
+
+@pytest.mark.gpu
+def test_fa4_gradients_repeat_bit_for_bit_under_deterministic_algorithms():
+    needs_fa4()
+    lengths = [4200, 4198, 17]
+    q, k, v = _inputs(lengths, torch.bfloat16, heads=4)
+    do = torch.randn_like(q)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runs = [torch.autograd.grad(FA4.fn(q, k, v, lengths), (q, k, v), do) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
