@@ -26,8 +26,8 @@ def needs_fa4(dtype=torch.bfloat16):
         pytest.skip(f"fa4 cannot run here ({why})")
 
 
-def test_fa4_takes_the_head_dims_of_every_card_it_runs_on():
-    assert [d for d in range(1, 300) if attention.fa4_fits({"Dh": d})] == [*range(8, 129, 8), 256]
+def test_fa4_takes_the_head_dims_it_was_checked_at():
+    assert [d for d in range(1, 300) if attention.fa4_fits({"Dh": d})] == [32, 64, 96, 128]
 
 
 def test_fa4_is_imported_only_where_its_card_and_dtype_are(monkeypatch):
@@ -113,8 +113,8 @@ def test_fa4_under_torch_compile_matches_eager():
     compiled = torch.compile(f, fullgraph=True)(q, k, v)
     got = torch.autograd.grad(compiled, (q, k, v), do)
     assert torch.equal(compiled, eager)
-    for a, b in zip(got, want):
-        assert rel(a, b) <= 1e-6
+    for a, b in zip(got, want):  # dQ is summed by atomics: the order moves its last bits
+        assert rel(a, b) <= 1e-4
 
 
 @pytest.mark.gpu
@@ -131,3 +131,26 @@ def test_fa4_gradients_repeat_bit_for_bit_under_deterministic_algorithms():
         torch.use_deterministic_algorithms(was)
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_fa4_at_every_head_dim_it_takes(head_dim):
+    """Short, lone and multi-tile segments; a lone token's dq and dk are zero in exact math,
+    so its rows are compared by size, the rest by relative error."""
+    needs_fa4()
+    lengths = [5, 1, 9, 130, 257]
+    q, k, v = _inputs(lengths, torch.bfloat16, heads=3, head_dim=head_dim)
+    do = torch.randn_like(q)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = ops.varlen_attention(*ref, lengths)
+    exp = torch.autograd.grad(want, ref, do.double())
+    out = FA4.fn(q, k, v, lengths)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    assert rel(out, want) <= 2e-2
+    lone = torch.zeros(sum(lengths), dtype=torch.bool, device="cuda")
+    lone[5] = True
+    for name, a, b in zip("qkv", got, exp):
+        assert rel(a[~lone], b[~lone]) <= 2e-2, name
+    for a in got[:2]:
+        assert a[lone].float().norm() <= 1e-2 * got[2][lone].float().norm()

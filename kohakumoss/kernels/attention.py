@@ -7,7 +7,7 @@ within each contiguous segment of ``lengths`` tokens, scale ``1 / sqrt(Dh)``.
   CUDA, sm80+, bf16/fp16, head dim a multiple of 8 up to 256.
 - ``fa4``: FlashAttention-4's kernels (the optional ``flash-attn-4`` package,
   ``kernels/fa4_attention.py``) on the packed tokens, one launch forward and backward.
-  CUDA sm90-sm110, bf16/fp16, head dim a multiple of 8 up to 128, or 256.
+  CUDA sm90-sm110, bf16/fp16, head dims 32, 64, 96 and 128.
 - ``flex``: flex attention with a document mask (``segment(q) == segment(k)``), compiled
   with ``torch.compile`` on CUDA (fp32/bf16/fp16); on the CPU it runs eagerly, forward only
   (torch has no CPU flex backward).
@@ -117,9 +117,10 @@ def flash_varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torc
 # ---- FlashAttention-4 (its kernels: kernels/fa4_attention.py) ------------------------------
 
 def fa4_fits(dims) -> bool:
-    """FA4's head dims on every card it runs on: multiples of 8 up to 128, and 256 (sm90 alone
-    takes the others up to 256)."""
-    return dims["Dh"] % 8 == 0 and (8 <= dims["Dh"] <= 128 or dims["Dh"] == 256)
+    """The head dims FA4 is offered at: multiples of 32 up to 128, the ones checked against
+    the reference on an H200 (flash-attn-4 4.0.0b40 there gave a head dim of 16 a wrong dq:
+    zero for every segment after the first)."""
+    return dims["Dh"] % 32 == 0 and 32 <= dims["Dh"] <= 128
 
 
 @functools.lru_cache(maxsize=8)

@@ -12,7 +12,7 @@
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
 - ``fa4`` (varlen_attention): FlashAttention-4 (the optional ``flash-attn-4`` package, the
-  ``fa4`` extra); CUDA sm90-sm110, bf16/fp16, head dim a multiple of 8 up to 128, or 256.
+  ``fa4`` extra); CUDA sm90-sm110, bf16/fp16, head dims 32, 64, 96 and 128.
 - ``tilelang`` (linear): the block linears' products as a TileLang GEMM (``tilelang_gemm``),
   forward and input gradient, the LoRA nodes' accumulating base products too; CUDA sm80+,
   bf16/fp16, K and O multiples of 8; opt-in like the rest of TileLang's kernels.

@@ -78,8 +78,8 @@ def varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tens
     attention._check("fa4", q_NHd, k_NHd, v_NHd, lengths)
     Dh = q_NHd.shape[-1]
     if not attention.fa4_fits({"Dh": Dh}):
-        return attention._fallback("fa4", f"head dim {Dh} (FA4 takes multiples of 8 up to 128, "
-                                   f"and 256)", q_NHd, k_NHd, v_NHd, lengths)
+        return attention._fallback("fa4", f"head dim {Dh} (FA4 is offered at 32, 64, 96 and 128)",
+                                   q_NHd, k_NHd, v_NHd, lengths)
     if q_NHd.dtype not in DTYPES or not attention.fa4_card(q_NHd.device):
         raise TypeError(f"varlen_attention (fa4): {q_NHd.dtype} on {q_NHd.device}; FA4 takes "
                         f"float16/bfloat16 on CUDA sm90-sm110")
