@@ -263,6 +263,7 @@ def _foreign(tmp_path, **changes) -> None:
     ({"device": "cuda", "name": "NVIDIA H200", "arch": "sm90"},
      "it is for another device (NVIDIA H200 (cuda sm90); this is "),
     ({"kernels": "0.0.0+feedfeedfeedfeed"}, "with other kernel sources (kernels 0.0.0+feedfeed"),
+    ({"flash_attn_4": "4.0.0b1"}, "with other software (flash_attn_4 4.0.0b1 there, "),
 ])
 def test_a_foreign_table_is_not_used_and_the_log_says_so(tmp_path, caplog, changes, words):
     r = _registry(quick=Counting())

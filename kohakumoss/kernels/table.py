@@ -80,7 +80,8 @@ def device_signature(device: torch.device | str) -> dict[str, str]:
         name, arch = _cpu_model(), platform.machine()
     return {"device": device.type, "name": name, "arch": arch, "torch": torch.__version__,
             "cuda": torch.version.cuda or "", "triton": _version("triton"),
-            "tilelang": _version("tilelang"), "kernels": kernel_sources()}
+            "tilelang": _version("tilelang"), "flash_attn_4": _version("flash-attn-4"),
+            "kernels": kernel_sources()}
 
 
 def signature_key(signature: dict[str, str]) -> str:
