@@ -12,6 +12,11 @@ from rich.table import Table
 
 PACKAGES = ("torch", "transformers", "diffusers", "lycoris-lora", "safetensors", "pyarrow",
             "pillow", "dvc", "dvclive", "typer")
+KERNEL_PACKAGES = {  # optional: each adds kernel backends the tuner then times
+    "triton": "the fused kernels of sm80+ cards",
+    "tilelang": "the fused kernels of sm70/sm75 cards",
+    "flash-attn-4": "FlashAttention-4's attention on sm90-sm110: pip install 'kohakumoss[fa4]'",
+}
 
 
 def memory_line(p, plan: Path) -> str:
@@ -45,6 +50,7 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
     weights and datasets named in params.yaml can be found, and the memory profile with its
     predicted peak. Exit code 1 if something the params need is missing."""
     import torch
+    from rich.markup import escape
 
     out = wide_console()
     t = Table(title="kohakumoss doctor", show_header=False)
@@ -54,6 +60,11 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
             t.add_row(name, md.version(name))
         except md.PackageNotFoundError:
             t.add_row(name, "[red]not installed[/]")
+    for name, what in KERNEL_PACKAGES.items():
+        try:
+            t.add_row(name, md.version(name))
+        except md.PackageNotFoundError:
+            t.add_row(name, escape(f"not installed (optional: {what})"))
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
@@ -62,7 +73,6 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
                       f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
     else:
         t.add_row("cuda", "no CUDA device (CPU only: the tiny default runs, real weights need a GPU)")
-    from rich.markup import escape
 
     from kohakumoss.checks.params import weight_problems
     from kohakumoss.errors import KohakuError

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,12 @@ def test_doctor_reports_missing_weights(tmp_path):
     assert good.exit_code == 0, good.output
     text = " ".join(good.output.replace("│", " ").split())  # the table's wrapped cells, read on
     assert "memory profile auto: speed is the fastest" in text and "predicted peak" in text
+    try:  # the optional kernel packages: the version, or what installing one gives
+        fa4 = "flash-attn-4 " + metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        fa4 = ("flash-attn-4 not installed (optional: FlashAttention-4's attention on "
+               "sm90-sm110: pip install 'kohakumoss[fa4]')")
+    assert fa4 in text, text
     # params every stage would refuse: a row of the table, exit 1, no traceback
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
