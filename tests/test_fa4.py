@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kohakumoss.kernels import KERNELS, attention, backends, build_op_table
-from kohakumoss.model import FLAVORS, build_layout, ops
+from kohakumoss.model import ops
 
 CUDA = torch.cuda.is_available()
 FA4 = KERNELS.backend("varlen_attention", "fa4")
@@ -55,25 +55,19 @@ def test_a_static_fa4_choice_falls_back_to_the_reference_where_it_cannot_run():
 
 # ---- on a card FA4 runs on -------------------------------------------------------------------
 
-def _tiny_inputs(device):
-    c = FLAVORS["tiny"]
-    layout = build_layout([(3, 4), (2, 5), (1, 1)], [6, 0, 3])
-    g = torch.Generator().manual_seed(10)
-    img = torch.randn(layout.n_img, c.latent_channels, generator=g).to(device)
-    text = torch.randn(layout.n_txt, c.text_dim, generator=g).to(device)
-    return img, text, torch.tensor([0.9, 0.4, 0.05], device=device), layout.to(device)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_tiny_model_with_fa4_attention_matches_the_reference(dtype):
     """Forward output and every parameter's gradient, the attention alone swapped."""
     needs_fa4(dtype)
+    from test_kernel_backends import _tiny_inputs
+
     from kohakumoss.model import cast_model
     from kohakumoss.model.build import tiny_transformer
 
     device = torch.device("cuda")
-    img, text, sigma, layout = _tiny_inputs(device)
+    img, text, sigma, layout = _tiny_inputs(dtype)
+    layout = layout.to(device)
     results = []
     for swap in (False, True):
         torch.manual_seed(0)
