@@ -148,3 +148,38 @@ def test_fa4_at_every_head_dim_it_takes(head_dim):
         assert rel(a[~lone], b[~lone]) <= 2e-2, name
     for a in got[:2]:
         assert a[lone].float().norm() <= 1e-2 * got[2][lone].float().norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["block", "sub-block"])
+def test_activation_offload_replays_fa4(offload):
+    """Under activation offload FA4's forward runs once a step, in forward: its custom op is
+    one op to the recording mode, which hands its outputs back to the recomputation.
+    Gradients within bf16 round-off of the resident run (dQ is summed by atomics)."""
+    needs_fa4()
+    import dataclasses
+
+    from test_offload import _Kernels
+    from test_streaming import _cuda_run
+
+    from kohakumoss.model import FLAVORS
+
+    class _Named(_Kernels):
+        def __init__(self):
+            super().__init__()
+            self.fa4 = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.fa4 += func._schema.name == "kohakumoss::fa4_attention"
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    c = dataclasses.replace(FLAVORS["tiny"], dim=1024, heads=8, ffn_dim=4096, depth=6, text_blocks=2)
+    plain = _cuda_run(c, 0, False, preset="attn-mlp", attention="fa4")
+    with _Named() as counted:
+        kept = _cuda_run(c, 0, offload, preset="attn-mlp", attention="fa4")
+    # two steps, one launch per block for all its segments (the text refiner's blocks too)
+    assert counted.fa4 == counted.attention == 2 * (c.depth + c.text_blocks)
+    for (out_a, grads_a), (out_b, grads_b) in zip(plain, kept):
+        torch.testing.assert_close(out_a, out_b, rtol=1e-2, atol=1e-2)
+        for n in grads_a:
+            assert rel(grads_b[n], grads_a[n]) < 2e-2, n

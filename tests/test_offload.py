@@ -222,3 +222,84 @@ def test_a_backend_the_mode_cannot_see_is_recomputed_as_before():
     with _Kernels() as counted:
         out.float().square().mean().backward()
     assert counted.attention == c.depth * 2
+
+
+# ---- an attention backend of custom ops (FA4's, TileLang's form), on the CPU ----------------
+
+_SEEN_CALLS = {"forward": 0}
+
+
+def _seen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    _SEEN_CALLS["forward"] += 1
+    from kohakumoss.model import ops
+    return ops.varlen_attention(q, k, v, lengths), q.new_zeros(q.shape[:2], dtype=torch.float32)
+
+
+def _seen_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax attention's gradients per segment, written out (a custom op's body runs
+    below autograd: no autograd.grad in it)."""
+    scale = q.shape[-1] ** -0.5
+    grads = [[], [], []]
+    for dos, qs, ks, vs in zip(*(t.split(lengths) for t in (do, q, k, v))):
+        qs, ks, vs, dos = (t.transpose(0, 1) for t in (qs, ks, vs, dos))  # [H, n, Dh]
+        p = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
+        dp = dos @ vs.transpose(1, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        for acc, t in zip(grads, (ds @ ks * scale, ds.transpose(1, 2) @ qs * scale,
+                                  p.transpose(1, 2) @ dos)):
+            acc.append(t.transpose(0, 1))
+    return tuple(torch.cat(acc) for acc in grads)
+
+
+def _seen_attention():
+    """Attention as ``custom.entry`` enters a kernel: a custom op (named as an attention
+    kernel) and a plain autograd Function in eager mode; the forward is the reference's, the
+    log-sum-exp a kernel returns beside its output a placeholder."""
+    from kohakumoss.kernels.custom import entry
+
+    fwd = torch.library.custom_op("kmoss_test::seen_attention", _seen_fwd_impl, mutates_args=())
+    fwd.register_fake(lambda q, k, v, lengths: (torch.empty_like(q),
+                                                q.new_empty(q.shape[:2], dtype=torch.float32)))
+    bwd = torch.library.custom_op("kmoss_test::seen_attention_bwd", _seen_bwd_impl, mutates_args=())
+    bwd.register_fake(lambda do, q, k, v, lengths: (torch.empty_like(q), torch.empty_like(k),
+                                                    torch.empty_like(v)))
+
+    def setup(ctx, inputs, output):
+        q, k, v, lengths = inputs
+        ctx.save_for_backward(q, k, v)
+        ctx.lengths = lengths
+        ctx.mark_non_differentiable(output[1])
+
+    def backward(ctx, do, _dlse):
+        return (*ctx.bwd(do, *ctx.saved_tensors, ctx.lengths), None)
+
+    call = entry(fwd, _seen_fwd_impl, setup, backward, bwd, _seen_bwd_impl)
+    return lambda q, k, v, lengths: call(q, k, v, [int(n) for n in lengths])[0]
+
+
+SEEN = _seen_attention()
+
+
+@pytest.mark.parametrize("halves", [False, True], ids=["block", "sub-block"])
+def test_an_attention_backend_of_custom_ops_is_replayed(halves):
+    """A kernel entered as FA4's and TileLang's are (``custom.entry``) is one op to the
+    recording mode: backward runs no attention forward again, and the gradients are plain
+    autograd's bit for bit."""
+    plain = _model(preset="attn-mlp")
+    model, aset, _ = _model(offload=True, preset="attn-mlp", halves=halves)
+    model.ops.varlen_attention.attention = SEEN
+    plain[0].ops.override("varlen_attention", SEEN)
+    for _ in range(2):
+        _same(_step(model, aset), _step(*plain[:2]))
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    forward = _SEEN_CALLS["forward"]
+    assert forward >= c.depth
+    with _Kernels() as counted:
+        out.float().square().mean().backward()
+    assert _SEEN_CALLS["forward"] == forward and counted.attention == 0

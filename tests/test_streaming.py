@@ -231,11 +231,13 @@ def test_streaming_from_a_node_copy_on_cuda():
     assert not os.path.exists(copies.path)  # unlinked once mapped
 
 
-def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all", copies=None):
+def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all", copies=None,
+              attention: str | None = None):
     """Two steps of a bf16 LoRA on a mid-size model on the GPU, streamed through
     ``stream`` slots (0: resident), the blocks' inputs offloaded to the host or not: each
     step's output and adapter gradients. ``offload`` may instead name ``rebuild`` (the
-    elementwise outputs rebuilt in backward) and ``triton`` (the Triton kernels)."""
+    elementwise outputs rebuilt in backward) and ``triton`` (the Triton kernels);
+    ``attention`` a backend of ``varlen_attention`` that runs instead of the reference."""
     from kohakumoss.kernels import KERNELS, build_op_table
     from kohakumoss.memory.offload import apply_activation_offload
     from kohakumoss.memory.rebuild import apply_rebuild
@@ -252,6 +254,8 @@ def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all", 
         m.ops = build_op_table(torch.device("cuda"), torch.bfloat16,
                                {op: ["triton"] for op in REFERENCE  # attention's backward sums with atomics
                                 if "triton" in KERNELS.names(op) and op != "varlen_attention"})
+    if attention:  # the backend itself: a failure fails the run
+        m.ops.override("varlen_attention", KERNELS.backend("varlen_attention", attention).fn)
     apply_recompute(m)
     if "rebuild" in words:
         apply_rebuild(m)

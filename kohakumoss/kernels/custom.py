@@ -8,13 +8,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def entry(op, impl: Callable, setup: Callable, backward: Callable, bwd_op=None,
           bwd_impl: Callable | None = None) -> Callable:
     """How an op's kernels are called: ``op`` (a ``torch.library`` custom op over ``impl``)
-    under ``torch.compile``, which sees through it; in eager mode ``impl`` itself, through a
-    plain ``autograd.Function`` when an input needs a gradient (no autograd at all when none
+    under ``torch.compile``, which sees through it, and under a dispatch mode, which then sees
+    the kernel as one op (activation offload's replay records and hands back an attention
+    kernel's outputs so: ``memory/replay.py``); in eager mode otherwise ``impl`` itself, through
+    a plain ``autograd.Function`` when an input needs a gradient (no autograd at all when none
     does): the dispatcher's per-call cost adds up at a dozen calls per block. Both run the
     same ``setup`` and ``backward``; ``ctx.bwd`` is the backward kernel's custom op or its
     ``impl`` accordingly."""
@@ -38,7 +41,7 @@ def entry(op, impl: Callable, setup: Callable, backward: Callable, bwd_op=None,
             return backward(ctx, *grads)
 
     def call(*args):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
             return op(*args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
                                            for a in args):

@@ -35,10 +35,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 def is_attention_kernel(func) -> bool:
     """An attention kernel's forward as the dispatcher sees it below autograd (torch's SDPA
-    kernels, the varlen flash op), not its backward or the SDPA backend choice."""
+    kernels, the varlen flash op, the custom ops of FA4's and TileLang's attention), not its
+    backward (``..._backward``, ``..._bwd``) or the SDPA backend choice."""
     name = func._schema.name
     return ("attention" in name or "varlen_attn" in name) and "backward" not in name \
-        and "choice" not in name
+        and not name.endswith("_bwd") and "choice" not in name
 
 
 class _Record(TorchDispatchMode):
