@@ -259,10 +259,11 @@ def _seen_attention():
     log-sum-exp a kernel returns beside its output a placeholder."""
     from kohakumoss.kernels.custom import entry
 
-    fwd = torch.library.custom_op("kmoss_test::seen_attention", _seen_fwd_impl, mutates_args=())
+    # named as FA4's op: selective checkpointing keeps its outputs by that name
+    fwd = torch.library.custom_op("kmoss_test::fa4_attention", _seen_fwd_impl, mutates_args=())
     fwd.register_fake(lambda q, k, v, lengths: (torch.empty_like(q),
                                                 q.new_empty(q.shape[:2], dtype=torch.float32)))
-    bwd = torch.library.custom_op("kmoss_test::seen_attention_bwd", _seen_bwd_impl, mutates_args=())
+    bwd = torch.library.custom_op("kmoss_test::fa4_attention_bwd", _seen_bwd_impl, mutates_args=())
     bwd.register_fake(lambda do, q, k, v, lengths: (torch.empty_like(q), torch.empty_like(k),
                                                     torch.empty_like(v)))
 
@@ -303,3 +304,21 @@ def test_an_attention_backend_of_custom_ops_is_replayed(halves):
     with _Kernels() as counted:
         out.float().square().mean().backward()
     assert _SEEN_CALLS["forward"] == forward and counted.attention == 0
+
+
+def test_selective_checkpointing_keeps_an_attention_custom_op_s_output():
+    """``selective`` keeps the outputs of FA4's and TileLang's attention ops, as it keeps
+    cuDNN's: backward runs no attention forward again; gradients are plain autograd's."""
+    plain = _streamed_model(preset="attn-mlp")
+    model, aset, _ = _streamed_model(mode="selective", preset="attn-mlp")
+    for m in (plain[0], model):
+        m.ops.override("varlen_attention", SEEN)
+    _same(_step(model, aset), _step(*plain[:2]))
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    forward = _SEEN_CALLS["forward"]
+    out.float().square().mean().backward()
+    assert _SEEN_CALLS["forward"] == forward

@@ -37,10 +37,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from kohakumoss.model.dit import HALVES, REPEATED, MOSSImageTransformer
 
 MODES = ("none", "block", "sub-block", "selective", "partial")
-# aten ops whose outputs ``selective`` keeps: the matmuls and the attention kernels
+# ops whose outputs ``selective`` keeps: the matmuls and the attention kernels (torch's, and
+# the custom ops of FA4's and TileLang's, which ``custom.entry`` calls as ops under the policy's
+# dispatch mode)
 SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
+             "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward",
+             "fa4_attention", "tilelang_attention")
 
 
 def repeated_blocks(model: MOSSImageTransformer) -> list[tuple[str, nn.Module]]:
