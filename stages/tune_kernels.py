@@ -28,6 +28,8 @@ def main(
     matches and says so when it does not. On a CPU it measures the reference against
     torch.compile, so the pipeline is the same everywhere.
     """
+    from kohakumoss.device import resolve_device
+    from kohakumoss.kernels.backends import missing_kernels
     from kohakumoss.kernels.tuning import summary
     from kohakumoss.params import load_params
     from kohakumoss.training.engines import tune_kernels
@@ -52,6 +54,8 @@ def main(
     if "first_run" in tuning:
         console.print(f"first-run tuning time: {tuning['first_run']['seconds']:.1f} s "
                       f"(total {tuning.get('total_seconds', 0):.1f} s)", highlight=False)
+    for line in missing_kernels(resolve_device(p.train.device)):
+        console.print(f"hint: {line}", highlight=False, markup=False)
 
 
 if __name__ == "__main__":

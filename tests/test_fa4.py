@@ -1,8 +1,9 @@
 """The ``fa4`` backend of ``varlen_attention`` (FlashAttention-4's kernels, the optional
 ``flash-attn-4`` package; ``kohakumoss/kernels/fa4_attention.py``). Its forward and gradients
 against the reference over the segment cases and at the real sizes are in
-``test_kernel_backends.py``; here: where it is offered, what it says when it cannot run,
-and, on a card it runs on, the tiny model, ``torch.compile`` and deterministic gradients."""
+``test_kernel_backends.py``; here: where it is offered, what it says when it cannot run or
+is not installed, and, on a card it runs on, the tiny model, ``torch.compile``, deterministic
+gradients and activation offload's replay."""
 
 from __future__ import annotations
 
@@ -183,3 +184,13 @@ def test_activation_offload_replays_fa4(offload):
         torch.testing.assert_close(out_a, out_b, rtol=1e-2, atol=1e-2)
         for n in grads_a:
             assert rel(grads_b[n], grads_a[n]) < 2e-2, n
+
+
+def test_tune_kernels_says_what_a_card_fa4_runs_on_lacks(monkeypatch):
+    monkeypatch.setattr(attention, "fa4_card", lambda device: True)
+    monkeypatch.setattr(backends, "triton_module", lambda name: None)
+    monkeypatch.setitem(backends._why, "fa4_attention", "ModuleNotFoundError: No module named 'flash_attn'")
+    hint, = backends.missing_kernels("cuda")
+    assert "No module named 'flash_attn'" in hint and "pip install 'kohakumoss[fa4]'" in hint
+    monkeypatch.setattr(attention, "fa4_card", lambda device: False)
+    assert backends.missing_kernels("cuda") == []

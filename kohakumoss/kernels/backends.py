@@ -153,6 +153,17 @@ register_backend("varlen_attention", "fa4", _fa4_attention, _fa4_available,
                  fits=attention.fa4_fits)
 
 
+def missing_kernels(device: torch.device | str) -> list[str]:
+    """What this device could run that is not installed here, each as a line saying what to
+    install (``kmoss tune_kernels`` prints them after its table)."""
+    device = torch.device(device)
+    if attention.fa4_card(device) and triton_module("fa4_attention") is None:
+        return [f"this card can run FlashAttention-4's attention (1.17-1.24x cuDNN's at 1 MP "
+                f"on an H200; {_why['fa4_attention']}): pip install 'kohakumoss[fa4]', then "
+                f"rerun kmoss tune_kernels"]
+    return []
+
+
 TILELANG_OPS = ("rms_norm", "modulated_rms_norm", "situ", "gated_residual", "varlen_attention")
 
 
