@@ -140,9 +140,9 @@ def _fa4_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _fa4_attention(q, k, v, lengths):
-    attention._check("fa4", q, k, v, [int(n) for n in lengths])
     module = triton_module("fa4_attention")
-    if module is None:
+    if module is None:  # bad inputs still say so first (the module checks them itself)
+        attention._check("fa4", q, k, v, [int(n) for n in lengths])
         raise RuntimeError(f"varlen_attention (fa4): flash-attn-4 cannot be imported here "
                            f"({_why['fa4_attention']}); pip install 'kohakumoss[fa4]'")
     return module.varlen_attention(q, k, v, lengths)

@@ -51,6 +51,12 @@ def entry(op, impl: Callable, setup: Callable, backward: Callable, bwd_op=None,
     return call
 
 
+def like(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """An empty tensor on ``t``'s device: ``t``'s shape and dtype unless given (outputs, and
+    the fake registrations' results)."""
+    return torch.empty(t.shape if shape is None else shape, dtype=dtype or t.dtype, device=t.device)
+
+
 def rows2d(t: torch.Tensor, cols: int) -> torch.Tensor:
     """``t`` as [R, cols] with unit column stride (a view when possible)."""
     t2 = t.reshape(-1, cols)

@@ -19,7 +19,7 @@ import torch
 from flash_attn.cute import interface as _fa4
 
 from kohakumoss.kernels import attention
-from kohakumoss.kernels.custom import entry
+from kohakumoss.kernels.custom import entry, like
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -42,15 +42,12 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return dq, dk, dv
 
 
-def _like(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
-    return torch.empty(t.shape if shape is None else shape, dtype=dtype or t.dtype, device=t.device)
-
 
 _fwd_op = torch.library.custom_op("kohakumoss::fa4_attention", _fwd_impl, mutates_args=())
-_fwd_op.register_fake(lambda q, k, v, cu, longest: (_like(q), _like(q, (q.shape[1], q.shape[0]),
+_fwd_op.register_fake(lambda q, k, v, cu, longest: (like(q), like(q, (q.shape[1], q.shape[0]),
                                                                    torch.float32)))
 _bwd_op = torch.library.custom_op("kohakumoss::fa4_attention_bwd", _bwd_impl, mutates_args=())
-_bwd_op.register_fake(lambda do, q, k, v, o, lse, cu, longest: (_like(q), _like(k), _like(v)))
+_bwd_op.register_fake(lambda do, q, k, v, o, lse, cu, longest: (like(q), like(k), like(v)))
 
 
 def _setup(ctx, inputs, output):

@@ -28,7 +28,7 @@ import torch
 
 from kohakumoss.kernels import attention
 from kohakumoss.kernels import tilelang_kernels as K
-from kohakumoss.kernels.custom import entry, gated_residual_setup, packed_halves, rows2d
+from kohakumoss.kernels.custom import entry, gated_residual_setup, like, packed_halves, rows2d
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
@@ -70,9 +70,6 @@ def _op(name: str, impl, fake):
     return op
 
 
-def _like(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
-    return torch.empty(t.shape if shape is None else shape, dtype=dtype or t.dtype, device=t.device)
-
 
 # ---- RMSNorm and modulated RMSNorm ----------------------------------------------------------
 
@@ -84,7 +81,7 @@ def _row_threads(D: int) -> int:
 
 def _norm_impl(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
                seg: torch.Tensor, eps: float, modulated: bool) -> torch.Tensor:
-    out = _like(x)
+    out = like(x)
     if x.shape[0]:
         _build("norm_forward", x.shape[1], _NAMES[x.dtype], _NAMES[weight.dtype],
                _NAMES[scale.dtype], modulated, _row_threads(x.shape[1]))(
@@ -94,7 +91,7 @@ def _norm_impl(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale
 
 def _norm_bwd_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    seg: torch.Tensor, eps: float, modulated: bool) -> torch.Tensor:
-    dx = _like(x)
+    dx = like(x)
     if x.shape[0]:
         _build("norm_backward", x.shape[1], _NAMES[x.dtype], _NAMES[weight.dtype],
                _NAMES[scale.dtype], modulated, _row_threads(x.shape[1]))(
@@ -102,9 +99,9 @@ def _norm_bwd_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale
     return dx
 
 
-_norm_op = _op("norm", _norm_impl, lambda x, weight, shift, scale, seg, eps, modulated: _like(x))
+_norm_op = _op("norm", _norm_impl, lambda x, weight, shift, scale, seg, eps, modulated: like(x))
 _norm_bwd_op = _op("norm_bwd", _norm_bwd_impl,
-                   lambda g, x, weight, scale, seg, eps, modulated: _like(x))
+                   lambda g, x, weight, scale, seg, eps, modulated: like(x))
 
 
 def _norm_setup(ctx, inputs, output):
@@ -167,21 +164,21 @@ def modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch
 
 def _situ_impl(ug: torch.Tensor) -> torch.Tensor:
     F = ug.shape[1] // 2
-    out = _like(ug, (ug.shape[0], F))
+    out = like(ug, (ug.shape[0], F))
     if ug.shape[0]:
         _build("situ_forward", F, _NAMES[ug.dtype])(ug, out)
     return out
 
 
 def _situ_bwd_impl(go: torch.Tensor, ug: torch.Tensor) -> torch.Tensor:
-    d = _like(ug)
+    d = like(ug)
     if ug.shape[0]:
         _build("situ_backward", ug.shape[1] // 2, _NAMES[ug.dtype])(go.contiguous(), ug, d)
     return d
 
 
-_situ_op = _op("situ", _situ_impl, lambda ug: _like(ug, (ug.shape[0], ug.shape[1] // 2)))
-_situ_bwd_op = _op("situ_bwd", _situ_bwd_impl, lambda go, ug: _like(ug))
+_situ_op = _op("situ", _situ_impl, lambda ug: like(ug, (ug.shape[0], ug.shape[1] // 2)))
+_situ_bwd_op = _op("situ_bwd", _situ_bwd_impl, lambda go, ug: like(ug))
 
 
 def _situ_setup(ctx, inputs, output):
@@ -213,7 +210,7 @@ def situ(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 # ---- gated residual add ----------------------------------------------------------------------
 
 def _gated_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-    out = _like(x)
+    out = like(x)
     if x.shape[0]:
         _build("gated_residual_forward", x.shape[1], _NAMES[x.dtype], _NAMES[gate.dtype])(
             x, y, gate, seg, out)
@@ -221,14 +218,14 @@ def _gated_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seg: torch
 
 
 def _gated_bwd_impl(go: torch.Tensor, gate: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-    dy = _like(go)
+    dy = like(go)
     if go.shape[0]:
         _build("gated_gradient", go.shape[1], _NAMES[go.dtype], _NAMES[gate.dtype])(go, gate, seg, dy)
     return dy
 
 
-_gated_op = _op("gated_residual", _gated_impl, lambda x, y, gate, seg: _like(x))
-_gated_bwd_op = _op("gated_residual_bwd", _gated_bwd_impl, lambda go, gate, seg: _like(go))
+_gated_op = _op("gated_residual", _gated_impl, lambda x, y, gate, seg: like(x))
+_gated_bwd_op = _op("gated_residual_bwd", _gated_bwd_impl, lambda go, gate, seg: like(go))
 
 
 def _gated_backward(ctx, go):
@@ -306,8 +303,8 @@ def _segments(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, i
 def _attn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     N, H, Dh = q.shape
-    o = _like(q)
-    lse = _like(q, (N, H), torch.float32)
+    o = like(q)
+    lse = like(q, (N, H), torch.float32)
     cu, longest = _segments(lengths, q.device)
     if longest:
         fwd, _ = attention_tiles(torch.cuda.get_device_capability(q.device), Dh, q.element_size())
@@ -320,7 +317,7 @@ def _attn_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    lse: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N, H, Dh = q.shape
     dq32 = torch.zeros((N, H, Dh), dtype=torch.float32, device=q.device)
-    dk, dv = _like(k), _like(v)
+    dk, dv = like(k), like(v)
     cu, longest = _segments(lengths, q.device)
     if longest:
         do = do.contiguous()
@@ -332,9 +329,9 @@ def _attn_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 _attn_op = _op("attention", _attn_impl,
-               lambda q, k, v, lengths: (_like(q), _like(q, q.shape[:2], torch.float32)))
+               lambda q, k, v, lengths: (like(q), like(q, q.shape[:2], torch.float32)))
 _attn_bwd_op = _op("attention_bwd", _attn_bwd_impl,
-                   lambda do, q, k, v, o, lse, lengths: (_like(q), _like(k), _like(v)))
+                   lambda do, q, k, v, o, lse, lengths: (like(q), like(k), like(v)))
 
 
 def _attn_setup(ctx, inputs, output):
