@@ -72,6 +72,16 @@ def test_offload_refuses_to_stack_on_another_checkpointing():
         apply_activation_offload(m, "cpu")
 
 
+def _forward(model):
+    """The model's output on a fixed batch of two samples (3 x 4 and 2 x 5 cells, 4 and 6
+    text tokens)."""
+    g = torch.Generator().manual_seed(1)
+    c = FLAVORS["tiny"]
+    layout = build_layout([(3, 4), (2, 5)], [4, 6])
+    return model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+                 torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+
+
 class _Kernels(TorchDispatchMode):
     """Counts the attention kernels' forwards that run."""
 
@@ -108,12 +118,8 @@ def test_recomputation_replays_attention_and_leaves_tails_out(preset, halves):
     for _ in range(2):  # the second step finds the text refiner untrained (its input's too)
         _same(_step(model, aset), _step(*plain[:2]))
     seen = _tails_seen(model)
-    g = torch.Generator().manual_seed(1)
     c = FLAVORS["tiny"]
-    layout = build_layout([(3, 4), (2, 5)], [4, 6])
-    img = torch.randn(layout.n_img, c.latent_channels, generator=g)
-    txt = torch.randn(layout.n_txt, c.text_dim, generator=g)
-    out = model(img, txt, torch.rand(2, generator=g), layout)
+    out = _forward(model)
     forward_calls = len(seen)
     assert forward_calls and not any(skipped for _, skipped, _ in seen)
     with _Kernels() as counted:
@@ -135,11 +141,8 @@ def test_recomputation_of_a_plain_checkpoint_runs_attention_again():
     """The counter sees the kernels: block checkpointing without offload runs attention in
     backward again, once per segment of every block."""
     model, aset, _ = _streamed_model(mode="block", preset="attn-mlp")
-    g = torch.Generator().manual_seed(1)
     c = FLAVORS["tiny"]
-    layout = build_layout([(3, 4), (2, 5)], [4, 6])
-    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
-                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    out = _forward(model)
     with _Kernels() as counted:
         out.float().square().mean().backward()
     assert counted.attention == c.depth * 2
@@ -213,11 +216,8 @@ def test_a_backend_the_mode_cannot_see_is_recomputed_as_before():
     model.ops.varlen_attention.attention = Flexish()
     for _ in range(2):
         _same(_step(model, aset), _step(*plain[:2]))
-    g = torch.Generator().manual_seed(1)
     c = FLAVORS["tiny"]
-    layout = build_layout([(3, 4), (2, 5)], [4, 6])
-    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
-                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    out = _forward(model)
     assert off.kept and all(not entry.added for entry in off.kept)  # nothing beside the inputs
     with _Kernels() as counted:
         out.float().square().mean().backward()
@@ -294,11 +294,8 @@ def test_an_attention_backend_of_custom_ops_is_replayed(halves):
     plain[0].ops.override("varlen_attention", SEEN)
     for _ in range(2):
         _same(_step(model, aset), _step(*plain[:2]))
-    g = torch.Generator().manual_seed(1)
     c = FLAVORS["tiny"]
-    layout = build_layout([(3, 4), (2, 5)], [4, 6])
-    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
-                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    out = _forward(model)
     forward = _SEEN_CALLS["forward"]
     assert forward >= c.depth
     with _Kernels() as counted:
@@ -314,11 +311,7 @@ def test_selective_checkpointing_keeps_an_attention_custom_op_s_output():
     for m in (plain[0], model):
         m.ops.override("varlen_attention", SEEN)
     _same(_step(model, aset), _step(*plain[:2]))
-    g = torch.Generator().manual_seed(1)
-    c = FLAVORS["tiny"]
-    layout = build_layout([(3, 4), (2, 5)], [4, 6])
-    out = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
-                torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
+    out = _forward(model)
     forward = _SEEN_CALLS["forward"]
     out.float().square().mean().backward()
     assert _SEEN_CALLS["forward"] == forward
