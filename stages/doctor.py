@@ -55,16 +55,12 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
     out = wide_console()
     t = Table(title="kohakumoss doctor", show_header=False)
     t.add_row("python", platform.python_version())
-    for name in PACKAGES:
+    for name in (*PACKAGES, *KERNEL_PACKAGES):
         try:
             t.add_row(name, md.version(name))
         except md.PackageNotFoundError:
-            t.add_row(name, "[red]not installed[/]")
-    for name, what in KERNEL_PACKAGES.items():
-        try:
-            t.add_row(name, md.version(name))
-        except md.PackageNotFoundError:
-            t.add_row(name, escape(f"not installed (optional: {what})"))
+            t.add_row(name, escape(f"not installed (optional: {KERNEL_PACKAGES[name]})")
+                      if name in KERNEL_PACKAGES else "[red]not installed[/]")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)

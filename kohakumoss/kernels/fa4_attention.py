@@ -21,9 +21,6 @@ from flash_attn.cute import interface as _fa4
 from kohakumoss.kernels import attention
 from kohakumoss.kernels.custom import entry, like
 
-DTYPES = (torch.float16, torch.bfloat16)
-
-
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
               longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse, *_ = _fa4._flash_attn_fwd(
@@ -77,7 +74,7 @@ def varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tens
     if not attention.fa4_fits({"Dh": Dh}):
         return attention._fallback("fa4", f"head dim {Dh} (FA4 is offered at 32, 64, 96 and 128)",
                                    q_NHd, k_NHd, v_NHd, lengths)
-    if q_NHd.dtype not in DTYPES or not attention.fa4_card(q_NHd.device):
+    if q_NHd.dtype not in attention.FLASH_DTYPES or not attention.fa4_card(q_NHd.device):
         raise TypeError(f"varlen_attention (fa4): {q_NHd.dtype} on {q_NHd.device}; FA4 takes "
                         f"float16/bfloat16 on CUDA sm90-sm110")
     segs = tuple(n for n in lengths if n > 0)
