@@ -131,6 +131,57 @@ def test_the_quant_kernel_refuses_what_it_cannot_take():
 
 
 @triton_test
+def test_fp8_lora_kernels():
+    """The kernels of a LoRA inside the fp8 GEMM against ``ops``: the column factors and the
+    widened codes byte for byte (the codes, the slot at its offset, zeros elsewhere), and the
+    row ``[x | h g]`` (zero columns padding it to a multiple of 16) value for value, over rows
+    held in registers and wider ones, a rank that is not a multiple of 16 and a zero column."""
+    needs_triton()
+    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    g = torch.Generator().manual_seed(13)
+    codes, scale = weights(g, 40, 48, "fp8")
+    up = leaf(g, 40, 5, dtype=torch.bfloat16, scale=0.1, grad=False)
+    up[:, 2] = 0
+    first = leaf(g, 40, 3, dtype=torch.bfloat16, grad=False)  # another LoRA of the node, first
+    amax = tq.lora_amax([first, up], [scale, scale])  # 40 rows: three programs interpreted
+    want_g, want_q = ops.fp8_lora_slots(up, scale)
+    assert torch.equal(amax / 448, torch.cat([ops.fp8_lora_slots(first, scale)[0], want_g]))
+    assert tq.slot_width(5) == 16 and tq.slot_width(32) == 32 and tq.slot_width(96) == 96
+    wide = tq.widened_codes(codes, up, scale, amax, 3, 16)
+    assert wide.shape == (40, 64) and wide.dtype == torch.float8_e4m3fn
+    b = wide.view(torch.uint8)
+    assert torch.equal(b[:, :48], codes.view(torch.uint8))
+    assert torch.equal(b[:, 51:56], want_q.view(torch.uint8))
+    assert not b[:, 48:51].any() and not b[:, 56:].any()
+    h = leaf(g, 37, 8, dtype=torch.bfloat16, grad=False)
+    for K in (24, 40):  # rows held in registers (read once); wider rows, two passes
+        x = leaf(g, 37, K, dtype=torch.bfloat16, grad=False)
+        q, s = tq.fp8_rows_joined([x], None, (h, amax))
+        want_q, want_s = ops.fp8_rows(torch.cat([x.float(), h.float() * (amax / 448)], dim=1))
+        assert q.shape == (37, K + 16) and torch.equal(s, want_s)
+        assert torch.equal(q[:, :K + 8].float(), want_q.float())  # -0 and 0 alike
+        assert not q[:, K + 8:].float().any()
+    with pytest.raises(ValueError, match="columns 12..17 of 16"):
+        tq.widened_codes(codes, up, scale, amax, 12, 16)
+    # the input gradient's: down^T [K, R] (a transposed view) as columns beside the codes'
+    # transposes, no row scales, and the gradient rows joined with their column factors
+    down = leaf(g, 5, 48, dtype=torch.bfloat16, grad=False)
+    damax = tq.lora_amax([down.t()], [None])
+    want_gd, want_qd = ops.fp8_lora_slots(down.t(), torch.ones(48, device=DEVICE))
+    assert torch.equal(damax / 448, want_gd)
+    ct = tq.transposed_codes([codes, codes], (down, damax)).view(torch.uint8)
+    assert ct.shape == (48, 96) and torch.equal(ct[:, :40], codes.t().view(torch.uint8))
+    assert torch.equal(ct[:, 80:85], want_qd.view(torch.uint8)) and not ct[:, 85:].any()
+    dys = [leaf(g, 37, 40, dtype=torch.bfloat16, grad=False) for _ in range(2)]
+    cols = (torch.rand(80, generator=g) * 0.02 + 1e-3).to(DEVICE)
+    t = leaf(g, 37, 5, dtype=torch.bfloat16, grad=False)
+    q, s = tq.fp8_rows_joined(dys, cols, (t, damax))
+    want_q, want_s = ops.fp8_rows(torch.cat([torch.cat(dys, 1).float() * cols, t.float() * want_gd], 1))
+    assert q.shape == (37, 96) and torch.equal(s, want_s)
+    assert torch.equal(q[:, :85].float(), want_q.float()) and not q[:, 85:].float().any()
+
+
+@triton_test
 def test_fp8_rows_joined_and_transposed_codes():
     """Quantizing several sources as one row equals quantizing their concatenation; the codes'
     transposes side by side equal torch's, byte for byte."""
@@ -194,7 +245,11 @@ def test_fp8_lora_linears_match_their_reference(n, full):
 
 def test_fp8_lora_linears_reference_is_the_separate_ops():
     """The reference equals ``fp8_linear`` plus the LoRA's two products, forward and every
-    gradient, in float32 (one linear: its joined quantization is the linear's own)."""
+    gradient, in float32 (one linear: its joined quantization is the linear's own). With
+    ``full`` the LoRA's products are summed in e4m3 inside the fp8 products: without a LoRA
+    delta (up = 0) the output is ``fp8_linear``'s bit for bit, with one it and the input
+    gradient (``t down`` inside its fp8 product) are within e4m3's rounding of the separate
+    ops', and the LoRA's gradients are theirs (straight through)."""
     g = torch.Generator().manual_seed(10)
     x = torch.randn(9, 48, generator=g, dtype=torch.float64).float().requires_grad_()
     codes, scale = quantize_rows(torch.randn(32, 48, generator=g) * 0.05, "fp8")
@@ -204,11 +259,30 @@ def test_fp8_lora_linears_reference_is_the_separate_ops():
     for full in (False, True):
         got = ops.fp8_lora_linears(x, [(codes, scale, down, up)], full)[0]
         want = ops.fp8_linear(x, codes, scale, None, full) + (x @ down.t()) @ up.t()
-        assert rel(got, want) < 1e-6
+        assert 0 < rel(got, want) < 3e-2 if full else rel(got, want) < 1e-6
         ga = torch.autograd.grad(got, (x, down, up), dy)
         gb = torch.autograd.grad(want, (x, down, up), dy)
-        for a, b in zip(ga, gb):
-            assert rel(a, b) < 1e-6
+        assert 0 < rel(ga[0], gb[0]) < 3e-2 if full else rel(ga[0], gb[0]) < 1e-6
+        assert rel(ga[1], gb[1]) < 1e-6 and rel(ga[2], gb[2]) < 1e-6
+    zero = torch.zeros_like(up)
+    assert torch.equal(ops.fp8_lora_linears(x, [(codes, scale, down, zero)], True)[0],
+                       ops.fp8_linear(x, codes, scale, None, True))
+
+
+def test_fp8_lora_slots():
+    """The up matrix's slot columns: each column's largest code is e4m3's 448, and under the
+    row scales the codes times g give back ``up`` within e4m3's rounding; a zero column has
+    g = 0 and zero codes."""
+    g = torch.Generator().manual_seed(12)
+    codes, scale = quantize_rows(torch.randn(40, 48, generator=g) * 0.05, "fp8")
+    up = torch.randn(40, 5, generator=g) * 0.1
+    up[:, 3] = 0
+    gs, q = ops.fp8_lora_slots(up, scale)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == up.shape
+    assert gs[3] == 0 and not q[:, 3].float().any()
+    assert torch.equal(q.float().abs().amax(0)[[0, 1, 2, 4]], torch.full((4,), 448.0))
+    back = q.float() * scale[:, None] * gs
+    assert rel(back, up) < 2 ** -4
 
 
 # ---- the GPU: the real model's sizes and the fp8 GEMMs -------------------------------------
@@ -274,6 +348,26 @@ def test_fp8_lora_linears_at_the_real_sizes(shape, full):
     fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
     leaves = {"x": x, "down0": layers[0][2], "up0": layers[0][3]}
     compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [3072, 8192, 16384, 20000], ids=str)
+def test_fp8_rows_at_the_real_widths(K):
+    """The row quantization at the widths the model's GEMMs take (rows held in registers up
+    to 16384, two passes past it), with the LoRA's slot columns, as the reference rounds."""
+    if not CUDA:
+        pytest.skip("needs CUDA")
+    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    g = torch.Generator().manual_seed(14)
+    x = leaf(g, 300, K, dtype=torch.bfloat16, grad=False)
+    codes, scale = tq.fp8_rows(x)
+    want_codes, want_scale = ops.fp8_rows(x)
+    assert torch.equal(scale, want_scale) and torch.equal(codes.float(), want_codes.float())
+    h = leaf(g, 300, 96, dtype=torch.bfloat16, grad=False) * 4
+    amax = (torch.rand(96, generator=g) * 2).to(DEVICE)
+    codes, scale = tq.fp8_rows_joined([x], None, (h, amax))
+    want_codes, want_scale = ops.fp8_rows(torch.cat([x.float(), h.float() * (amax / 448)], dim=1))
+    assert torch.equal(scale, want_scale) and torch.equal(codes.float(), want_codes.float())
 
 
 # ---- the interpreted suite on a CPU machine ------------------------------------------------

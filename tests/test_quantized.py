@@ -18,7 +18,9 @@ from kohakumoss.formats.model_files import save_comfy, stored_weights
 from kohakumoss.model import FLAVORS
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.params import load_params
-from kohakumoss.memory.quantized import QuantizedLinear, quantizable, quantize_base, quantize_rows
+from kohakumoss.memory.quantized import (QuantizedLinear, quantizable, quantize_base, quantize_rows,
+                                         stored_rows)
+from kohakumoss.precision.quant import QuantizedWeight
 from kohakumoss.model import ops
 from kohakumoss.training.engines import engine_plan
 from kohakumoss.training.estimate import estimate
@@ -86,19 +88,20 @@ def test_fp8_compute_reference_stays_near_the_weight_only_model():
         quantize_base(tiny_transformer(), "int8", fp8_compute=True)
 
 
-def test_fp8_input_gradients_change_only_the_gradients():
-    """``fp8_compute: full``: the forward is ``on``'s, bit for bit; the input gradients are
-    fp8 products (``dy`` times the weight's row scales, e4m3 per row), so the LoRA gradients
-    move by e4m3's rounding and no more."""
+def test_fp8_compute_full_moves_the_lora_product_and_the_gradients_by_e4m3():
+    """``fp8_compute: full``: the LoRAs' forward products are summed in the fp8 GEMMs (e4m3
+    factors) and the input gradients are fp8 products (``dy`` times the weight's row scales,
+    e4m3 per row), so the output and the LoRA gradients move from ``on``'s by e4m3's
+    rounding and no more."""
     full, on = tiny_transformer(), tiny_transformer()
     assert "input gradients too" in quantize_base(full, "fp8", fp8_compute=True, fp8_grad=True)
     quantize_base(on, "fp8", fp8_compute=True)
     assert "input gradient" in repr(full.layers[0].proj["q"]) and full.layers[0].proj["q"].fp8_grad
     (out, grads), (want, want_grads) = _forward_and_grads(full), _forward_and_grads(on)
-    assert torch.equal(out, want)
+    assert not torch.equal(out, want) and (out - want).norm() <= 5e-2 * want.norm()
     assert any(not torch.equal(a, b) for a, b in zip(grads, want_grads))
-    for a, b in zip(grads, want_grads):
-        assert (a - b).norm() <= 0.1 * b.norm() + 1e-8
+    for a, b in zip(grads, want_grads):  # 0.15: this LoRA (every factor + 0.05) outweighs the
+        assert (a - b).norm() <= 0.15 * b.norm() + 1e-8  # base, and its e4m3 row sets x's scale
     # the op alone: the input gradient within e4m3's rounding of the exact one, fp32
     g = torch.Generator().manual_seed(3)
     codes, scale = quantize_rows(torch.randn(24, 40, generator=g) * 0.05, "fp8")
@@ -114,8 +117,9 @@ def test_fp8_input_gradients_change_only_the_gradients():
 def test_a_lora_on_fp8_compute_is_one_node_with_its_linear(full, monkeypatch):
     """A LoRA on an fp8-compute linear runs with it as one node (``fp8_lora_linears``); q, k
     and v as one: the same output and LoRA gradients as the separate nodes (the base op,
-    then the delta accumulated onto it) up to fp32 round-off; with ``full`` the three input
-    gradients of q, k and v are quantized as one row, within e4m3's rounding of the three."""
+    then the delta accumulated onto it) up to fp32 round-off; with ``full`` the LoRA's
+    product rides in the fp8 GEMM and the three input gradients of q, k and v are quantized
+    as one row, within e4m3's rounding of the separate nodes."""
     calls = []
 
     def counted(model):
@@ -132,8 +136,11 @@ def test_a_lora_on_fp8_compute_is_one_node_with_its_linear(full, monkeypatch):
     assert calls == [3, 1, 1, 1] * len(one.layers)
     monkeypatch.setattr(QuantizedLinear, "lora_op", lambda self: None)
     want, want_grads = _forward_and_grads(apart)
-    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
-    tol = 1e-1 if full else 1e-4  # full: two e4m3 roundings of the input gradients, apart
+    if full:
+        assert (out - want).norm() <= 5e-2 * want.norm()
+    else:
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+    tol = 0.15 if full else 1e-4  # full: e4m3 LoRA products and input gradients (see above)
     for a, b in zip(grads, want_grads):
         assert (a - b).norm() <= tol * b.norm() + 1e-8
 
@@ -173,6 +180,21 @@ def test_comfy_quantized_files_are_used_as_stored(tmp_path, fmt, base):
         torch.testing.assert_close(qm(img, txt, sigma, layout), plain(img, txt, sigma, layout),
                                    rtol=1e-4, atol=1e-5)
     assert stored_weights("tiny") is None
+
+
+def test_stored_scales_are_made_positive_or_not_taken():
+    """A file's zero scale (an all-zero row) is taken as scale 1 over zero codes, the same
+    weight with every scale positive (an fp8 linear's LoRA divides by them); a negative scale
+    makes the layer quantized again from the loaded weight (None)."""
+    codes, scale = quantize_rows(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)), "fp8")
+    scale[1] = 0
+    got_codes, got_scale, _ = stored_rows(QuantizedWeight(codes, scale, "float8_e4m3fn"), "fp8")
+    assert got_scale[1] == 1 and not got_codes[1].float().any() and (got_scale > 0).all()
+    assert torch.equal(ops.dequantize_rows(got_codes, got_scale, torch.float32),
+                       ops.dequantize_rows(codes, scale, torch.float32))
+    assert codes[1].float().any()  # the file's codes are left as they are
+    scale[2] = -scale[2]
+    assert stored_rows(QuantizedWeight(codes, scale, "float8_e4m3fn"), "fp8") is None
 
 
 def test_the_knobs_are_refused_where_they_cannot_work(tmp_path):

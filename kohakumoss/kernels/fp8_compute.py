@@ -84,26 +84,42 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 class _Fp8Loras(torch.autograd.Function):
     """``fp8_lora_linears``: bias-free fp8 linears on one input, each with a LoRA, one node.
 
-    forward: ``x`` quantized once; ``h = x [A_1; ...]^T`` (one narrow product for every
-    down matrix); per linear the fp8 GEMM, then ``h_i B_i^T`` accumulated onto its output in
-    place. backward: ``t = [dy_1 B_1 | ...]``; the base input gradient is one GEMM over all
+    forward: ``h = x [A_1; ...]^T`` (one narrow product for every down matrix); ``x``
+    quantized once; per linear the fp8 GEMM, then ``h_i B_i^T`` accumulated onto its output
+    in place. With ``full`` no accumulation: ``[x | h g]`` is quantized once and each GEMM
+    takes its codes widened by its up matrix's slot columns (``widened_codes``, a transient
+    copy, one linear's at a time), so the LoRA's product is summed inside the GEMM
+    (``ops.fp8_lora_linears``); the input gradient's ``t [A_1; ...]`` likewise rides in its
+    fp8 GEMM (the rows ``[dy s | t g']``, the transposed codes with ``A^T / g'`` beside
+    them). backward: ``t = [dy_1 B_1 | ...]``; the base input gradient is one GEMM over all
     the linears: ``[dy_1 | ...]`` times the weights' row scales quantized per row as one row
     (``fp8_rows_joined``) against the codes' transposes side by side (or, without
     ``grad_fp8``, one dequantized bf16 matmul per linear), then ``t [A_1; ...]`` accumulated
     onto it in place: no full-width add, where separate nodes add three per linear."""
 
     @staticmethod
-    def forward(ctx, x2, ranks, grad_fp8, down, *tensors):
+    def forward(ctx, x2, ranks, full, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
-        xq, xs = triton_module("triton_fp8").fp8_rows(x2)
+        t8 = triton_module("triton_fp8")
         h = torch.mm(x2, down.t())
         outs = []
-        for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1)):
-            y = torch._scaled_mm(xq, c.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=x2.dtype,
-                                 use_fast_accum=FAST_ACCUM_FORWARD)
-            outs.append(torch.addmm(y, hi, up.t()) if is_in_torch_dispatch_mode() else y.addmm_(hi, up.t()))
-        ctx.ranks, ctx.grad_fp8 = ranks, grad_fp8
+        if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
+            width, c0 = t8.slot_width(sum(ranks)), 0
+            amax = t8.lora_amax(ups, scales)
+            xq, xs = t8.fp8_rows_joined([x2], None, (h, amax))
+            for c, s, up in zip(codes, scales, ups):
+                w = t8.widened_codes(c, up, s, amax, c0, width)
+                outs.append(torch._scaled_mm(xq, w.t(), scale_a=xs[:, None], scale_b=s[None, :],
+                                             out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_FORWARD))
+                c0 += up.shape[1]
+        else:
+            xq, xs = t8.fp8_rows(x2)
+            for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1)):
+                y = torch._scaled_mm(xq, c.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=x2.dtype,
+                                     use_fast_accum=FAST_ACCUM_FORWARD)
+                outs.append(torch.addmm(y, hi, up.t()) if is_in_torch_dispatch_mode() else y.addmm_(hi, up.t()))
+        ctx.ranks, ctx.grad_fp8 = ranks, full
         ctx.save_for_backward(x2, h, down, *codes, *scales, *ups)
         return tuple(outs)
 
@@ -119,12 +135,12 @@ class _Fp8Loras(torch.autograd.Function):
         t = torch.cat([torch.mm(dy, up) for dy, up in zip(dys, ups)], dim=1)
         dx = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
-        if need_x and ctx.grad_fp8:  # one GEMM over every linear's output (ops.fp8_lora_linears)
-            gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0])
-            ct = t8.transposed_codes(list(codes))
+        if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
+            amax = t8.lora_amax([down.t()], [None])  # (ops.fp8_lora_linears)
+            gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0], (t, amax))
+            ct = t8.transposed_codes(list(codes), (down, amax))
             ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=x2.device)
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=ones, out_dtype=x2.dtype)
-            dx.addmm_(t, down)
         elif need_x:
             dx = torch.mm(t, down)
             for dy, c, s in zip(dys, codes, scales):
@@ -136,9 +152,9 @@ class _Fp8Loras(torch.autograd.Function):
 
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                     grad_fp8: bool = False) -> list[torch.Tensor]:
+                     full: bool = False) -> list[torch.Tensor]:
     """``ops.fp8_lora_linears`` as one node (``_Fp8Loras``): fp8 GEMMs, the LoRAs' products in
-    bf16, accumulated in place."""
+    bf16 accumulated in place, or with ``full`` inside the GEMMs."""
     if not 1 <= len(layers) <= 3 or len({c.shape[0] for c, _, _, _ in layers}) != 1:
         raise ValueError(f"fp8_lora_linears (scaled_mm): one to three linears of one width, got "
                          f"{[tuple(c.shape) for c, _, _, _ in layers]}")
@@ -151,7 +167,7 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers]) if len(layers) > 1 else layers[0][2]
-    ys = _Fp8Loras.apply(x2, ranks, grad_fp8, down, *(c for c, _, _, _ in layers),
+    ys = _Fp8Loras.apply(x2, ranks, full, down, *(c for c, _, _, _ in layers),
                          *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
     return [y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1]) for y in ys]
 

@@ -5,7 +5,11 @@ activations and the transpose of weight codes.
   float8_e4m3fn (each column first times its own factor where one is given: fp8 compute's
   input gradient); joined, one to three sources quantized as one row;
 - ``transposed_codes``: [N, K] codes transposed side by side into [K, sum of N], the layout
-  the input-gradient GEMM wants.
+  the input-gradient GEMM wants;
+- ``lora_amax``, ``fp8_rows_lora``, ``widened_codes``: a LoRA's forward product inside the
+  fp8 GEMM (``ops.fp8_lora_linears`` with ``full``): the up matrices' column maxima (g =
+  amax / 448), the row ``[x | h g]`` under one scale, and the codes widened by the up
+  matrix's slot columns.
 """
 
 from __future__ import annotations
@@ -55,14 +59,30 @@ def _row_part(X, CS, j: tl.constexpr, k0, K, cols, COLS: tl.constexpr):
 
 
 @jit
-def _fp8_rows(X0, X1, X2, CS, Q, S, K, sx0, sx1, sx2, NSRC: tl.constexpr, COLS: tl.constexpr,
-              BLOCK: tl.constexpr):
-    """Row ``row`` of [X0 | X1 | X2][:, :NSRC * K] (each source K wide, its own row stride)
-    as e4m3 codes under one scale, into a row of Q (NSRC * K wide). A source that fits one
-    block (``K <= BLOCK``) is read once and held in registers; a wider one is read twice."""
+def _tail_part(H, A, row, R, tcols):
+    """Row ``row`` of ``h * g`` (H [M, R] contiguous, ``g = A / 448``, A [R] float32), zero
+    past R."""
+    m = tcols < R
+    return tl.load(H + row * R + tcols, mask=m, other=0.0).to(tl.float32) * (tl.load(A + tcols, mask=m, other=0.0) / 448.0)
+
+
+@jit
+def _fp8_rows(X0, X1, X2, CS, H, A, Q, S, K, R, QW, sx0, sx1, sx2, NSRC: tl.constexpr,
+              COLS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """Row ``row`` of [X0 | X1 | X2][:, :NSRC * K] (each source K wide, its own row stride),
+    followed where ``TAIL`` (a power of two, 0 for none) by ``h * A / 448`` (R wide, zeros to TAIL),
+    as e4m3 codes under one scale, into a row of Q (QW wide). A source that fits one block
+    (``K <= BLOCK``) is read once and held in registers; a wider one is read twice."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    out = Q + row * (NSRC * K)
+    out = Q + row * QW
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    if TAIL:
+        tcols = tl.arange(0, TAIL)
+        t = _tail_part(H, A, row, R, tcols)
+        tmax = tl.max(tl.abs(t), axis=0)
+    else:
+        tmax = 0.0
     if K <= BLOCK:
         x0 = _row_part(X0 + row * sx0, CS, 0, 0, K, cols, COLS)
         amax = tl.abs(x0)
@@ -72,7 +92,7 @@ def _fp8_rows(X0, X1, X2, CS, Q, S, K, sx0, sx1, sx2, NSRC: tl.constexpr, COLS: 
         if NSRC > 2:
             x2 = _row_part(X2 + row * sx2, CS, 2, 0, K, cols, COLS)
             amax = tl.maximum(amax, tl.abs(x2))
-        s = tl.max(amax, axis=0) / 448.0
+        s = tl.maximum(tl.max(amax, axis=0), tmax) / 448.0
         s = tl.where(s > 0.0, s, 1.0)
         m = cols < K
         tl.store(out + cols, _to_e4m3(tl.minimum(tl.maximum(x0 / s, -448.0), 448.0)), mask=m)
@@ -81,19 +101,65 @@ def _fp8_rows(X0, X1, X2, CS, Q, S, K, sx0, sx1, sx2, NSRC: tl.constexpr, COLS: 
         if NSRC > 2:
             tl.store(out + 2 * K + cols, _to_e4m3(tl.minimum(tl.maximum(x2 / s, -448.0), 448.0)), mask=m)
     else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for j in tl.static_range(NSRC):
             X = _row_source(j, X0, X1, X2) + row * _row_source(j, sx0, sx1, sx2)
             for k0 in range(0, K, BLOCK):
                 amax = tl.maximum(amax, tl.abs(_row_part(X, CS, j, k0, K, cols, COLS)))
-        s = tl.max(amax, axis=0) / 448.0
+        s = tl.maximum(tl.max(amax, axis=0), tmax) / 448.0
         s = tl.where(s > 0.0, s, 1.0)
         for j in tl.static_range(NSRC):
             X = _row_source(j, X0, X1, X2) + row * _row_source(j, sx0, sx1, sx2)
             for k0 in range(0, K, BLOCK):
                 q = tl.minimum(tl.maximum(_row_part(X, CS, j, k0, K, cols, COLS) / s, -448.0), 448.0)
                 tl.store(out + j * K + k0 + cols, _to_e4m3(q), mask=(k0 + cols) < K)
+    if TAIL:
+        tq = _to_e4m3(tl.minimum(tl.maximum(t / s, -448.0), 448.0))
+        tl.store(out + NSRC * K + tcols, tq, mask=NSRC * K + tcols < QW)
     tl.store(S + row, s)
+
+
+@jit
+def _slot_amax(UP, S, A, N, R, su, sr, HAS_S: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    """``A[j] = max(A[j], max_n |UP[n, j] / S[n]|)`` (S 1 without ``HAS_S``) over this
+    program's BN rows (UP's rows ``su`` apart, its columns ``sr``). A is the float32 maxima's
+    bits as int32: they are never negative, so the integers order as the floats do, and one
+    atomic max a column merges the programs'."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rr = tl.arange(0, BR)
+    m = (rn[:, None] < N) & (rr[None, :] < R)
+    u = tl.abs(tl.load(UP + rn.to(tl.int64)[:, None] * su + rr[None, :] * sr, mask=m, other=0.0).to(tl.float32))
+    if HAS_S:
+        u = u / tl.load(S + rn, mask=rn < N, other=1.0)[:, None]
+    tl.atomic_max(A + rr, tl.max(u, axis=0).to(tl.int32, bitcast=True), mask=rr < R)
+
+
+@jit
+def _widen(C, UP, S, A, W, N, K, R, QW, c0, SK, su, sr, HAS_S: tl.constexpr, BN: tl.constexpr,
+           BK: tl.constexpr, BT: tl.constexpr):
+    """Rows of W [N, QW] (bytes): the codes C [N, K] (bytes; K may be 0), then from column SK
+    zeros with the slot codes ``UP[n, j] / (S[n] g_j)`` in e4m3 at columns ``SK + c0 + j``
+    (UP [N, R], its rows ``su`` apart, its columns ``sr``; S 1 without ``HAS_S``; ``g = A /
+    448``, A the node's column maxima from ``_slot_amax``)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rn64 = rn.to(tl.int64)
+    mn = rn < N
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        m = mn[:, None] & (rk[None, :] < K)
+        tl.store(W + rn64[:, None] * QW + rk[None, :], tl.load(C + rn64[:, None] * K + rk[None, :], mask=m), mask=m)
+    tc = tl.arange(0, BT)
+    j = tc - c0
+    mj = (j >= 0) & (j < R)
+    mu = mn[:, None] & mj[None, :]
+    u = tl.load(UP + rn64[:, None] * su + j[None, :] * sr, mask=mu, other=0.0).to(tl.float32)
+    g = tl.load(A + c0 + j, mask=mj, other=0.0) / 448.0
+    if HAS_S:
+        d = tl.load(S + rn, mask=mn, other=1.0)[:, None] * g[None, :]
+    else:
+        d = 1.0 * g[None, :]
+    q = tl.where(g[None, :] > 0.0, u / tl.where(d > 0.0, d, 1.0), 0.0)
+    q = _to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8, bitcast=True)
+    tl.store(W + rn64[:, None] * QW + SK + tc[None, :], q, mask=mn[:, None] & (SK + tc[None, :] < QW))
 
 
 @jit
@@ -113,40 +179,118 @@ def fp8_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[to
     return fp8_rows_joined([x], col_scale)
 
 
-def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = None,
+                    tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ops.fp8_rows(torch.cat(xs, 1), col_scale)`` without the concatenation: one to three
     [M, K] sources (rows contiguous, any row stride), each row quantized under one scale
-    across all of them (fp8 compute's input gradient of q, k and v: one GEMM)."""
+    across all of them (fp8 compute's input gradient of q, k and v: one GEMM). ``tail = (h,
+    amax)``: the row goes on with ``h * (amax / 448)`` (h [M, R], amax [R] float32 from
+    ``lora_amax``), zero columns padding it by ``slot_width(R)`` (a LoRA's product inside the
+    fp8 GEMM, ``ops.fp8_lora_linears`` with ``full``)."""
     if not 1 <= len(xs) <= 3 or any(x.shape != xs[0].shape or x.dim() != 2 for x in xs):
         raise ValueError(f"fp8_rows: one to three 2-D sources of one shape, got "
                          f"{[tuple(x.shape) for x in xs]}")
     xs = [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
     check_tensors("fp8_rows", *xs)
     (M, K), n = xs[0].shape, len(xs)
-    q = torch.empty((M, n * K), dtype=torch.float8_e4m3fn, device=xs[0].device)
+    h, amax, R = xs[0], xs[0], 0
+    if tail is not None:
+        h, amax = tail[0].contiguous(), tail[1]
+        R = h.shape[1]
+        check_tensors("fp8_rows", h, amax)
+        if h.shape[0] != M or amax.shape != (R,) or amax.dtype != torch.float32:
+            raise ValueError(f"fp8_rows: sources {tuple(xs[0].shape)}, tail {tuple(h.shape)}, amax "
+                             f"{tuple(amax.shape)} {amax.dtype}")
+    qw = n * K + (slot_width(R) if tail is not None else 0)
+    q = torch.empty((M, qw), dtype=torch.float8_e4m3fn, device=xs[0].device)
     s = torch.empty((M,), dtype=torch.float32, device=xs[0].device)
-    if M and K:
+    if M and qw:
         # a row up to 4096 wide per source is held in registers (read once); interpreted,
         # rows up to 32 wide take that path and wider ones the two-pass loop over 16
         wide = 32 if INTERPRETED else 4096
         block = triton.next_power_of_2(K) if K <= wide else (16 if INTERPRETED else 2048)
         cs = xs[0] if col_scale is None else col_scale.float().contiguous()
         src = [*xs, xs[0], xs[0]][:3]
-        _fp8_rows[(M,)](*src, cs, q, s, K, *(x.stride(0) for x in src), NSRC=n,
-                        COLS=col_scale is not None, BLOCK=block, num_warps=8 if K * n > 4096 else 4)
+        _fp8_rows[(M,)](*src, cs, h, amax, q, s, K, R, qw, *(x.stride(0) for x in src), NSRC=n,
+                        COLS=col_scale is not None, BLOCK=block,
+                        TAIL=triton.next_power_of_2(qw - n * K) if tail is not None else 0,
+                        num_warps=8 if K * n > 4096 else 4)
     return q, s
 
 
-def transposed_codes(codes: list[torch.Tensor]) -> torch.Tensor:
+def slot_width(r: int) -> int:
+    """The extra columns r LoRA columns take in an fp8 GEMM's summed dimension: r rounded up
+    to 16 (``torch._scaled_mm`` wants it a multiple of 16)."""
+    return -(-r // 16) * 16
+
+
+def lora_amax(ups: list[torch.Tensor], scales: list[torch.Tensor | None]) -> torch.Tensor:
+    """The column maxima ``max_n |up[n, j] / s_n|`` of each (up [N, r], any strides; scale
+    [N], None for ones) side by side, float32 [sum of r]: ``g = amax / 448`` is
+    ``ops.fp8_lora_slots``'s, bit for bit. One program per block of rows, merged by atomic
+    maxima."""
+    out = torch.zeros((sum(u.shape[1] for u in ups),), dtype=torch.float32, device=ups[0].device)
+    bits, c0 = out.view(torch.int32), 0
+    for up, scale in zip(ups, scales):
+        scale = up if scale is None else scale.float().contiguous()
+        check_tensors("lora_amax", up, scale)
+        N, R = up.shape
+        if scale is not up and scale.shape != (N,):
+            raise ValueError(f"lora_amax: up {tuple(up.shape)}, scale {tuple(scale.shape)}")
+        br = triton.next_power_of_2(R)
+        bn = 16 if INTERPRETED else max(16, min(256, 8192 // br))
+        if N:
+            _slot_amax[(triton.cdiv(N, bn),)](up, scale, bits[c0:], N, R, up.stride(0), up.stride(1),
+                                              HAS_S=scale is not up, BN=bn, BR=br, num_warps=4)
+        c0 += R
+    return out
+
+
+def _slots(out: torch.Tensor, codes: torch.Tensor | None, up: torch.Tensor, scale: torch.Tensor | None,
+           amax: torch.Tensor, c0: int, col: int, width: int) -> torch.Tensor:
+    """Rows of ``out`` [N, QW]: ``codes`` [N, K] copied to columns 0..K (where given), then
+    columns ``col .. col + width`` zero but for the slot codes of ``up`` at ``col + c0``."""
+    N, R = up.shape
+    K = 0 if codes is None else codes.shape[1]
+    if amax.numel() < c0 + R or c0 + R > width or width % 16 or col + width > out.shape[1] or \
+            out.shape[0] != N or (codes is not None and codes.shape[0] != N):
+        raise ValueError(f"fp8 LoRA slot: up {tuple(up.shape)}, columns {c0}..{c0 + R} of {width} "
+                         f"from {col} in {tuple(out.shape)}")
+    bn, bk = (16, 16) if INTERPRETED else (32, 256)
+    c = out if codes is None else codes.contiguous()
+    s = up if scale is None else scale.float().contiguous()
+    if N:
+        _widen[(triton.cdiv(N, bn),)](c.view(torch.uint8), up, s, amax, out.view(torch.uint8), N, K, R,
+                                      out.stride(0), c0, col, up.stride(0), up.stride(1),
+                                      HAS_S=scale is not None, BN=bn, BK=bk,
+                                      BT=triton.next_power_of_2(width), num_warps=4)
+    return out
+
+
+def widened_codes(codes: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                  c0: int, width: int) -> torch.Tensor:
+    """[N, K + width] float8_e4m3fn: the codes, then ``width`` slot columns, zero but for
+    ``ops.fp8_lora_slots(up, scale)[1]`` at ``c0`` (``amax``: the node's ``lora_amax``, this
+    LoRA's r columns from ``c0``)."""
+    N, K = codes.shape
+    out = torch.empty((N, K + width), dtype=codes.dtype, device=codes.device)
+    return _slots(out, codes, up, scale, amax, c0, K, width)
+
+
+def transposed_codes(codes: list[torch.Tensor], slot: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
     """``torch.cat([c.t() for c in codes], 1).contiguous()``: [K, sum of N], each [N, K]
     code matrix's transpose side by side, by a tiled kernel on the bytes (torch's own copy
-    of a one-byte transpose runs at a fraction of the memory's speed)."""
+    of a one-byte transpose runs at a fraction of the memory's speed). ``slot = (down,
+    amax)``: ``slot_width(R)`` more columns, ``ops.fp8_lora_slots(down^T, ones)[1]`` and
+    zeros (down [R, K]; amax from ``lora_amax([down^T], [None])``): the LoRAs' ``t down``
+    inside the input-gradient GEMM."""
     K = codes[0].shape[1]
     if any(c.dim() != 2 or c.shape[1] != K or c.dtype != codes[0].dtype for c in codes):
         raise ValueError("transposed_codes: [N, K] codes of one K and dtype")
     total = sum(c.shape[0] for c in codes)
-    out = torch.empty((K, total), dtype=codes[0].dtype, device=codes[0].device)
+    width = 0 if slot is None else slot_width(slot[0].shape[0])
+    out = torch.empty((K, total + width), dtype=codes[0].dtype, device=codes[0].device)
     bn, bk = (16, 16) if INTERPRETED else (64, 64)
     col = 0
     for c in codes:
@@ -154,6 +298,8 @@ def transposed_codes(codes: list[torch.Tensor]) -> torch.Tensor:
         if N and K:
             a = c.contiguous().view(torch.uint8)
             _transpose[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-                a, out.view(torch.uint8)[:, col:], N, K, total, BN=bn, BK=bk, num_warps=4)
+                a, out.view(torch.uint8)[:, col:], N, K, total + width, BN=bn, BK=bk, num_warps=4)
         col += N
+    if slot is not None:
+        _slots(out, None, slot[0].t(), None, slot[1], 0, total, width)
     return out

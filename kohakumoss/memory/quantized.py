@@ -133,7 +133,15 @@ def stored_rows(q: QuantizedWeight | None, base: str) -> tuple[torch.Tensor, tor
     s = q.scale.float().reshape(-1)
     if s.numel() not in (1, rows):
         return None
-    return q.codes, s.expand(rows).contiguous() if s.numel() == 1 else s, q.convrot_group
+    s, codes = s.expand(rows).contiguous() if s.numel() == 1 else s, q.codes
+    if (s < 0).any():  # not as stored: quantized again from the loaded weight
+        return None
+    if not (s > 0).all():  # a zero scale (a row of zeros) as scale 1 over zero codes: the same
+        zero = s == 0      # weight, every scale positive (fp8_lora_linears divides by them)
+        codes = codes.clone()
+        codes.view(torch.uint8)[zero] = 0
+        s = torch.where(zero, 1.0, s)
+    return codes, s, q.convrot_group
 
 
 def quantizable(model: nn.Module) -> list[tuple[str, nn.Linear]]:

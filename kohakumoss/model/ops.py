@@ -217,16 +217,37 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return _Fp8Linear.apply(x, codes, scale, bias, grad_fp8)
 
 
+def fp8_lora_slots(up: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LoRA's ``up`` [out, r] as r extra columns of its fp8 linear's codes (``scale`` [out],
+    every one positive): per column j the factor ``g_j = max_n |up[n, j] / s_n| / 448`` and
+    the codes ``up[n, j] / (s_n g_j)`` in float8_e4m3fn (a zero column: g 0, codes 0). Under
+    row n's scale they stand for ``up / g``, their largest magnitude 448; the activations
+    carry ``h g`` (``fp8_lora_linears`` with ``full``)."""
+    u, s = up.float(), scale.float()[:, None]
+    g = (u.abs() / s).amax(dim=0) / FP8_MAX
+    d = s * g
+    q = torch.where(g > 0, u / torch.where(d > 0, d, 1.0), 0.0).clamp(-FP8_MAX, FP8_MAX)
+    return g, q.to(torch.float8_e4m3fn)
+
+
 class _Fp8Loras(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, grad_fp8, ranks, down, *tensors):
+    def forward(ctx, x2, full, ranks, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
-        xq, xs = fp8_rows(x2)
         h = (x2.float() @ down.float().t()).to(x2.dtype)  # the narrow product, rounded
-        outs = [((xq.float() @ c.float().t()) * xs[:, None] * s.float() + hi.float() @ up.float().t()
-                 ).to(x2.dtype) for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1))]
-        ctx.ranks, ctx.grad_fp8 = ranks, grad_fp8
+        if full:  # each LoRA's up matrix as extra columns of its codes, h g as extra activations
+            slots = [fp8_lora_slots(up, s) for up, s in zip(ups, scales)]
+            g = torch.cat([gi for gi, _ in slots])
+            xq, xs = fp8_rows(torch.cat([x2.float(), h.float() * g], dim=1))
+            xq, hq = xq.float().split([x2.shape[1], g.numel()], dim=1)
+            outs = [((xq @ c.float().t() + hi @ q.float().t()) * xs[:, None] * s.float()).to(x2.dtype)
+                    for c, s, hi, (_, q) in zip(codes, scales, hq.split(ranks, dim=1), slots)]
+        else:
+            xq, xs = fp8_rows(x2)
+            outs = [((xq.float() @ c.float().t()) * xs[:, None] * s.float() + hi.float() @ up.float().t()
+                     ).to(x2.dtype) for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1))]
+        ctx.ranks, ctx.grad_fp8 = ranks, full
         ctx.save_for_backward(x2, h, down, *tensors)
         return tuple(outs)
 
@@ -237,13 +258,16 @@ class _Fp8Loras(torch.autograd.Function):
         codes, scales, ups = rest[:n], rest[n:2 * n], rest[2 * n:]
         dys = [dy if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0]) for dy, c in zip(dys, codes)]
         t = torch.cat([(dy.float() @ up.float()).to(dy.dtype) for dy, up in zip(dys, ups)], dim=1)
-        if ctx.grad_fp8:  # every linear's dy times its scales, quantized per row as one row
-            gq, gs = fp8_rows(torch.cat(dys, dim=1), torch.cat(scales))
-            base = (gq.float() @ torch.cat(codes).float()) * gs[:, None]
+        if ctx.grad_fp8:  # every linear's dy times its scales and t g', per row as one row,
+            gd, qd = fp8_lora_slots(down.t(), torch.ones(down.shape[1], device=down.device))
+            gq, gs = fp8_rows(torch.cat([torch.cat(dys, dim=1).float() * torch.cat(scales).float(),
+                                         t.float() * gd], dim=1))  # against [codes | down^T / g']
+            gq, tq = gq.float().split([gq.shape[1] - gd.numel(), gd.numel()], dim=1)
+            dx = ((gq @ torch.cat(codes).float() + tq @ qd.float().t()) * gs[:, None]).to(x2.dtype)
         else:
             base = sum(dy.float() @ dequantize_rows(c, s, dy.dtype).float()
                        for dy, c, s in zip(dys, codes, scales))
-        dx = (base + t.float() @ down.float()).to(x2.dtype)
+            dx = (base + t.float() @ down.float()).to(x2.dtype)
         d_down = (t.float().t() @ x2.float()).to(down.dtype)
         d_up = [(dy.float().t() @ hi.float()).to(up.dtype)
                 for dy, hi, up in zip(dys, h.split(ctx.ranks, dim=1), ups)]
@@ -251,18 +275,27 @@ class _Fp8Loras(torch.autograd.Function):
 
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                     grad_fp8: bool = False) -> list[torch.Tensor]:
+                     full: bool = False) -> list[torch.Tensor]:
     """Bias-free ``fp8_linear``s reading one input, each with a LoRA, as one node: per
     ``(codes, scale, down, up)`` (``down`` [r, in] and ``up`` [out, r] in x's dtype, the
     LoRA's scale already in ``up``) ``fp8_linear(x, codes, scale) + (x down^T) up^T``, the
-    narrow product ``x down^T`` rounded to x's dtype, the rest summed in float32 and rounded
-    once. The input gradient: with ``grad_fp8`` the rows of ``[dy_1 s_1 | dy_2 s_2 | ...]``
-    quantized to e4m3 under one scale per row, times the codes stacked (one product); else
-    each ``dy_i`` times its dequantized weight; plus the LoRAs' ``t A``."""
+    narrow product ``h = x down^T`` rounded to x's dtype, the rest summed in float32 and
+    rounded once.
+
+    ``full`` (``precision.fp8_compute: full``): the LoRA's forward product rides in the fp8
+    product too. Each linear's codes gain ``up``'s columns (``fp8_lora_slots``: ``up / g`` in
+    e4m3 under the row's own scale), the activations gain ``h g``, and the row ``[x | h g]``
+    is quantized under one scale: ``[x | h g] [W | up / g]^T = x W^T + h up^T``, every factor
+    rounded to e4m3. The input gradient likewise: the rows of ``[dy_1 s_1 | dy_2 s_2 | ... |
+    t g']`` (``t = [dy_1 up_1 | ...]``, rounded to x's dtype) quantized to e4m3 under one
+    scale per row, times the codes stacked with ``down^T / g'`` (``fp8_lora_slots(down^T,
+    1)``): one product for the base's part and the LoRAs' ``t down``. Without ``full``, each
+    ``dy_i`` times its dequantized weight, plus ``t down``. The LoRAs' own gradients are
+    those of ``h up^T`` unrounded (straight through)."""
     x2 = x.reshape(-1, x.shape[-1])
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers])
-    ys = _Fp8Loras.apply(x2, grad_fp8, ranks, down, *(c for c, _, _, _ in layers),
+    ys = _Fp8Loras.apply(x2, full, ranks, down, *(c for c, _, _, _ in layers),
                          *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
     return [y.view(*x.shape[:-1], y.shape[1]) for y in ys]
 
