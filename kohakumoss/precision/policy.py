@@ -28,7 +28,7 @@ class PrecisionPolicy:
     stream_scale: float = 1.0  # the joint residual stream carried times this (fp16's range)
     base: str = "keep"  # the frozen base's block linears: keep (``weights``) | int8 | fp8
     fp8_compute: bool = False  # those linears as fp8 GEMMs (base fp8, sm89+)
-    fp8_grad: bool = False  # their input gradients as fp8 GEMMs too (fp8_compute: full)
+    fp8_grad: bool = False  # their input gradients and LoRA products in the fp8 GEMMs too (fp8_compute: full)
 
     def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager:
         """The context a training forward runs in on ``device``."""
