@@ -143,7 +143,7 @@ def test_fp8_lora_kernels():
     up = leaf(g, 40, 5, dtype=torch.bfloat16, scale=0.1, grad=False)
     up[:, 2] = 0
     first = leaf(g, 40, 3, dtype=torch.bfloat16, grad=False)  # another LoRA of the node, first
-    amax = tq.lora_amax([first, up], [scale, scale])  # 40 rows: three programs interpreted
+    amax = tq.lora_amax([first, up], [scale, scale])  # 40 rows: three programs interpreted, one launch
     want_g, want_q = ops.fp8_lora_slots(up, scale)
     assert torch.equal(amax / 448, torch.cat([ops.fp8_lora_slots(first, scale)[0], want_g]))
     assert tq.slot_width(5) == 16 and tq.slot_width(32) == 32 and tq.slot_width(96) == 96
@@ -166,7 +166,7 @@ def test_fp8_lora_kernels():
     # the input gradient's: down^T [K, R] (a transposed view) as columns beside the codes'
     # transposes, no row scales, and the gradient rows joined with their column factors
     down = leaf(g, 5, 48, dtype=torch.bfloat16, grad=False)
-    damax = tq.lora_amax([down.t()], [None])
+    damax = tq.lora_amax([down.t()])
     want_gd, want_qd = ops.fp8_lora_slots(down.t(), torch.ones(48, device=DEVICE))
     assert torch.equal(damax / 448, want_gd)
     ct = tq.transposed_codes([codes, codes], (down, damax)).view(torch.uint8)

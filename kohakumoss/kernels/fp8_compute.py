@@ -136,7 +136,7 @@ class _Fp8Loras(torch.autograd.Function):
         dx = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
-            amax = t8.lora_amax([down.t()], [None])  # (ops.fp8_lora_linears)
+            amax = t8.lora_amax([down.t()])  # (ops.fp8_lora_linears)
             gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0], (t, amax))
             ct = t8.transposed_codes(list(codes), (down, amax))
             ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=x2.device)

@@ -6,7 +6,7 @@ activations and the transpose of weight codes.
   input gradient); joined, one to three sources quantized as one row;
 - ``transposed_codes``: [N, K] codes transposed side by side into [K, sum of N], the layout
   the input-gradient GEMM wants;
-- ``lora_amax``, ``fp8_rows_lora``, ``widened_codes``: a LoRA's forward product inside the
+- ``lora_amax``, ``fp8_rows_joined`` with a tail, ``widened_codes``: a LoRA's forward product inside the
   fp8 GEMM (``ops.fp8_lora_linears`` with ``full``): the up matrices' column maxima (g =
   amax / 448), the row ``[x | h g]`` under one scale, and the codes widened by the up
   matrix's slot columns.
@@ -63,7 +63,8 @@ def _tail_part(H, A, row, R, tcols):
     """Row ``row`` of ``h * g`` (H [M, R] contiguous, ``g = A / 448``, A [R] float32), zero
     past R."""
     m = tcols < R
-    return tl.load(H + row * R + tcols, mask=m, other=0.0).to(tl.float32) * (tl.load(A + tcols, mask=m, other=0.0) / 448.0)
+    g = tl.load(A + tcols, mask=m, other=0.0) / 448.0
+    return tl.load(H + row * R + tcols, mask=m, other=0.0).to(tl.float32) * g
 
 
 @jit
@@ -119,18 +120,27 @@ def _fp8_rows(X0, X1, X2, CS, H, A, Q, S, K, R, QW, sx0, sx1, sx2, NSRC: tl.cons
 
 
 @jit
-def _slot_amax(UP, S, A, N, R, su, sr, HAS_S: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-    """``A[j] = max(A[j], max_n |UP[n, j] / S[n]|)`` (S 1 without ``HAS_S``) over this
-    program's BN rows (UP's rows ``su`` apart, its columns ``sr``). A is the float32 maxima's
+def _slot_amax(U0, U1, U2, S0, S1, S2, A, N, r0, r1, r2, su0, su1, su2, sr, NSRC: tl.constexpr,
+               HAS_S: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    """``A[c_j + i] = max(A[c_j + i], max_n |U_j[n, i] / S_j[n]|)`` (S 1 without ``HAS_S``) over
+    this program's BN rows, for each of the NSRC sources U_j [N, r_j] (rows ``su_j`` apart,
+    columns ``sr``; their columns side by side in A from c_0 = 0). A is the float32 maxima's
     bits as int32: they are never negative, so the integers order as the floats do, and one
     atomic max a column merges the programs'."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rr = tl.arange(0, BR)
-    m = (rn[:, None] < N) & (rr[None, :] < R)
-    u = tl.abs(tl.load(UP + rn.to(tl.int64)[:, None] * su + rr[None, :] * sr, mask=m, other=0.0).to(tl.float32))
-    if HAS_S:
-        u = u / tl.load(S + rn, mask=rn < N, other=1.0)[:, None]
-    tl.atomic_max(A + rr, tl.max(u, axis=0).to(tl.int32, bitcast=True), mask=rr < R)
+    c0 = 0
+    for j in tl.static_range(NSRC):
+        r = _row_source(j, r0, r1, r2)
+        m = (rn[:, None] < N) & (rr[None, :] < r)
+        U = _row_source(j, U0, U1, U2)
+        su = _row_source(j, su0, su1, su2)
+        u = tl.load(U + rn.to(tl.int64)[:, None] * su + rr[None, :] * sr, mask=m, other=0.0)
+        u = tl.abs(u.to(tl.float32))
+        if HAS_S:
+            u = u / tl.load(_row_source(j, S0, S1, S2) + rn, mask=rn < N, other=1.0)[:, None]
+        tl.atomic_max(A + c0 + rr, tl.max(u, axis=0).to(tl.int32, bitcast=True), mask=rr < r)
+        c0 += r
 
 
 @jit
@@ -146,7 +156,8 @@ def _widen(C, UP, S, A, W, N, K, R, QW, c0, SK, su, sr, HAS_S: tl.constexpr, BN:
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         m = mn[:, None] & (rk[None, :] < K)
-        tl.store(W + rn64[:, None] * QW + rk[None, :], tl.load(C + rn64[:, None] * K + rk[None, :], mask=m), mask=m)
+        c = tl.load(C + rn64[:, None] * K + rk[None, :], mask=m)
+        tl.store(W + rn64[:, None] * QW + rk[None, :], c, mask=m)
     tc = tl.arange(0, BT)
     j = tc - c0
     mj = (j >= 0) & (j < R)
@@ -180,7 +191,8 @@ def fp8_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[to
 
 
 def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = None,
-                    tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    tail: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ops.fp8_rows(torch.cat(xs, 1), col_scale)`` without the concatenation: one to three
     [M, K] sources (rows contiguous, any row stride), each row quantized under one scale
     across all of them (fp8 compute's input gradient of q, k and v: one GEMM). ``tail = (h,
@@ -224,25 +236,30 @@ def slot_width(r: int) -> int:
     return -(-r // 16) * 16
 
 
-def lora_amax(ups: list[torch.Tensor], scales: list[torch.Tensor | None]) -> torch.Tensor:
-    """The column maxima ``max_n |up[n, j] / s_n|`` of each (up [N, r], any strides; scale
-    [N], None for ones) side by side, float32 [sum of r]: ``g = amax / 448`` is
-    ``ops.fp8_lora_slots``'s, bit for bit. One program per block of rows, merged by atomic
-    maxima."""
-    out = torch.zeros((sum(u.shape[1] for u in ups),), dtype=torch.float32, device=ups[0].device)
-    bits, c0 = out.view(torch.int32), 0
-    for up, scale in zip(ups, scales):
-        scale = up if scale is None else scale.float().contiguous()
-        check_tensors("lora_amax", up, scale)
-        N, R = up.shape
-        if scale is not up and scale.shape != (N,):
-            raise ValueError(f"lora_amax: up {tuple(up.shape)}, scale {tuple(scale.shape)}")
-        br = triton.next_power_of_2(R)
-        bn = 16 if INTERPRETED else max(16, min(256, 8192 // br))
-        if N:
-            _slot_amax[(triton.cdiv(N, bn),)](up, scale, bits[c0:], N, R, up.stride(0), up.stride(1),
-                                              HAS_S=scale is not up, BN=bn, BR=br, num_warps=4)
-        c0 += R
+def lora_amax(ups: list[torch.Tensor], scales: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The column maxima ``max_n |up[n, j] / s_n|`` of one to three up matrices [N, r_i] of
+    one N (any row strides, one column stride; ``scales`` [N] each, None for ones) side by side, float32
+    [sum of r]: ``g = amax / 448`` is ``ops.fp8_lora_slots``'s, bit for bit. One launch: a
+    program per block of rows, merged by atomic maxima."""
+    N = ups[0].shape[0]
+    if not 1 <= len(ups) <= 3 or any(u.dim() != 2 or u.shape[0] != N or u.stride(1) != ups[0].stride(1)
+                                     for u in ups):
+        raise ValueError(f"lora_amax: one to three up matrices of one height, got "
+                         f"{[(tuple(u.shape), u.stride()) for u in ups]}")
+    ss = [s.float().contiguous() for s in scales] if scales is not None else list(ups)
+    check_tensors("lora_amax", *ups, *ss)
+    if scales is not None and any(s.shape != (N,) for s in ss):
+        raise ValueError(f"lora_amax: up matrices of {N} rows, scales {[tuple(s.shape) for s in ss]}")
+    rs = [u.shape[1] for u in ups]
+    out = torch.zeros((sum(rs),), dtype=torch.float32, device=ups[0].device)
+    br = triton.next_power_of_2(max(rs))
+    bn = 16 if INTERPRETED else max(16, min(256, 8192 // br))
+    if N:
+        pad = 3 - len(ups)
+        _slot_amax[(triton.cdiv(N, bn),)](*ups, *ups[:1] * pad, *ss, *ss[:1] * pad, out.view(torch.int32),
+                                          N, *rs, *[0] * pad, *(u.stride(0) for u in ups), *[0] * pad,
+                                          ups[0].stride(1), NSRC=len(ups),
+                                          HAS_S=scales is not None, BN=bn, BR=br, num_warps=4)
     return out
 
 
@@ -283,7 +300,7 @@ def transposed_codes(codes: list[torch.Tensor], slot: tuple[torch.Tensor, torch.
     code matrix's transpose side by side, by a tiled kernel on the bytes (torch's own copy
     of a one-byte transpose runs at a fraction of the memory's speed). ``slot = (down,
     amax)``: ``slot_width(R)`` more columns, ``ops.fp8_lora_slots(down^T, ones)[1]`` and
-    zeros (down [R, K]; amax from ``lora_amax([down^T], [None])``): the LoRAs' ``t down``
+    zeros (down [R, K]; amax from ``lora_amax([down^T])``): the LoRAs' ``t down``
     inside the input-gradient GEMM."""
     K = codes[0].shape[1]
     if any(c.dim() != 2 or c.shape[1] != K or c.dtype != codes[0].dtype for c in codes):
