@@ -32,6 +32,19 @@ Transformer Engine fp8 recipes (fast accumulation in fprop, split accumulation i
 gradients)."""
 
 
+_ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _ones(n: int, device: torch.device) -> torch.Tensor:
+    """[1, n] float32 ones, the input-gradient GEMMs' column scales (the row scales moved onto
+    ``dy``): made once per device and width, never written (a fill and its launch a backward
+    otherwise; the fp8 step is bound by the host's launches)."""
+    key = (device, n)
+    if key not in _ONES:
+        _ONES[key] = torch.ones((1, n), dtype=torch.float32, device=device)
+    return _ONES[key]
+
+
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """CUDA compute capability 8.9+ (Ada, Hopper, Blackwell), bf16 activations."""
     return (dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.is_available()
@@ -62,8 +75,8 @@ class _ScaledMM(torch.autograd.Function):
             # GEMM wants the summed dimension contiguous in both operands), no scale on them
             gq, gs = t8.fp8_rows(go, scale)
             ct = t8.transposed_codes([codes])
-            ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=go.device)
-            dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=ones, out_dtype=go.dtype)
+            dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], go.device),
+                                  out_dtype=go.dtype)
         elif ctx.needs_input_grad[0]:
             dx = go @ tq.dequantize(codes, scale, go.dtype)
         return dx, None, None, go.float().sum(0) if ctx.bias_grad else None, None
@@ -132,15 +145,15 @@ class _Fp8Loras(torch.autograd.Function):
         need_up = ctx.needs_input_grad[4 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
-        t = torch.cat([torch.mm(dy, up) for dy, up in zip(dys, ups)], dim=1)
+        t = torch.mm(dys[0], ups[0]) if n == 1 else torch.cat([torch.mm(dy, up) for dy, up in zip(dys, ups)], 1)
         dx = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
             amax = t8.lora_amax([down.t()])  # (ops.fp8_lora_linears)
             gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0], (t, amax))
             ct = t8.transposed_codes(list(codes), (down, amax))
-            ones = torch.ones((1, ct.shape[0]), dtype=torch.float32, device=x2.device)
-            dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=ones, out_dtype=x2.dtype)
+            dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], x2.device),
+                                  out_dtype=x2.dtype)
         elif need_x:
             dx = torch.mm(t, down)
             for dy, c, s in zip(dys, codes, scales):
