@@ -149,7 +149,9 @@ class _Fp8Loras(torch.autograd.Function):
         dx = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
-            amax = t8.lora_amax([down.t()])  # (ops.fp8_lora_linears)
+            # A's row maxima (lora_amax of A^T, bit for bit) as one aten op, not a fill and a
+            # Triton launch: this backward is bound by its host (ops.fp8_lora_linears)
+            amax = torch.linalg.vector_norm(down, float("inf"), dim=1, dtype=torch.float32)
             gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0], (t, amax))
             ct = t8.transposed_codes(list(codes), (down, amax))
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], x2.device),
