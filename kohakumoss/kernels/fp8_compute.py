@@ -97,18 +97,18 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 class _Fp8Loras(torch.autograd.Function):
     """``fp8_lora_linears``: bias-free fp8 linears on one input, each with a LoRA, one node.
 
-    forward: ``h = x [A_1; ...]^T`` (one narrow product for every down matrix); ``x``
-    quantized once; per linear the fp8 GEMM, then ``h_i B_i^T`` accumulated onto its output
-    in place. With ``full`` no accumulation: ``[x | h g]`` is quantized once and each GEMM
-    takes its codes widened by its up matrix's slot columns (``widened_codes``, a transient
-    copy, one linear's at a time), so the LoRA's product is summed inside the GEMM
-    (``ops.fp8_lora_linears``); the input gradient's ``t [A_1; ...]`` likewise rides in its
-    fp8 GEMM (the rows ``[dy s | t g']``, the transposed codes with ``A^T / g'`` beside
-    them). backward: ``t = [dy_1 B_1 | ...]``; the base input gradient is one GEMM over all
-    the linears: ``[dy_1 | ...]`` times the weights' row scales quantized per row as one row
-    (``fp8_rows_joined``) against the codes' transposes side by side (or, without
-    ``grad_fp8``, one dequantized bf16 matmul per linear), then ``t [A_1; ...]`` accumulated
-    onto it in place: no full-width add, where separate nodes add three per linear."""
+    ``on`` (``full`` False). forward: ``h = x [A_1; ...]^T`` (one narrow product for every
+    down matrix); ``x`` quantized once; per linear the fp8 GEMM, then ``h_i B_i^T`` accumulated
+    onto its output in place. backward: ``t = [dy_1 B_1 | ...]``; one dequantized bf16 matmul
+    per linear, accumulated onto ``t [A_1; ...]``: no full-width add, where separate nodes add
+    three per linear.
+
+    ``full``: no accumulation, the LoRAs' products ride in the fp8 GEMMs
+    (``ops.fp8_lora_linears``). forward: ``[x | h g]`` quantized once, and each GEMM takes its
+    codes widened by its up matrix's slot columns (``widened_codes``, a transient copy, one
+    linear's at a time). backward: one GEMM over all the linears, the rows ``[dy_1 s_1 | ... |
+    t g']`` (``fp8_rows_joined`` with a tail) against the codes' transposes side by side with
+    ``A^T / g'`` beside them (``transposed_codes`` with a slot)."""
 
     @staticmethod
     def forward(ctx, x2, ranks, full, down, *tensors):
@@ -131,7 +131,8 @@ class _Fp8Loras(torch.autograd.Function):
             for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1)):
                 y = torch._scaled_mm(xq, c.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=x2.dtype,
                                      use_fast_accum=FAST_ACCUM_FORWARD)
-                outs.append(torch.addmm(y, hi, up.t()) if is_in_torch_dispatch_mode() else y.addmm_(hi, up.t()))
+                outs.append(torch.addmm(y, hi, up.t()) if is_in_torch_dispatch_mode()
+                            else y.addmm_(hi, up.t()))
         ctx.ranks, ctx.grad_fp8 = ranks, full
         ctx.save_for_backward(x2, h, down, *codes, *scales, *ups)
         return tuple(outs)
@@ -145,7 +146,8 @@ class _Fp8Loras(torch.autograd.Function):
         need_up = ctx.needs_input_grad[4 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
-        t = torch.mm(dys[0], ups[0]) if n == 1 else torch.cat([torch.mm(dy, up) for dy, up in zip(dys, ups)], 1)
+        t = torch.cat([torch.mm(dy, up) for dy, up in zip(dys, ups)], 1) if n > 1 else \
+            torch.mm(dys[0], ups[0])
         dx = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down

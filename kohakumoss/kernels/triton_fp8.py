@@ -6,10 +6,11 @@ activations and the transpose of weight codes.
   input gradient); joined, one to three sources quantized as one row;
 - ``transposed_codes``: [N, K] codes transposed side by side into [K, sum of N], the layout
   the input-gradient GEMM wants;
-- ``lora_amax``, ``fp8_rows_joined`` with a tail, ``widened_codes``: a LoRA's forward product inside the
-  fp8 GEMM (``ops.fp8_lora_linears`` with ``full``): the up matrices' column maxima (g =
-  amax / 448), the row ``[x | h g]`` under one scale, and the codes widened by the up
-  matrix's slot columns.
+- ``lora_amax``, ``fp8_rows_joined`` with a tail, ``widened_codes``, ``transposed_codes``
+  with a slot: a LoRA's products inside the fp8 GEMMs (``ops.fp8_lora_linears`` with
+  ``full``): the up matrices' column maxima (g = amax / 448), the row ``[x | h g]`` under one
+  scale, the codes widened by the up matrix's slot columns, and ``A^T / g'`` beside the
+  transposed codes.
 """
 
 from __future__ import annotations
@@ -238,9 +239,9 @@ def slot_width(r: int) -> int:
 
 def lora_amax(ups: list[torch.Tensor], scales: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The column maxima ``max_n |up[n, j] / s_n|`` of one to three up matrices [N, r_i] of
-    one N (any row strides, one column stride; ``scales`` [N] each, None for ones) side by side, float32
-    [sum of r]: ``g = amax / 448`` is ``ops.fp8_lora_slots``'s, bit for bit. One launch: a
-    program per block of rows, merged by atomic maxima."""
+    one N (any row strides, one column stride; ``scales`` [N] each, None for ones) side by
+    side, float32 [sum of r]: ``g = amax / 448`` is ``ops.fp8_lora_slots``'s, bit for bit.
+    One launch: a program per block of rows, merged by atomic maxima."""
     N = ups[0].shape[0]
     if not 1 <= len(ups) <= 3 or any(u.dim() != 2 or u.shape[0] != N or u.stride(1) != ups[0].stride(1)
                                      for u in ups):
