@@ -144,14 +144,14 @@ def test_fp8_lora_kernels():
     up[:, 2] = 0
     first = leaf(g, 40, 3, dtype=torch.bfloat16, grad=False)  # another LoRA of the node, first
     amax = tq.lora_amax([first, up], [scale, scale])  # 40 rows: three programs interpreted, one launch
-    want_g, want_q = ops.fp8_lora_slots(up, scale)
+    want_g, want_slot = ops.fp8_lora_slots(up, scale)
     assert torch.equal(amax / 448, torch.cat([ops.fp8_lora_slots(first, scale)[0], want_g]))
     assert tq.slot_width(5) == 16 and tq.slot_width(32) == 32 and tq.slot_width(96) == 96
     wide = tq.widened_codes(codes, up, scale, amax, 3, 16)
     assert wide.shape == (40, 64) and wide.dtype == torch.float8_e4m3fn
     b = wide.view(torch.uint8)
     assert torch.equal(b[:, :48], codes.view(torch.uint8))
-    assert torch.equal(b[:, 51:56], want_q.view(torch.uint8))
+    assert torch.equal(b[:, 51:56], want_slot.view(torch.uint8))
     assert not b[:, 48:51].any() and not b[:, 56:].any()
     h = leaf(g, 37, 8, dtype=torch.bfloat16, grad=False)
     for K in (24, 40):  # rows held in registers (read once); wider rows, two passes
@@ -163,6 +163,12 @@ def test_fp8_lora_kernels():
         assert not q[:, K + 8:].float().any()
     with pytest.raises(ValueError, match="columns 12..17 of 16"):
         tq.widened_codes(codes, up, scale, amax, 12, 16)
+    # a slot wider than one block of columns (64), this LoRA's straddling two
+    wide_amax = torch.cat([(torch.rand(62, generator=g) + 0.5).to(DEVICE), amax[3:]])
+    b = tq.widened_codes(codes, up, scale, wide_amax, 62, 80).view(torch.uint8)
+    assert b.shape == (40, 128) and torch.equal(b[:, :48], codes.view(torch.uint8))
+    assert torch.equal(b[:, 110:115], want_slot.view(torch.uint8))
+    assert not b[:, 48:110].any() and not b[:, 115:].any()
     # the input gradient's: down^T [K, R] (a transposed view) as columns beside the codes'
     # transposes, no row scales, and the gradient rows joined with their column factors
     down = leaf(g, 5, 48, dtype=torch.bfloat16, grad=False)

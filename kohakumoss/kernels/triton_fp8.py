@@ -146,11 +146,11 @@ def _slot_amax(U0, U1, U2, S0, S1, S2, A, N, r0, r1, r2, su0, su1, su2, sr, NSRC
 
 @jit
 def _widen(C, UP, S, A, W, N, K, R, QW, c0, SK, su, sr, HAS_S: tl.constexpr, BN: tl.constexpr,
-           BK: tl.constexpr, BT: tl.constexpr):
-    """Rows of W [N, QW] (bytes): the codes C [N, K] (bytes; K may be 0), then from column SK
-    zeros with the slot codes ``UP[n, j] / (S[n] g_j)`` in e4m3 at columns ``SK + c0 + j``
-    (UP [N, R], its rows ``su`` apart, its columns ``sr``; S 1 without ``HAS_S``; ``g = A /
-    448``, A the node's column maxima from ``_slot_amax``)."""
+           BK: tl.constexpr, BT: tl.constexpr, WIDTH: tl.constexpr):
+    """Rows of W [N, QW] (bytes): the codes C [N, K] (bytes; K may be 0), then WIDTH columns
+    from SK, zeros with the slot codes ``UP[n, j] / (S[n] g_j)`` in e4m3 at columns ``SK +
+    c0 + j`` (UP [N, R], its rows ``su`` apart, its columns ``sr``; S 1 without ``HAS_S``;
+    ``g = A / 448``, A the node's column maxima from ``_slot_amax``), BT at a time."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rn64 = rn.to(tl.int64)
     mn = rn < N
@@ -159,19 +159,20 @@ def _widen(C, UP, S, A, W, N, K, R, QW, c0, SK, su, sr, HAS_S: tl.constexpr, BN:
         m = mn[:, None] & (rk[None, :] < K)
         c = tl.load(C + rn64[:, None] * K + rk[None, :], mask=m)
         tl.store(W + rn64[:, None] * QW + rk[None, :], c, mask=m)
-    tc = tl.arange(0, BT)
-    j = tc - c0
-    mj = (j >= 0) & (j < R)
-    mu = mn[:, None] & mj[None, :]
-    u = tl.load(UP + rn64[:, None] * su + j[None, :] * sr, mask=mu, other=0.0).to(tl.float32)
-    g = tl.load(A + c0 + j, mask=mj, other=0.0) / 448.0
     if HAS_S:
-        d = tl.load(S + rn, mask=mn, other=1.0)[:, None] * g[None, :]
+        s = tl.load(S + rn, mask=mn, other=1.0)
     else:
-        d = 1.0 * g[None, :]
-    q = tl.where(g[None, :] > 0.0, u / tl.where(d > 0.0, d, 1.0), 0.0)
-    q = _to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8, bitcast=True)
-    tl.store(W + rn64[:, None] * QW + SK + tc[None, :], q, mask=mn[:, None] & (SK + tc[None, :] < QW))
+        s = tl.full((BN,), 1.0, tl.float32)
+    for t0 in tl.static_range(0, WIDTH, BT):
+        tc = t0 + tl.arange(0, BT)
+        j = tc - c0
+        mj = (j >= 0) & (j < R)
+        u = tl.load(UP + rn64[:, None] * su + j[None, :] * sr, mask=mn[:, None] & mj[None, :], other=0.0)
+        g = tl.load(A + c0 + j, mask=mj, other=0.0) / 448.0
+        d = s[:, None] * g[None, :]
+        q = tl.where(g[None, :] > 0.0, u.to(tl.float32) / tl.where(d > 0.0, d, 1.0), 0.0)
+        q = _to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8, bitcast=True)
+        tl.store(W + rn64[:, None] * QW + SK + tc[None, :], q, mask=mn[:, None] & (tc[None, :] < WIDTH))
 
 
 @jit
@@ -281,7 +282,7 @@ def _slots(out: torch.Tensor, codes: torch.Tensor | None, up: torch.Tensor, scal
         _widen[(triton.cdiv(N, bn),)](c.view(torch.uint8), up, s, amax, out.view(torch.uint8), N, K, R,
                                       out.stride(0), c0, col, up.stride(0), up.stride(1),
                                       HAS_S=scale is not None, BN=bn, BK=bk,
-                                      BT=triton.next_power_of_2(width), num_warps=4)
+                                      BT=min(64, triton.next_power_of_2(width)), WIDTH=width, num_warps=4)
     return out
 
 
