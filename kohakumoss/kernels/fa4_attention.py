@@ -21,6 +21,7 @@ from flash_attn.cute import interface as _fa4
 from kohakumoss.kernels import attention
 from kohakumoss.kernels.custom import entry, like
 
+
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
               longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse, *_ = _fa4._flash_attn_fwd(
@@ -37,7 +38,6 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
         deterministic=torch.are_deterministic_algorithms_enabled())[:3]
     return dq, dk, dv
-
 
 
 _fwd_op = torch.library.custom_op("kohakumoss::fa4_attention", _fwd_impl, mutates_args=())

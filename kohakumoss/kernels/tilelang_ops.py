@@ -70,7 +70,6 @@ def _op(name: str, impl, fake):
     return op
 
 
-
 # ---- RMSNorm and modulated RMSNorm ----------------------------------------------------------
 
 def _row_threads(D: int) -> int:
