@@ -151,7 +151,7 @@ class _Fp8Loras(torch.autograd.Function):
         dx = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
-            # A's row maxima (lora_amax of A^T, bit for bit) as one aten op, not a fill and a
+            # A's row maxima (ops.fp8_lora_slots of A^T, bit for bit) as one aten op, not a fill and a
             # Triton launch: this backward is bound by its host (ops.fp8_lora_linears)
             amax = torch.linalg.vector_norm(down, float("inf"), dim=1, dtype=torch.float32)
             gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0], (t, amax))

@@ -121,25 +121,21 @@ def _fp8_rows(X0, X1, X2, CS, H, A, Q, S, K, R, QW, sx0, sx1, sx2, NSRC: tl.cons
 
 
 @jit
-def _slot_amax(U0, U1, U2, S0, S1, S2, A, N, r0, r1, r2, su0, su1, su2, sr, NSRC: tl.constexpr,
-               HAS_S: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-    """``A[c_j + i] = max(A[c_j + i], max_n |U_j[n, i] / S_j[n]|)`` (S 1 without ``HAS_S``) over
-    this program's BN rows, for each of the NSRC sources U_j [N, r_j] (rows ``su_j`` apart,
-    columns ``sr``; their columns side by side in A from c_0 = 0). A is the float32 maxima's
-    bits as int32: they are never negative, so the integers order as the floats do, and one
-    atomic max a column merges the programs'."""
+def _slot_amax(U0, U1, U2, S0, S1, S2, A, N, r0, r1, r2, NSRC: tl.constexpr, BN: tl.constexpr,
+               BR: tl.constexpr):
+    """``A[c_j + i] = max(A[c_j + i], max_n |U_j[n, i] / S_j[n]|)`` over this program's BN rows,
+    for each of the NSRC sources U_j [N, r_j] (contiguous; their columns side by side in A
+    from c_0 = 0). A is the float32 maxima's bits as int32: they are never negative, so the
+    integers order as the floats do, and one atomic max a column merges the programs'."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rr = tl.arange(0, BR)
     c0 = 0
     for j in tl.static_range(NSRC):
         r = _row_source(j, r0, r1, r2)
         m = (rn[:, None] < N) & (rr[None, :] < r)
-        U = _row_source(j, U0, U1, U2)
-        su = _row_source(j, su0, su1, su2)
-        u = tl.load(U + rn.to(tl.int64)[:, None] * su + rr[None, :] * sr, mask=m, other=0.0)
-        u = tl.abs(u.to(tl.float32))
-        if HAS_S:
-            u = u / tl.load(_row_source(j, S0, S1, S2) + rn, mask=rn < N, other=1.0)[:, None]
+        u = tl.load(_row_source(j, U0, U1, U2) + rn.to(tl.int64)[:, None] * r + rr[None, :], mask=m,
+                    other=0.0)
+        u = tl.abs(u.to(tl.float32)) / tl.load(_row_source(j, S0, S1, S2) + rn, mask=rn < N, other=1.0)[:, None]
         tl.atomic_max(A + c0 + rr, tl.max(u, axis=0).to(tl.int32, bitcast=True), mask=rr < r)
         c0 += r
 
@@ -238,19 +234,19 @@ def slot_width(r: int) -> int:
     return -(-r // 16) * 16
 
 
-def lora_amax(ups: list[torch.Tensor], scales: list[torch.Tensor] | None = None) -> torch.Tensor:
+def lora_amax(ups: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
     """The column maxima ``max_n |up[n, j] / s_n|`` of one to three up matrices [N, r_i] of
-    one N (any row strides, one column stride; ``scales`` [N] each, None for ones) side by
-    side, float32 [sum of r]: ``g = amax / 448`` is ``ops.fp8_lora_slots``'s, bit for bit.
-    One launch: a program per block of rows, merged by atomic maxima."""
+    one N (``scales`` [N] each) side by side, float32 [sum of r]: ``g = amax / 448`` is
+    ``ops.fp8_lora_slots``'s, bit for bit. One launch: a program per block of rows, merged by
+    atomic maxima."""
     N = ups[0].shape[0]
-    if not 1 <= len(ups) <= 3 or any(u.dim() != 2 or u.shape[0] != N or u.stride(1) != ups[0].stride(1)
-                                     for u in ups):
+    if not 1 <= len(ups) <= 3 or any(u.dim() != 2 or u.shape[0] != N for u in ups):
         raise ValueError(f"lora_amax: one to three up matrices of one height, got "
-                         f"{[(tuple(u.shape), u.stride()) for u in ups]}")
-    ss = [s.float().contiguous() for s in scales] if scales is not None else list(ups)
+                         f"{[tuple(u.shape) for u in ups]}")
+    ups = [u.contiguous() for u in ups]
+    ss = [s.float().contiguous() for s in scales]
     check_tensors("lora_amax", *ups, *ss)
-    if scales is not None and any(s.shape != (N,) for s in ss):
+    if any(s.shape != (N,) for s in ss):
         raise ValueError(f"lora_amax: up matrices of {N} rows, scales {[tuple(s.shape) for s in ss]}")
     rs = [u.shape[1] for u in ups]
     out = torch.zeros((sum(rs),), dtype=torch.float32, device=ups[0].device)
@@ -259,9 +255,7 @@ def lora_amax(ups: list[torch.Tensor], scales: list[torch.Tensor] | None = None)
     if N:
         pad = 3 - len(ups)
         _slot_amax[(triton.cdiv(N, bn),)](*ups, *ups[:1] * pad, *ss, *ss[:1] * pad, out.view(torch.int32),
-                                          N, *rs, *[0] * pad, *(u.stride(0) for u in ups), *[0] * pad,
-                                          ups[0].stride(1), NSRC=len(ups),
-                                          HAS_S=scales is not None, BN=bn, BR=br, num_warps=4)
+                                          N, *rs, *[0] * pad, NSRC=len(ups), BN=bn, BR=br, num_warps=4)
     return out
 
 
@@ -302,7 +296,7 @@ def transposed_codes(codes: list[torch.Tensor], slot: tuple[torch.Tensor, torch.
     code matrix's transpose side by side, by a tiled kernel on the bytes (torch's own copy
     of a one-byte transpose runs at a fraction of the memory's speed). ``slot = (down,
     amax)``: ``slot_width(R)`` more columns, ``ops.fp8_lora_slots(down^T, ones)[1]`` and
-    zeros (down [R, K]; amax from ``lora_amax([down^T])``): the LoRAs' ``t down``
+    zeros (down [R, K]; amax its rows' maxima of |down|): the LoRAs' ``t down``
     inside the input-gradient GEMM."""
     K = codes[0].shape[1]
     if any(c.dim() != 2 or c.shape[1] != K or c.dtype != codes[0].dtype for c in codes):
