@@ -445,6 +445,33 @@ def test_recomputation_leaves_the_triton_ops_alone_and_would_not_change_them():
         assert torch.equal(a, b)
 
 
+@triton_test
+def test_a_recomputed_norm_keeps_its_stream_form():
+    """A norm chosen as Triton then compile is wrapped by ``apply_recompute`` (compile keeps
+    more than its inputs), and the wrap keeps the Triton stream form: each half's x comes
+    back through the norm's node, whose kernel sums x's two gradients (no add of autograd's
+    own); the gradients are the plain table's."""
+    needs_triton()
+    from kohakumoss.memory import apply_recompute
+    from kohakumoss.model.build import tiny_transformer
+
+    img, text, sigma, layout = _tiny_inputs(torch.float32)
+    layout = layout.to(DEVICE)
+    runs = []
+    for choice, recompute in ((["triton", "compile"], True), ("triton", False)):
+        model = tiny_transformer().to(DEVICE)
+        model.ops = build_op_table(DEVICE, torch.float32, {"modulated_rms_norm": choice})
+        wrapped = apply_recompute(model) if recompute else []
+        assert ("modulated_rms_norm" in wrapped) == recompute
+        v = model(img, text, sigma, layout)
+        assert "_StreamNormBackward" in _graph(v)
+        v.square().mean().backward()
+        runs.append((v, [p.grad for p in model.parameters()]))
+    (v_a, g_a), (v_b, g_b) = runs
+    assert torch.equal(v_a, v_b)
+    assert all(rel(a, b) <= 1e-6 for a, b in zip(g_a, g_b) if a is not None)
+
+
 # ---- the real model's sizes (GPU) ----------------------------------------------------------
 
 BASE = FLAVORS["base"]

@@ -74,6 +74,11 @@ def recomputed(fn: Callable, n_tensors: int) -> Callable:
 
     op.__qualname__ = f"recomputed({getattr(fn, '__qualname__', repr(fn))})"
     op.wrapped = fn
+    if getattr(fn, "stream", None) is not None:
+        # a half's norm keeps its stream form (``ops.stream_norm``): that form runs only a
+        # kernel that keeps its inputs alone, and without it autograd sums x's two gradients
+        # in a pass of its own (a table choosing Triton with compile after it was wrapped so)
+        op.stream = fn.stream
     return op
 
 
