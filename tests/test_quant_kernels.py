@@ -81,6 +81,27 @@ def test_fp8_rows(dtype):
 
 
 @triton_test
+@pytest.mark.parametrize("launch", [(16, 1, 1, 4), (64, 1, 1, 4), (16, 4, 2, 4), (64, 3, 1, 8), (64, 5, 2, 4)],
+                         ids=["two-pass", "held", "two-pass-4-rows-2-stages", "held-3-rows", "held-5-rows-2-stages"])
+def test_fp8_rows_launches_give_the_same_codes(launch):
+    """Every launch of the row quantization (``bench/bench_fp8_rows.py`` sweeps them): the
+    row held in registers or read twice, several rows a program (13 rows: the last program's
+    run past the end), walked in stages. The codes and scales are the default launch's
+    (``test_fp8_lora_kernels`` holds that one to the reference): three sources with column
+    factors, one without, each with a LoRA tail."""
+    needs_triton()
+    t8 = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    g = torch.Generator().manual_seed(12)
+    for n, K, cols in ((3, 24, True), (1, 40, False)):
+        xs = [leaf(g, 13, K, dtype=torch.bfloat16, grad=False) * 2 for _ in range(n)]
+        cs = (torch.rand(n * K, generator=g) + 0.5).to(DEVICE) if cols else None
+        h, amax = leaf(g, 13, 5, dtype=torch.bfloat16, grad=False), (torch.rand(5, generator=g) * 3).to(DEVICE)
+        want = t8.fp8_rows_joined(xs, cs, (h, amax))
+        got = t8.fp8_rows_joined(xs, cs, (h, amax), launch=launch)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+@triton_test
 @pytest.mark.parametrize("base", ["int8", "fp8"])
 def test_dequantize_rounds_as_the_reference(base):
     needs_triton()

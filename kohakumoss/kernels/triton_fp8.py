@@ -69,13 +69,9 @@ def _tail_part(H, A, row, R, tcols):
 
 
 @jit
-def _fp8_rows(X0, X1, X2, CS, H, A, Q, S, K, R, QW, sx0, sx1, sx2, NSRC: tl.constexpr,
-              COLS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
-    """Row ``row`` of [X0 | X1 | X2][:, :NSRC * K] (each source K wide, its own row stride),
-    followed where ``TAIL`` (a power of two, 0 for none) by ``h * A / 448`` (R wide, zeros to TAIL),
-    as e4m3 codes under one scale, into a row of Q (QW wide). A source that fits one block
-    (``K <= BLOCK``) is read once and held in registers; a wider one is read twice."""
-    row = tl.program_id(0).to(tl.int64)
+def _fp8_row(row, X0, X1, X2, CS, H, A, Q, S, K, R, QW, sx0, sx1, sx2, NSRC: tl.constexpr,
+             COLS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """One row of ``_fp8_rows``."""
     cols = tl.arange(0, BLOCK)
     out = Q + row * QW
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -118,6 +114,21 @@ def _fp8_rows(X0, X1, X2, CS, H, A, Q, S, K, R, QW, sx0, sx1, sx2, NSRC: tl.cons
         tq = _to_e4m3(tl.minimum(tl.maximum(t / s, -448.0), 448.0))
         tl.store(out + NSRC * K + tcols, tq, mask=NSRC * K + tcols < QW)
     tl.store(S + row, s)
+
+
+@jit
+def _fp8_rows(X0, X1, X2, CS, H, A, Q, S, M, K, R, QW, sx0, sx1, sx2, NSRC: tl.constexpr,
+              COLS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS: tl.constexpr,
+              STAGES: tl.constexpr):
+    """Rows ``pid * ROWS ..`` of [X0 | X1 | X2][:, :NSRC * K] (each source K wide, its own row
+    stride), each followed where ``TAIL`` (a power of two, 0 for none) by ``h * A / 448`` (R
+    wide, zeros to TAIL), as e4m3 codes under one scale a row, into rows of Q (QW wide). A
+    source that fits one block (``K <= BLOCK``) is read once and held in registers; a wider
+    one is read twice. The rows are walked ``STAGES`` deep (the next one's loads in flight);
+    past M the last row is done again (the same values)."""
+    for i in tl.range(0, ROWS, num_stages=STAGES):
+        row = tl.minimum(tl.program_id(0).to(tl.int64) * ROWS + i, M - 1)
+        _fp8_row(row, X0, X1, X2, CS, H, A, Q, S, K, R, QW, sx0, sx1, sx2, NSRC, COLS, BLOCK, TAIL)
 
 
 @jit
@@ -189,14 +200,15 @@ def fp8_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[to
 
 
 def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = None,
-                    tail: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    launch: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ops.fp8_rows(torch.cat(xs, 1), col_scale)`` without the concatenation: one to three
     [M, K] sources (rows contiguous, any row stride), each row quantized under one scale
     across all of them (fp8 compute's input gradient of q, k and v: one GEMM). ``tail = (h,
     amax)``: the row goes on with ``h * (amax / 448)`` (h [M, R], amax [R] float32 from
     ``lora_amax``), zero columns padding it by ``slot_width(R)`` (a LoRA's product inside the
-    fp8 GEMM, ``ops.fp8_lora_linears`` with ``full``)."""
+    fp8 GEMM, ``ops.fp8_lora_linears`` with ``full``). ``launch``: ``rows_launch``'s
+    answer given instead (``bench/bench_fp8_rows.py``'s sweep)."""
     if not 1 <= len(xs) <= 3 or any(x.shape != xs[0].shape or x.dim() != 2 for x in xs):
         raise ValueError(f"fp8_rows: one to three 2-D sources of one shape, got "
                          f"{[tuple(x.shape) for x in xs]}")
@@ -215,17 +227,24 @@ def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = Non
     q = torch.empty((M, qw), dtype=torch.float8_e4m3fn, device=xs[0].device)
     s = torch.empty((M,), dtype=torch.float32, device=xs[0].device)
     if M and qw:
-        # a row up to 4096 wide per source is held in registers (read once); interpreted,
-        # rows up to 32 wide take that path and wider ones the two-pass loop over 16
-        wide = 32 if INTERPRETED else 4096
-        block = triton.next_power_of_2(K) if K <= wide else (16 if INTERPRETED else 2048)
+        block, rows, stages, warps = launch or rows_launch(K, n, col_scale is not None)
         cs = xs[0] if col_scale is None else col_scale.float().contiguous()
         src = [*xs, xs[0], xs[0]][:3]
-        _fp8_rows[(M,)](*src, cs, h, amax, q, s, K, R, qw, *(x.stride(0) for x in src), NSRC=n,
-                        COLS=col_scale is not None, BLOCK=block,
-                        TAIL=triton.next_power_of_2(qw - n * K) if tail is not None else 0,
-                        num_warps=8 if K * n > 4096 else 4)
+        _fp8_rows[(triton.cdiv(M, rows),)](
+            *src, cs, h, amax, q, s, M, K, R, qw, *(x.stride(0) for x in src), NSRC=n,
+            COLS=col_scale is not None, BLOCK=block, TAIL=triton.next_power_of_2(qw - n * K) if tail is not None else 0,
+            ROWS=rows, STAGES=stages, num_warps=warps)
     return q, s
+
+
+def rows_launch(K: int, n: int, cols: bool) -> tuple[int, int, int, int]:
+    """``_fp8_rows``' launch for n sources K wide (``cols``: with column factors): (block,
+    rows a program walks, their stages, warps). A row up to 4096 wide per source is held in
+    registers (read once); interpreted, rows up to 32 wide take that path and wider ones
+    the two-pass loop over 16."""
+    wide = 32 if INTERPRETED else 4096
+    block = triton.next_power_of_2(K) if K <= wide else (16 if INTERPRETED else 2048)
+    return block, 1, 1, 8 if K * n > 4096 else 4
 
 
 def slot_width(r: int) -> int:
