@@ -152,34 +152,38 @@ def _slot_amax(U0, U1, U2, S0, S1, S2, A, N, r0, r1, r2, NSRC: tl.constexpr, BN:
 
 
 @jit
-def _widen(C, UP, S, A, W, N, K, R, QW, c0, SK, su, sr, HAS_S: tl.constexpr, BN: tl.constexpr,
+def _widen(C, UP, S, A, W, N, K, R, QW, c0, SK, su, sr, KC, HAS_S: tl.constexpr, BN: tl.constexpr,
            BK: tl.constexpr, BT: tl.constexpr, WIDTH: tl.constexpr):
     """Rows of W [N, QW] (bytes): the codes C [N, K] (bytes; K may be 0), then WIDTH columns
     from SK, zeros with the slot codes ``UP[n, j] / (S[n] g_j)`` in e4m3 at columns ``SK +
     c0 + j`` (UP [N, R], its rows ``su`` apart, its columns ``sr``; S 1 without ``HAS_S``;
-    ``g = A / 448``, A the node's column maxima from ``_slot_amax``), BT at a time."""
+    ``g = A / 448``, A the node's column maxima from ``_slot_amax``), BT at a time. Program
+    (i, j) copies the codes' columns ``j KC ..`` of its BN rows; the programs of j = 0 write
+    the slot."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rn64 = rn.to(tl.int64)
     mn = rn < N
-    for k0 in range(0, K, BK):
+    k_start = tl.program_id(1) * KC
+    for k0 in range(k_start, tl.minimum(K, k_start + KC), BK):
         rk = k0 + tl.arange(0, BK)
         m = mn[:, None] & (rk[None, :] < K)
         c = tl.load(C + rn64[:, None] * K + rk[None, :], mask=m)
         tl.store(W + rn64[:, None] * QW + rk[None, :], c, mask=m)
-    if HAS_S:
-        s = tl.load(S + rn, mask=mn, other=1.0)
-    else:
-        s = tl.full((BN,), 1.0, tl.float32)
-    for t0 in tl.static_range(0, WIDTH, BT):
-        tc = t0 + tl.arange(0, BT)
-        j = tc - c0
-        mj = (j >= 0) & (j < R)
-        u = tl.load(UP + rn64[:, None] * su + j[None, :] * sr, mask=mn[:, None] & mj[None, :], other=0.0)
-        g = tl.load(A + c0 + j, mask=mj, other=0.0) / 448.0
-        d = s[:, None] * g[None, :]
-        q = tl.where(g[None, :] > 0.0, u.to(tl.float32) / tl.where(d > 0.0, d, 1.0), 0.0)
-        q = _to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8, bitcast=True)
-        tl.store(W + rn64[:, None] * QW + SK + tc[None, :], q, mask=mn[:, None] & (tc[None, :] < WIDTH))
+    if tl.program_id(1) == 0:
+        if HAS_S:
+            s = tl.load(S + rn, mask=mn, other=1.0)
+        else:
+            s = tl.full((BN,), 1.0, tl.float32)
+        for t0 in tl.static_range(0, WIDTH, BT):
+            tc = t0 + tl.arange(0, BT)
+            j = tc - c0
+            mj = (j >= 0) & (j < R)
+            u = tl.load(UP + rn64[:, None] * su + j[None, :] * sr, mask=mn[:, None] & mj[None, :], other=0.0)
+            g = tl.load(A + c0 + j, mask=mj, other=0.0) / 448.0
+            d = s[:, None] * g[None, :]
+            q = tl.where(g[None, :] > 0.0, u.to(tl.float32) / tl.where(d > 0.0, d, 1.0), 0.0)
+            q = _to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8, bitcast=True)
+            tl.store(W + rn64[:, None] * QW + SK + tc[None, :], q, mask=mn[:, None] & (tc[None, :] < WIDTH))
 
 
 @jit
@@ -288,14 +292,17 @@ def _slots(out: torch.Tensor, codes: torch.Tensor | None, up: torch.Tensor, scal
             out.shape[0] != N or (codes is not None and codes.shape[0] != N):
         raise ValueError(f"fp8 LoRA slot: up {tuple(up.shape)}, columns {c0}..{c0 + R} of {width} "
                          f"from {col} in {tuple(out.shape)}")
+    # the copy split along K into chunks of 4 x 256 columns (interpreted: 2 x 16), so that a
+    # 3,072-row linear's codes are spread over more programs than its 96 row blocks
     bn, bk = (16, 16) if INTERPRETED else (32, 256)
+    kc = 2 * bk if INTERPRETED else 4 * bk
     c = out if codes is None else codes.contiguous()
     s = up if scale is None else scale.float().contiguous()
     if N:
-        _widen[(triton.cdiv(N, bn),)](c.view(torch.uint8), up, s, amax, out.view(torch.uint8), N, K, R,
-                                      out.stride(0), c0, col, up.stride(0), up.stride(1),
-                                      HAS_S=scale is not None, BN=bn, BK=bk,
-                                      BT=min(64, triton.next_power_of_2(width)), WIDTH=width, num_warps=4)
+        grid = (triton.cdiv(N, bn), max(1, triton.cdiv(K, kc)))
+        _widen[grid](c.view(torch.uint8), up, s, amax, out.view(torch.uint8), N, K, R, out.stride(0), c0, col,
+                     up.stride(0), up.stride(1), kc, HAS_S=scale is not None, BN=bn, BK=bk,
+                     BT=min(64, triton.next_power_of_2(width)), WIDTH=width, num_warps=4)
     return out
 
 
