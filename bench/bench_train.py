@@ -32,6 +32,7 @@ import torch
 from kohakumoss.cache.store import TensorStore
 from kohakumoss.config import AdapterConfig, OptimConfig
 from kohakumoss.diffusion.objective import flow_loss, noised
+from kohakumoss.kernels import fp8_compute
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
@@ -111,7 +112,9 @@ def held_gib() -> float:
 
 # --bases: (precision.base, precision.fp8_compute)
 _BASES = {"keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
-          "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full")}
+          "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "full")}
+# fp8-full-fast: full with fast accumulation in the input-gradient GEMMs too
+# (kernels.fp8_compute.FAST_ACCUM_GRAD, set for that run alone)
 
 
 def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
@@ -493,7 +496,8 @@ def main() -> None:
                     help="cap the allocator at this many GiB (set_per_process_memory_fraction) "
                          "for the steps; several: each budget is measured under each cap")
     ap.add_argument("--bases", nargs="*", default=["keep"],
-                    help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full; each "
+                    help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full, "
+                         "fp8-full-fast (fast accumulation in its input gradients too); each "
                          "budget is measured with each, in one run")
     ap.add_argument("--quant-backends", nargs="*", default=[],
                     help="a quantized base's quant_linear backends, in order (default: the "
@@ -556,6 +560,7 @@ def main() -> None:
         for cap in caps:
             CAP[0] = cap
             for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
+                fp8_compute.FAST_ACCUM_GRAD = base == "fp8-full-fast"
                 for b in a.budgets:
                     res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{cap:g}-{b}-{base}-{i}",
                                                   a.profile, base))

@@ -32,6 +32,13 @@ Transformer Engine fp8 recipes (fast accumulation in fprop, split accumulation i
 gradients)."""
 
 
+FAST_ACCUM_GRAD = False
+"""The input-gradient GEMMs of ``full`` promote their partial sums to fp32 along the way (no
+``use_fast_accum``; Transformer Engine's split accumulation for the gradients). True trades
+that for speed: ``bench/bench_train.py --bases fp8-full-fast`` and ``bench/bench_precision.py
+--grads`` measure the step and the LoRA gradients' error with it."""
+
+
 _ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -76,7 +83,7 @@ class _ScaledMM(torch.autograd.Function):
             gq, gs = t8.fp8_rows(go, scale)
             ct = t8.transposed_codes([codes])
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], go.device),
-                                  out_dtype=go.dtype)
+                                  out_dtype=go.dtype, use_fast_accum=FAST_ACCUM_GRAD)
         elif ctx.needs_input_grad[0]:
             dx = go @ tq.dequantize(codes, scale, go.dtype)
         return dx, None, None, go.float().sum(0) if ctx.bias_grad else None, None
@@ -157,7 +164,7 @@ class _Fp8Loras(torch.autograd.Function):
             gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0], (t, amax))
             ct = t8.transposed_codes(list(codes), (down, amax))
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], x2.device),
-                                  out_dtype=x2.dtype)
+                                  out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_GRAD)
         elif need_x:
             dx = torch.mm(t, down)
             for dy, c, s in zip(dys, codes, scales):
