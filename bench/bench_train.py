@@ -32,7 +32,7 @@ import torch
 from kohakumoss.cache.store import TensorStore
 from kohakumoss.config import AdapterConfig, OptimConfig
 from kohakumoss.diffusion.objective import flow_loss, noised
-from kohakumoss.kernels import fp8_compute
+from kohakumoss.kernels import fp8_compute, narrow
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
@@ -499,6 +499,9 @@ def main() -> None:
                     help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full, "
                          "fp8-full-fast (fast accumulation in its input gradients too); each "
                          "budget is measured with each, in one run")
+    ap.add_argument("--narrow", nargs="*", default=["cublas"], choices=narrow.BACKENDS,
+                    help="how the LoRA's narrow products (x A^T, dy B) are made (kernels/narrow.py); "
+                         "several: each base and budget is measured with each")
     ap.add_argument("--quant-backends", nargs="*", default=[],
                     help="a quantized base's quant_linear backends, in order (default: the "
                          "engines' own, dequant_mm from 1024 rows, else the fused triton kernel)")
@@ -561,10 +564,13 @@ def main() -> None:
             CAP[0] = cap
             for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
                 fp8_compute.FAST_ACCUM_GRAD = base == "fp8-full-fast"
-                for b in a.budgets:
-                    res["lora"].append(bench_lora(b, a.steps, a.text, rate, f"{root}/{cap:g}-{b}-{base}-{i}",
-                                                  a.profile, base))
-                    print(json.dumps(res["lora"][-1]), flush=True)
+                for how in a.narrow:  # the LoRA's narrow products, each way asked
+                    narrow.BACKEND = how
+                    for b in a.budgets:
+                        res["lora"].append({**bench_lora(b, a.steps, a.text, rate,
+                                                         f"{root}/{cap:g}-{b}-{base}-{i}-{how}", a.profile, base),
+                                            "narrow": how})
+                        print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:
             res["full"] = bench_full(a.text, root, a.steps)
             print(json.dumps(res["full"]), flush=True)

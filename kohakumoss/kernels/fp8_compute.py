@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from kohakumoss.kernels.backends import triton_module
+from kohakumoss.kernels.narrow import narrow_mm
 from kohakumoss.kernels.registry import register_backend
 
 
@@ -122,7 +123,7 @@ class _Fp8Loras(torch.autograd.Function):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         t8 = triton_module("triton_fp8")
-        h = torch.mm(x2, down.t())
+        h = narrow_mm(x2, down.t())
         outs = []
         if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
             width, c0 = t8.slot_width(sum(ranks)), 0
@@ -153,8 +154,8 @@ class _Fp8Loras(torch.autograd.Function):
         need_up = ctx.needs_input_grad[4 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
-        t = torch.cat([torch.mm(dy, up) for dy, up in zip(dys, ups)], 1) if n > 1 else \
-            torch.mm(dys[0], ups[0])
+        t = torch.cat([narrow_mm(dy, up) for dy, up in zip(dys, ups)], 1) if n > 1 else \
+            narrow_mm(dys[0], ups[0])
         dx = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
