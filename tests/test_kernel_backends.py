@@ -715,16 +715,17 @@ def test_kohakumoss_imports_and_reports_triton_unavailable_without_triton():
 
 def test_the_interpreted_suite():
     """Reruns this file with ``TRITON_INTERPRET=1`` set before anything imports Triton."""
-    if CUDA or INTERPRETED:
-        pytest.skip("the Triton tests ran in this process")
-    if COMMON is None:
-        pytest.skip(f"triton is not installed here ({backends.triton_unavailable_reason('situ')})")
     run_interpreted(Path(__file__), TRITON_TESTS)
 
 
 def run_interpreted(path: Path, names: list[str]) -> None:
     """Run the tests ``names`` of the file ``path`` in a subprocess with ``TRITON_INTERPRET=1``
-    set before anything imports Triton; they must pass."""
+    set before anything imports Triton; they must pass. Skips where they ran in this process
+    (a CUDA machine, or interpreted already) and where Triton is not installed."""
+    if CUDA or INTERPRETED:
+        pytest.skip("the Triton tests ran in this process")
+    if COMMON is None:
+        pytest.skip(f"triton is not installed here ({backends.triton_unavailable_reason('situ')})")
     env = dict(os.environ, TRITON_INTERPRET="1")
     here = path.relative_to(ROOT)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
