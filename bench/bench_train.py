@@ -500,7 +500,7 @@ def main() -> None:
                          "fp8-full-fast (fast accumulation in its input gradients too); each "
                          "budget is measured with each, in one run")
     ap.add_argument("--narrow", nargs="*", default=["cublas"], choices=narrow.BACKENDS,
-                    help="how the LoRA's narrow products (x A^T, dy B) are made (kernels/narrow.py); "
+                    help="how the fp8 LoRA node's narrow products (x A^T, dy B) are made (kernels/narrow.py); "
                          "several: each base and budget is measured with each")
     ap.add_argument("--quant-backends", nargs="*", default=[],
                     help="a quantized base's quant_linear backends, in order (default: the "

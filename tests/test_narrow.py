@@ -1,6 +1,6 @@
 """The LoRA's narrow-output products (``kohakumoss/kernels/narrow.py``): the Triton kernel
-(``triton_narrow.py``) against ``torch.mm``, each way of making them giving a LoRA node the
-same values, and a failing kernel falling back to cuBLAS.
+(``triton_narrow.py``) against ``torch.mm``, each way of making them giving the fp8 LoRA
+node the same values, and a failing kernel falling back to cuBLAS.
 
 As in ``test_kernel_backends.py``: on a CPU machine the Triton tests run interpreted, in a
 subprocess started with ``TRITON_INTERPRET=1`` (``test_the_interpreted_suite``); on a CUDA
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kohakumoss.adapters.folded import lora_linear, lora_linears
 from kohakumoss.kernels import narrow
 
 from test_kernel_backends import CUDA, DEVICE, leaf, needs_triton, rel, run_interpreted
@@ -57,39 +56,43 @@ def test_the_kernel_is_the_product(shape, dtype):
         tn.narrow_mm(x, leaf(g, K + 1, R, dtype=dtype, grad=False))
 
 
-def node_values(dtype: torch.dtype) -> list[torch.Tensor]:
-    """A LoRA node's output and every gradient (q, k, v as one node, and one linear alone),
-    with the narrow products made as ``narrow.BACKEND`` says."""
+@pytest.mark.parametrize("name", narrow.BACKENDS)
+def test_every_way_is_the_product(name, backend):
+    """Each way of making a narrow product: ``torch.mm``'s values (fp32, to the order of the
+    sums; on the CPU ``triton`` is cuBLAS's), w as a transposed view and as it is."""
     g = torch.Generator().manual_seed(3)
-    x = leaf(g, 29, 24, dtype=dtype)
-    parts = [(leaf(g, 16, 24, dtype=dtype, grad=False), leaf(g, 4, 24, dtype=dtype),
-              leaf(g, 16, 4, dtype=dtype), 0.5) for _ in range(3)]
-    ys = lora_linears(x, parts) + [lora_linear(x, parts[0][0], None, parts[0][1], parts[0][2], 2.0)]
-    sum((y.float() ** 2).sum() for y in ys).backward()
-    return [y.detach() for y in ys] + [x.grad] + [t.grad for _, d, u, _ in parts for t in (d, u)]
-
-
-@pytest.mark.parametrize("name", narrow.BACKENDS)
-def test_every_way_gives_a_lora_node_the_same_values(name, backend):
-    """Each way of making the narrow products: the LoRA node's output and every gradient as
-    with ``torch.mm`` (fp32, to the order of the sums; on the CPU ``triton`` is cuBLAS's)."""
-    backend("cublas")
-    want = node_values(torch.float32)
+    x = leaf(g, 29, 24, grad=False)
     backend(name)
-    for a, b in zip(node_values(torch.float32), want):
-        assert rel(a, b) <= 1e-6
+    for w in (leaf(g, 4, 24, grad=False).t(), leaf(g, 24, 4, grad=False)):
+        got = narrow.narrow_mm(x, w)
+        assert got.shape == (29, 4) and rel(got, torch.mm(x, w)) <= 1e-6
 
 
-@pytest.mark.gpu
+@triton_test
+@pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
 @pytest.mark.parametrize("name", narrow.BACKENDS)
-def test_every_way_on_the_gpu(name, backend):
-    """The same in bf16 on CUDA, where ``triton`` runs the kernel: within bf16's rounding."""
-    if not CUDA:
-        pytest.skip("needs CUDA")
+def test_every_way_gives_the_fp8_lora_node_the_same_values(name, full, backend):
+    """The fp8 LoRA node (q, k, v as one; ``fp8_compute``: ``torch._scaled_mm``, which the
+    CPU has too) with its narrow products made each way: the outputs and the gradients of x
+    and the LoRA factors as with cuBLAS, within bf16's rounding (on CUDA ``triton`` runs the
+    kernel; on the CPU it is cuBLAS's)."""
+    needs_triton()
+    from kohakumoss.kernels import KERNELS
+    from test_quant_kernels import fp8_loras
+
+    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+
+    def values():
+        n = 300 if CUDA else 40  # rows; interpreted, a few
+        x, layers = fp8_loras(torch.Generator().manual_seed(5), 3, n, 64, 48, 8)
+        ys = fn(x, layers, full)
+        sum((y.float() ** 2).sum() for y in ys).backward()
+        return [y.detach() for y in ys] + [x.grad] + [t.grad for _, _, d, u in layers for t in (d, u)]
+
     backend("cublas")
-    want = node_values(torch.bfloat16)
+    want = values()
     backend(name)
-    for a, b in zip(node_values(torch.bfloat16), want):
+    for a, b in zip(values(), want):
         assert rel(a, b) <= 1e-2
     assert not narrow._broken
 

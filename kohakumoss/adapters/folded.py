@@ -32,14 +32,13 @@ from torch import nn
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from kohakumoss.adapters.casts import lora_factors
-from kohakumoss.kernels.narrow import narrow_mm
 from kohakumoss.model.ops import linear as ref_linear
 
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, down, up, evaluate=True, linear=None):
-        h = narrow_mm(x2, down.t())
+        h = torch.mm(x2, down.t())
         ctx.save_for_backward(x2, h, weight, down, up)
         ctx.linear = linear or ref_linear
         if not evaluate:  # nobody reads the output (memory.replay.unevaluated): backward only
@@ -53,7 +52,7 @@ class _LoraLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x2, h, weight, down, up = ctx.saved_tensors
         need_x, need_w, need_b, need_down, need_up = ctx.needs_input_grad[:5]
-        t = narrow_mm(dy, up)
+        t = torch.mm(dy, up)
         dx = ctx.linear(dy, weight.t(), torch.mm(t, down)) if need_x else None
         return (dx, torch.mm(dy.t(), x2) if need_w else None, dy.sum(0) if need_b else None,
                 torch.mm(t.t(), x2) if need_down else None, torch.mm(dy.t(), h) if need_up else None,
@@ -98,7 +97,7 @@ class _LoraLinears(torch.autograd.Function):
     def forward(ctx, x2, ranks, linear, down, *tensors):
         n = len(ranks)
         weights, ups = tensors[:n], tensors[n:]
-        h = narrow_mm(x2, down.t())  # [tokens, sum of ranks]: x read once for every down
+        h = torch.mm(x2, down.t())  # [tokens, sum of ranks]: x read once for every down
         ctx.linear = linear = linear or ref_linear
         outs = [linear(x2, w, torch.mm(hi, up.t()))  # the base product onto the narrow one
                 for w, up, hi in zip(weights, ups, h.split(ranks, dim=1))]
@@ -114,7 +113,7 @@ class _LoraLinears(torch.autograd.Function):
         need_x, _, _, need_down = ctx.needs_input_grad[:4]
         need_w, need_up = ctx.needs_input_grad[4:4 + n], ctx.needs_input_grad[4 + n:]
         # t = dy (alpha B) per linear, side by side; an unused output contributes nothing
-        t = torch.cat([narrow_mm(dy, up) if dy is not None else x2.new_zeros(x2.shape[0], r)
+        t = torch.cat([torch.mm(dy, up) if dy is not None else x2.new_zeros(x2.shape[0], r)
                        for dy, up, r in zip(dys, ups, ctx.ranks)], dim=1)
         dx = None
         if need_x:  # dx = t A, then each dy W accumulated onto it in place

@@ -1,5 +1,5 @@
 """The LoRA's narrow-output products, ``h = x A^T`` (forward) and ``t = dy B`` (backward),
-as the LoRA nodes compute them (``adapters/folded.py``, ``kernels/fp8_compute.py``).
+as the fp8 LoRA node computes them (``kernels/fp8_compute.py``).
 
 Each reads a whole activation or gradient ([tokens, 3,072-16,384]) to make a [tokens, r]
 result, so it is bound by memory; cuBLAS runs some at about half the memory's speed (the
