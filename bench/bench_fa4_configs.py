@@ -1,0 +1,89 @@
+"""FlashAttention-4's sm90 backward launch configs at the model's attention shapes. (GPU, not
+a test; needs the ``fa4`` extra.)
+
+    PYTHONPATH=. python bench/bench_fa4_configs.py [--segments 4200 4200 4200 4194]
+
+The ``fa4`` backend (``kernels/fa4_attention.py``) calls ``_flash_attn_bwd`` with the config
+the package selects: for head dim 128 on sm90, C++ FA3's 80 x 128 tiles, benchmarked by its
+authors on an H100. The twelfth pass's profile put that backward at 157 ms of a 16,800-token
+step (~580 TFLOP/s). This times the selected config against variants of it (``BwdConfig``
+fields replaced; a variant the package's own validation refuses is listed as refused), on
+packed segments of 24 heads of 128 in bf16: the median over CUDA events
+(``_report.cuda_ms``), TFLOP/s at 2.5x the forward's 4 L^2 H Dh a segment, and dq, dk, dv's
+largest relative difference from the selected config's. Prints one JSON object
+(``$OUT/bench_fa4_configs.json`` on the device machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import torch
+from flash_attn.cute import interface as fa4
+
+from _report import cuda_ms, report  # bench/_report.py (the script's folder is on sys.path)
+
+# BwdConfig fields replaced in the selected config (for head dim 128 it has tile_m 80,
+# tile_n 128, two Q / dO / PdS stages, SdP_swapAB and dQ_swapAB, AtomLayoutNdKV 2)
+VARIANTS = {
+    "selected": {},
+    "tile_m 64": {"tile_m": 64, "dQ_swapAB": False},
+    "tile_m 64, dQ atoms 2": {"tile_m": 64, "dQ_swapAB": False, "AtomLayoutMdQ": 2},
+    "tile_m 96": {"tile_m": 96, "dQ_swapAB": False},
+    "tile_m 128, tile_n 64": {"tile_m": 128, "tile_n": 64, "dQ_swapAB": False, "AtomLayoutMSdP": 2},
+    "PdS 1 stage": {"num_stages_PdS": 1},
+    "dO 1 stage": {"num_stages_dO": 1},
+    "V in registers": {"V_in_regs": True},
+    "no SdP swap": {"SdP_swapAB": False, "AtomLayoutMSdP": 2},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--segments", type=int, nargs="+", default=[4200, 4200, 4200, 4194])
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--head-dim", type=int, default=128)
+    a = ap.parse_args()
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    N, H, Dh = sum(a.segments), a.heads, a.head_dim
+    q, k, v, do = (torch.randn(N, H, Dh, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(4))
+    cu = torch.tensor([0, *torch.tensor(a.segments).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    longest, scale = max(a.segments), 1.0 / math.sqrt(Dh)
+    o, lse, *_ = fa4._flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                     max_seqlen_k=longest, softmax_scale=scale, return_lse=True)
+
+    def bwd(config=None):
+        return fa4._flash_attn_bwd(q, k, v, o, do, lse, scale, False, 0.0, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                   max_seqlen_q=longest, max_seqlen_k=longest, config=config)[:3]
+
+    chosen = []  # the package's own choice, caught as it is made
+    select = fa4.select_bwd_config
+    fa4.select_bwd_config = lambda inputs: chosen.append(select(inputs)) or chosen[-1]
+    try:
+        want = bwd()
+    finally:
+        fa4.select_bwd_config = select
+    flops = 2.5 * sum(4 * n * n * H * Dh for n in a.segments)
+    out = {"device": torch.cuda.get_device_name(), "segments": a.segments, "heads": H, "head_dim": Dh,
+           "selected": {f.name: getattr(chosen[0], f.name) for f in dataclasses.fields(chosen[0])
+                        if f.name != "registers"}, "variants": []}
+    for name, fields in VARIANTS.items():
+        row = {"variant": name, "fields": fields}
+        try:
+            config = dataclasses.replace(chosen[0], **fields)
+            got = bwd(config)
+            ms = cuda_ms(lambda: bwd(config), reps=5, iters=7)
+        except Exception as e:  # refused by the package's validation, or does not build
+            row["refused"] = f"{type(e).__name__}: {str(e)[:160]}"
+        else:
+            row.update(ms=round(ms, 3), tflops=round(flops / ms / 1e9),
+                       max_rel=max(float((x.float() - w.float()).norm() / w.float().norm()) for x, w in zip(got, want)))
+        out["variants"].append(row)
+        print(row, flush=True)
+    report(out, "bench_fa4_configs")
+
+
+if __name__ == "__main__":
+    main()
