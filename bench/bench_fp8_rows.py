@@ -70,7 +70,7 @@ def main() -> None:
                 continue
             rows.append({"config": cfg, "us": round(ms * 1e3, 1), "gb_s": round(moved / ms / 1e6), "same": same})
         timed = [x for x in rows if "us" in x]
-        picked = triton_fp8.rows_launch(K, n, cols)
+        picked = triton_fp8.rows_launch(K, n)
         now = next((x for x in timed if tuple(x["config"]) == picked), None)
         best = min(timed, key=lambda x: x["us"])
         out["shapes"][name] = {"picked": now, "best": best,

@@ -231,7 +231,7 @@ def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = Non
     q = torch.empty((M, qw), dtype=torch.float8_e4m3fn, device=xs[0].device)
     s = torch.empty((M,), dtype=torch.float32, device=xs[0].device)
     if M and qw:
-        block, rows, stages, warps = launch or rows_launch(K, n, col_scale is not None)
+        block, rows, stages, warps = launch or rows_launch(K, n)
         cs = xs[0] if col_scale is None else col_scale.float().contiguous()
         src = [*xs, xs[0], xs[0]][:3]
         _fp8_rows[(triton.cdiv(M, rows),)](
@@ -241,11 +241,10 @@ def fp8_rows_joined(xs: list[torch.Tensor], col_scale: torch.Tensor | None = Non
     return q, s
 
 
-def rows_launch(K: int, n: int, cols: bool) -> tuple[int, int, int, int]:
-    """``_fp8_rows``' launch for n sources K wide (``cols``: with column factors): (block,
-    rows a program walks, their stages, warps). A row up to 4096 wide per source is held in
-    registers (read once); interpreted, rows up to 32 wide take that path and wider ones
-    the two-pass loop over 16."""
+def rows_launch(K: int, n: int) -> tuple[int, int, int, int]:
+    """``_fp8_rows``' launch for n sources K wide: (block, rows a program walks, their
+    stages, warps). A row up to 4096 wide per source is held in registers (read once);
+    interpreted, rows up to 32 wide take that path and wider ones the two-pass loop over 16."""
     wide = 32 if INTERPRETED else 4096
     block = triton.next_power_of_2(K) if K <= wide else (16 if INTERPRETED else 2048)
     return block, 1, 1, 8 if K * n > 4096 else 4
