@@ -56,45 +56,74 @@ def test_the_kernel_is_the_product(shape, dtype):
         tn.narrow_mm(x, leaf(g, K + 1, R, dtype=dtype, grad=False))
 
 
-@pytest.mark.parametrize("name", narrow.BACKENDS)
-def test_every_way_is_the_product(name, backend):
-    """Each way of making a narrow product: ``torch.mm``'s values (fp32, to the order of the
-    sums; on the CPU ``triton`` is cuBLAS's), w as a transposed view and as it is."""
+def test_the_transposed_way_is_the_product(backend):
+    """``cublas-t``: ``torch.mm``'s values (fp32, to the order of the sums) as a [M, R] view,
+    w as a transposed view (``A^T``) and as it is (``B``)."""
     g = torch.Generator().manual_seed(3)
     x = leaf(g, 29, 24, grad=False)
-    backend(name)
+    backend("cublas-t")
     for w in (leaf(g, 4, 24, grad=False).t(), leaf(g, 24, 4, grad=False)):
         got = narrow.narrow_mm(x, w)
         assert got.shape == (29, 4) and rel(got, torch.mm(x, w)) <= 1e-6
 
 
-@triton_test
-@pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
-@pytest.mark.parametrize("name", narrow.BACKENDS)
-def test_every_way_gives_the_fp8_lora_node_the_same_values(name, full, backend):
+def test_the_triton_way_leaves_what_it_does_not_take_to_cublas(backend, monkeypatch):
+    """``triton`` takes bf16/fp16 CUDA tensors of rank <= 256 alone: CPU tensors, fp32 and
+    wider factors go to ``torch.mm`` without the kernel being asked for."""
+    asked = []
+    monkeypatch.setattr(narrow, "triton_module", lambda name: asked.append(name))
+    backend("triton")
+    g = torch.Generator().manual_seed(4)
+    x, w, wide = torch.randn(9, 24, generator=g), torch.randn(24, 4, generator=g), torch.randn(24, 257, generator=g)
+    cases = [(x.bfloat16(), w.bfloat16()), (x.to(DEVICE), w.to(DEVICE))]  # on the CPU; fp32
+    if CUDA:
+        cases.append((x.bfloat16().cuda(), wide.bfloat16().cuda()))  # rank 257
+    for a, b in cases:
+        assert torch.equal(narrow.narrow_mm(a, b), torch.mm(a, b))
+    assert asked == []
+
+
+def fp8_node_values(full: bool) -> list[torch.Tensor]:
     """The fp8 LoRA node (q, k, v as one; ``fp8_compute``: ``torch._scaled_mm``, which the
-    CPU has too) with its narrow products made each way: the outputs and the gradients of x
-    and the LoRA factors as with cuBLAS, within bf16's rounding (on CUDA ``triton`` runs the
-    kernel; on the CPU it is cuBLAS's)."""
-    needs_triton()
+    CPU has too): its outputs and the gradients of x and the LoRA factors, the narrow products
+    made as ``narrow.BACKEND`` says."""
     from kohakumoss.kernels import KERNELS
     from test_quant_kernels import fp8_loras
 
     fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    n = 300 if CUDA else 40  # rows; interpreted, a few
+    x, layers = fp8_loras(torch.Generator().manual_seed(5), 3, n, 64, 48, 8)
+    ys = fn(x, layers, full)
+    sum((y.float() ** 2).sum() for y in ys).backward()
+    return [y.detach() for y in ys] + [x.grad] + [t.grad for _, _, d, u in layers for t in (d, u)]
 
-    def values():
-        n = 300 if CUDA else 40  # rows; interpreted, a few
-        x, layers = fp8_loras(torch.Generator().manual_seed(5), 3, n, 64, 48, 8)
-        ys = fn(x, layers, full)
-        sum((y.float() ** 2).sum() for y in ys).backward()
-        return [y.detach() for y in ys] + [x.grad] + [t.grad for _, _, d, u in layers for t in (d, u)]
 
+def same_as_cublas(name: str, full: bool, backend) -> None:
     backend("cublas")
-    want = values()
+    want = fp8_node_values(full)
     backend(name)
-    for a, b in zip(values(), want):
+    for a, b in zip(fp8_node_values(full), want):
         assert rel(a, b) <= 1e-2
     assert not narrow._broken
+
+
+@triton_test
+@pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
+def test_the_transposed_way_gives_the_fp8_lora_node_the_same_values(full, backend):
+    """The node with ``cublas-t``'s [tokens, r] views for h and t (the row quantization's
+    tail and the saved h take them as they are): cuBLAS's values within bf16's rounding."""
+    needs_triton()
+    same_as_cublas("cublas-t", full, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
+@pytest.mark.parametrize("name", ["cublas-t", "triton"])
+def test_every_way_gives_the_fp8_lora_node_the_same_values_on_the_gpu(name, full, backend):
+    """The same on CUDA, where ``triton`` runs the kernel."""
+    if not CUDA or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs CUDA sm89+")
+    same_as_cublas(name, full, backend)
 
 
 def test_a_failing_kernel_falls_back_to_cublas_and_says_so(backend, monkeypatch, caplog):
