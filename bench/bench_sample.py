@@ -1,7 +1,7 @@
 """GPU benchmark of sampling at the published size, random weights (not a test).
 
     PYTHONPATH=. python bench/bench_sample.py [--steps 50] [--batches 1 4] [--kernels triton]
-                                              [--compile-blocks]
+                                              [--compile-blocks] [--chain on off]
 
 The 5.08B DiT in bf16 (random weights), 1024x1024 images (4096 image tokens), a 112-token
 prompt embedding and the ~10-token empty-caption negative, 50 Euler steps at shift 5 with
@@ -9,7 +9,9 @@ CFG 3 (positive and negative packed into one forward; the negative skips block 2
 the FLUX.2 VAE decode (random weights, bf16). Seconds per image and peak memory per batch
 size. ``--kernels``: the op table prefers those backends (as ``bench_train.py``);
 ``--compile-blocks``: each repeated block's forward goes through ``torch.compile`` (one
-graph for all blocks of a list; the compile time is reported apart). Prints one JSON object.
+graph for all blocks of a list; the compile time is reported apart); ``--chain on off``: the
+blocks chained (each half's closing gated add made by the kernel of the norm that opens the
+next, ``JointBlock.chained``, the default) and block by block, in turn. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def main() -> None:
     ap.add_argument("--no-vae", action="store_true")
     ap.add_argument("--cuda-graph", nargs="*", choices=["off", "on"], default=["off"],
                     help="replay the forward as a CUDA graph (on), eager (off), or both in turn")
+    ap.add_argument("--chain", nargs="*", choices=["off", "on"], default=["on"],
+                    help="the blocks chained (each half's closing add made by the next norm, "
+                         "the model's default: on), block by block (off), or both in turn")
     ap.add_argument("--profile", action="store_true", help="profile 2 steps of batch 1 (bench_train's)")
     ap.add_argument("--tune", action="store_true",
                     help="the per-shape ops (the block linears' GEMM) as the tuner picks them")
@@ -76,7 +81,8 @@ def main() -> None:
 
         res["profile"] = profile_step(lambda: sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0,
                                                      device="cuda", dtype=torch.bfloat16))
-    for graph in a.cuda_graph or ["on"]:
+    for chain, graph in [(c, g) for c in a.chain or ["on"] for g in a.cuda_graph or ["on"]]:
+        model.chain_adds = chain == "on"
         for b in a.batches:
             reqs = [Request(pos, neg, (64, 64), i) for i in range(b)]
             torch.cuda.reset_peak_memory_stats()
@@ -87,7 +93,8 @@ def main() -> None:
                              cuda_graph=graph == "on")
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
-            res["runs"].append({"batch": b, "cuda_graph": graph, "seconds": dt, "seconds_per_image": dt / b,
+            res["runs"].append({"batch": b, "cuda_graph": graph, "chain": chain, "seconds": dt,
+                                "seconds_per_image": dt / b,
                                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                                 "card": card.summary()})
             print(json.dumps(res["runs"][-1]), flush=True)

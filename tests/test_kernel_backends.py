@@ -167,6 +167,87 @@ def test_a_halfs_norm_sums_the_closing_adds_gradient_in_its_kernel(lengths, dtyp
 
 
 @triton_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("lengths", [LENGTHS["one"], LENGTHS["mixed"], LENGTHS["long"]],
+                         ids=["one", "mixed", "long"])
+def test_the_norm_that_makes_the_closing_add(lengths, dtype):
+    """The Triton norm's ``added`` form (``ops.added_norm``, inference): ``s = x + gate y``
+    comes back as the Triton gated add writes it, bit for bit, and the norm of s as the
+    references make it (samples in order and shuffled; shift, scale and gate as the model's
+    strided columns of one tensor)."""
+    needs_triton()
+    form = triton_fn("modulated_rms_norm").added
+    g = torch.Generator().manual_seed(23)
+    N, D, B = sum(lengths), 48, len(lengths)
+    for shuffle in (False, True):
+        x, y = leaf(g, N, D, dtype=dtype, grad=False), leaf(g, N, D, dtype=dtype, grad=False)
+        w = leaf(g, D, dtype=dtype, scale=0.2, grad=False) + 1
+        mod = leaf(g, B, 6, D, scale=0.5, grad=False)
+        seg = seg_of(lengths, shuffle, g)
+        out, s = form(x, w, mod[:, 3], mod[:, 4], seg, 1e-6, y, mod[:, 2])
+        want_s = triton_fn("gated_residual")(x, y, mod[:, 2], seg)
+        assert s.dtype == x.dtype and torch.equal(s, want_s)
+        assert rel(s, ops.gated_residual(x, y, mod[:, 2], seg)) <= TOL[dtype]
+        want = ops.modulated_rms_norm(s, w, mod[:, 3], mod[:, 4], seg, 1e-6)
+        assert out.dtype == want.dtype and rel(out, want) <= TOL[dtype]
+        assert torch.equal(out, triton_fn("modulated_rms_norm")(s, w, mod[:, 3], mod[:, 4], seg, 1e-6))
+
+
+@triton_test
+def test_the_added_form_is_for_inference_and_checks_its_inputs():
+    needs_triton()
+    form = triton_fn("modulated_rms_norm").added
+    g = torch.Generator().manual_seed(24)
+    x, y, w = leaf(g, 6, 16), leaf(g, 6, 16, grad=False), leaf(g, 16, grad=False)
+    mod, seg = leaf(g, 2, 3, 16, grad=False), seg_of([2, 4])
+    with pytest.raises(RuntimeError, match="inference only"):
+        form(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y, mod[:, 2])
+    with torch.no_grad():
+        form(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y, mod[:, 2])  # the same call without autograd
+        with pytest.raises(ValueError, match="want y as x, gate as shift"):
+            form(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y[:, :8], mod[:, 2])
+        with pytest.raises(ValueError, match="want y as x, gate as shift"):
+            form(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y, mod[:1, 2])
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_a_chained_forward_is_the_blockwise_forward(dtype):
+    """Without autograd the joint blocks run ``chained`` (each half's closing add made by the
+    next norm): with the references the output is the block-by-block forward's bit for bit,
+    and with the Triton table it is too, its gated adds but the last made inside the norms'
+    kernels; CFG's skipped layer (the negatives last) closes the chain before it."""
+    needs_triton()
+    from kohakumoss.model import cast_model
+    from kohakumoss.model.build import tiny_transformer
+
+    img, text, sigma, layout = _tiny_inputs(dtype)
+    layout = layout.to(DEVICE)
+    for choices in ({}, {op: "triton" for op in ELEMENTWISE}):
+        model = cast_model(tiny_transformer(), dtype).to(DEVICE)
+        model.ops = build_op_table(DEVICE, dtype, choices)
+        adds = []
+        gated = model.ops.gated_residual
+        model.ops.override("gated_residual", lambda *a: adds.append(1) or gated(*a))
+        for skip in ((), (1,)):
+            kw = dict(skip_layers=skip, skip_samples=(False, False, True)) if skip else {}
+            with torch.no_grad():
+                model.chain_adds = False
+                assert not model.chains()
+                want = model(img, text, sigma, layout, **kw)
+                adds.clear()
+                model.chain_adds = True
+                assert model.chains()
+                got = model(img, text, sigma, layout, **kw)
+            assert torch.equal(got, want), (choices, skip)
+            # the references make every half's add (2 a block run); the Triton norms make all
+            # but the chain's last, before the head, and its last before the skipped layer,
+            # which runs whole (its own 2)
+            assert len(adds) == (1 + 3 * len(skip) if choices else 2 * model.config.depth)
+        assert not model.chains()  # under autograd: the blocks as training runs them
+
+
+@triton_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
 def test_norms_of_an_adapter_run(dtype):
     """Frozen norm weights and modulation (LoRA): only x takes a gradient, and the kernels
@@ -463,6 +544,7 @@ def test_a_recomputed_norm_keeps_its_stream_form():
         model.ops = build_op_table(DEVICE, torch.float32, {"modulated_rms_norm": choice})
         wrapped = apply_recompute(model) if recompute else []
         assert ("modulated_rms_norm" in wrapped) == recompute
+        assert callable(getattr(model.ops.modulated_rms_norm, "added", None))  # inference's form too
         v = model(img, text, sigma, layout)
         assert "_StreamNormBackward" in _graph(v)
         v.square().mean().backward()

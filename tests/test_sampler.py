@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kohakumoss.diffusion.sampler import Request, initial_noise, sample, velocity
+from kohakumoss.diffusion.schedule import inference_sigmas
 from kohakumoss.model import build_layout, cast_model
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.checks.parity import rel_error
@@ -61,6 +62,33 @@ def test_same_seed_same_image_whatever_the_batch():
     other = sample(model, [Request(reqs[1].text, reqs[1].negative, reqs[1].hw, 99)], steps=4,
                    cfg=2.5, skip_layers=(1,), dtype=torch.float64)[0]
     assert rel_error(other, alone) > 1e-2
+
+
+def test_the_text_refiner_runs_once_a_run_and_the_image_is_the_same():
+    """The refiner does not see the timestep: a sampling run refines its prompts on the first
+    step and keeps them (``Packed.text_cache``); the images are those of a loop that refines
+    them every step. Where an engine hooks the refiner's blocks (weight streaming) it runs
+    every step."""
+    model, reqs = _setup()
+    calls = []
+    refine = model.refine_text
+    model.refine_text = lambda *a: calls.append(1) or refine(*a)
+    images = sample(model, reqs, steps=4, cfg=2.5, skip_layers=(1,), dtype=torch.float64)
+    assert len(calls) == 1
+    sigmas = inference_sigmas(4, 5.0).tolist()
+    x = [initial_noise(r.seed, r.hw) for r in reqs]
+    for i in range(4):  # velocity() packs afresh each call: the refiner runs every step
+        v = velocity(model, x, reqs, sigmas[i], 2.5, (1,), "cpu", torch.float64)
+        x = [xi + (sigmas[i + 1] - sigmas[i]) * vi for xi, vi in zip(x, v)]
+    assert len(calls) == 5
+    assert all(torch.equal(a, b) for a, b in zip(images, x))
+    hook = model.text_embedder.blocks[0].register_forward_pre_hook(lambda m, a: None)
+    try:
+        calls.clear()
+        again = sample(model, reqs, steps=4, cfg=2.5, skip_layers=(1,), dtype=torch.float64)
+        assert len(calls) == 4 and all(torch.equal(a, b) for a, b in zip(images, again))
+    finally:
+        hook.remove()
 
 
 def test_noise_layout_and_skip_validation():

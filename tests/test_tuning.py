@@ -516,3 +516,58 @@ def test_the_sampler_runs_the_kernels_the_table_chose_for_training_shapes(tmp_pa
     assert "no kernel tuning table in" in caplog.text
     off = make_params(ds, kernels={"table": "off"})
     assert sampling_ops(off, CPU, F32, tmp_path / "kernels").situ is ops.situ
+
+
+def test_a_norms_added_form_runs_through_either_dispatch_and_falls_back_once(caplog):
+    """``ops.added_norm`` asks the table's norm for the call's backend's ``added`` form (the
+    norm's own arguments come first: the tuned op buckets by them); the form's answer is
+    used as it is; a form that raises marks its backend broken, said once, and the gated add
+    and the norm run apart, on the next choice."""
+    made = []
+
+    def norm(*args):
+        return ops.modulated_rms_norm(*args)
+
+    def added(x, w, shift, scale, seg, eps, y, gate):
+        made.append(x.shape[0])
+        s = ops.gated_residual(x, y, gate, seg)
+        return ops.modulated_rms_norm(s, w, shift, scale, seg, eps), s
+
+    def broken_added(*args):
+        raise RuntimeError("no added form here")
+
+    norm.added = added
+    other = Counting(fn=ops.modulated_rms_norm)
+    other.added = broken_added
+    r = KernelRegistry()
+    r.register("modulated_rms_norm", "fused", norm, _cpu)
+    r.register("modulated_rms_norm", "other", other, _cpu)
+    g = torch.Generator().manual_seed(3)
+    seg = torch.tensor([0] * 5 + [1] * 9)
+    x, y = torch.randn(14, 8, generator=g), torch.randn(14, 8, generator=g)
+    w, gate = torch.randn(8, generator=g), torch.randn(2, 8, generator=g)
+    shift, scale = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    s = ops.gated_residual(x, y, gate, seg)
+    want = (ops.modulated_rms_norm(s, w, shift, scale, seg, 1e-6), s)
+    tuned = {entry_key("modulated_rms_norm", F32, "N=16,D=8"): ["fused", "reference"],
+             entry_key("modulated_rms_norm", F32, "N=32,D=8"): ["other", "reference"]}
+    for table in (r.build_op_table(CPU, F32, tuned=tuned),
+                  r.build_op_table(CPU, F32, {"modulated_rms_norm": ["fused"]})):
+        made.clear()
+        got = ops.added_norm(table.modulated_rms_norm, ops.gated_residual, x, y, gate, w, shift,
+                             scale, seg, 1e-6)
+        assert made == [14] and all(torch.equal(a, b) for a, b in zip(got, want))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "kohakumoss.kernels"):
+        table = r.build_op_table(CPU, F32, {"modulated_rms_norm": ["other", "fused"]})
+        for _ in range(2):
+            got = ops.added_norm(table.modulated_rms_norm, ops.gated_residual, x, y, gate, w,
+                                 shift, scale, seg, 1e-6)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [rec.getMessage() for rec in caplog.records if "failed" in rec.getMessage()] == [
+        "modulated_rms_norm: backend other failed (RuntimeError: no added form here); using "
+        "the next choice from now on"]
+    assert table.modulated_rms_norm.backend_for(x, w, shift, scale, seg, 1e-6) == "fused"
+    # a table whose norm has no such form (the references) makes the two calls
+    assert all(torch.equal(a, b) for a, b in zip(ops.added_norm(
+        ops.modulated_rms_norm, ops.gated_residual, x, y, gate, w, shift, scale, seg, 1e-6), want))

@@ -42,7 +42,8 @@ def initial_noise(seed: int, hw: tuple[int, int], channels: int = 128) -> torch.
 
 class Packed:
     """What stays fixed over a sampling run, packed and on the device once: the layout of
-    the requests (positives, then their negatives with CFG), the text tokens, the
+    the requests (positives, then their negatives with CFG), the text tokens (and, after the
+    first step, the text refiner's output: the refiner does not see the timestep), the
     negatives' skip mask. Each step then only sends the latents through the model, with no
     host-to-device copy that would make the host wait for the GPU between steps."""
 
@@ -58,6 +59,7 @@ class Packed:
         self.text = torch.cat(texts).to(device=device, dtype=dtype)
         self.n_img = sum(self.layout.img_len[:self.B])  # the requests' own latent tokens
         self.device, self.dtype = device, dtype
+        self.text_cache: dict = {}  # the text refiner's output, made by the first step
 
     def sigmas(self, sigma: float) -> torch.Tensor:
         """``sigma`` for every packed sample, on the device."""
@@ -71,7 +73,7 @@ class Packed:
         with torch.no_grad():
             v = model(z.to(self.dtype), self.text, s, self.layout,
                       skip_layers=skip_layers if self.skip is not None else (),
-                      skip_samples=self.skip).float()
+                      skip_samples=self.skip, text_cache=self.text_cache).float()
         if self.skip is None:
             return v
         p, u = v[:self.n_img], v[self.n_img:]

@@ -88,17 +88,18 @@ def _triton_available(op: str) -> Callable[[torch.device, torch.dtype], bool]:
     return available
 
 
-def _triton_fn(op: str, name: str | None = None) -> Callable:
-    """The module's function ``name`` (default: the op's own name), imported on first call."""
+def _triton_fn(op: str, name: str | None = None, module_name: str | None = None) -> Callable:
+    """The function ``name`` (default: the op's own name) of ``module_name`` (default: the
+    op's module, ``TRITON_OPS``), imported on first call."""
     resolved: list[Callable] = []
-    name = name or op
+    name, module_name = name or op, module_name or TRITON_OPS[op]
 
     def fn(*args):
         if not resolved:
-            module = triton_module(TRITON_OPS[op])
+            module = triton_module(module_name)
             if module is None:
                 raise RuntimeError(f"{op} (triton): Triton kernels cannot be imported here "
-                                   f"({_why[TRITON_OPS[op]]})")
+                                   f"({_why[module_name]})")
             resolved.append(getattr(module, name))
         return resolved[0](*args)
 
@@ -107,14 +108,17 @@ def _triton_fn(op: str, name: str | None = None) -> Callable:
     return fn
 
 
-# forms ``model.ops.stream_norm`` takes where a call runs the Triton kernels (the norm of a
-# half with its closing add's gradient of x summed in the backward kernel)
-TRITON_STREAM = {"modulated_rms_norm": "stream_modulated_rms_norm"}
+# the other forms (``model.ops.FORMS``) of an op's Triton function, which ``model.ops`` takes
+# where a call runs the Triton kernels: form -> (module, function)
+TRITON_FORMS = {"modulated_rms_norm": {
+    "stream": ("triton_norm_forms", "stream_modulated_rms_norm"),  # ``ops.stream_norm``
+    "added": ("triton_norm_forms", "added_modulated_rms_norm"),  # ``ops.added_norm``
+}}
 
 for _op in TRITON_OPS:  # each kernel's autograd saves its inputs; backward recomputes the rest
     _fn = _triton_fn(_op)
-    if _op in TRITON_STREAM:
-        _fn.stream = _triton_fn(_op, TRITON_STREAM[_op])
+    for _form, (_module, _name) in TRITON_FORMS.get(_op, {}).items():
+        setattr(_fn, _form, _triton_fn(_op, _name, _module))
     register_backend(_op, "triton", _fn, _triton_available(_op), keeps_inputs_only=True)
 
 DEQUANT_ROWS = 1024

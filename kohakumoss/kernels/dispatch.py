@@ -2,13 +2,15 @@
 the backends an op may run (``Backend``: where each can run and which shapes it takes), a
 tuned op choosing by ``(dtype, shape bucket)`` (``TunedOp``) or a static choice
 (``ChosenOp``), and the fallback every call shares: a backend that raises is marked broken on
-that op, said once, and the next choice runs (the reference last). A backend's ``stream``
-form (``model.ops.stream_norm``) falls back the same way.
+that op, said once, and the next choice runs (the reference last). A backend's forms of
+an op (``model.ops.FORMS``: the norm's ``stream`` and ``added``, ``model.ops.stream_norm`` and
+``model.ops.added_norm``) fall back the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -22,6 +24,7 @@ from kohakumoss.model.ops import REFERENCE
 REFERENCE_NAME = "reference"
 
 Fits = Callable[[Mapping[str, int]], bool]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,7 @@ class TunedOp:
         self.op, self.problem, self.chains, self._note = op, problem, chains, note
         self._resolved: dict[tuple[torch.dtype, str], list[Backend] | None] = {}
         self.reference = REFERENCE[op]
+        self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
         self.broken: dict[str, str] = {}
         names = sorted({b.name for chain in chains.values() for b in chain})
         self.__qualname__ = f"tuned({op}: {', '.join([*names, REFERENCE_NAME])})"
@@ -128,9 +132,14 @@ class TunedOp:
         return next(b for chain in self.chains.values() for b in chain if b.name == name)
 
     def stream(self, *args):
-        """The call's ``stream`` form (``model.ops.stream_norm``), or None (see ``_stream``)."""
+        """The call's ``stream`` form (``model.ops.stream_norm``), or None (see ``_form``)."""
         name = self.backend_for(*args)
-        return None if name == REFERENCE_NAME else _stream(self, self._named(name), args)
+        return None if name == REFERENCE_NAME else _form(self, self._named(name), "stream", args)
+
+    def added(self, *args):
+        """The call's ``added`` form (``model.ops.added_norm``), or None (see ``_form``)."""
+        name = self.backend_for(*args[:self.arity])
+        return None if name == REFERENCE_NAME else _form(self, self._named(name), "added", args)
 
     def __call__(self, *args):
         dims = self.problem.dims(*args)
@@ -151,6 +160,7 @@ class ChosenOp:
         self.problem = PROBLEMS.get(op)
         self.shaped = self.problem is not None and any(b.fits is not None for b in backends)
         self.reference = REFERENCE[op]
+        self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
         self.broken: dict[str, str] = {}
         if all(b.keeps_inputs_only for b in backends) and not self.shaped:
             self.keeps_inputs_only = True  # every call that does not fail
@@ -170,9 +180,14 @@ class ChosenOp:
         return bool(usable) and usable[0].keeps_inputs_only
 
     def stream(self, *args):
-        """The call's ``stream`` form (``model.ops.stream_norm``), or None (see ``_stream``)."""
+        """The call's ``stream`` form (``model.ops.stream_norm``), or None (see ``_form``)."""
         usable = self._usable(args)
-        return _stream(self, usable[0], args) if usable else None
+        return _form(self, usable[0], "stream", args) if usable else None
+
+    def added(self, *args):
+        """The call's ``added`` form (``model.ops.added_norm``), or None (see ``_form``)."""
+        usable = self._usable(args[:self.arity])
+        return _form(self, usable[0], "added", args) if usable else None
 
     def __call__(self, *args):
         return _run_first(self, self.backends, self.problem.dims(*args) if self.shaped else None, args)
@@ -184,12 +199,14 @@ class ChosenOp:
 _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 
-def _stream(op: TunedOp | ChosenOp, backend: Backend, args: tuple):
-    """``backend``'s ``stream`` form of the op (its function's attribute: the norm of a block's
-    half that also returns x, summing x's two gradients in its backward) run on ``args``; None
-    where it has none or where it fails, which marks the backend broken on ``op`` (said once)
-    as a failed call does, so the caller runs the plain call, on the next choice."""
-    form = getattr(backend.fn, "stream", None)
+def _form(op: TunedOp | ChosenOp, backend: Backend, name: str, args: tuple):
+    """``backend``'s form ``name`` of the op (``model.ops.FORMS``, its function's attribute: ``stream``,
+    the norm of a block's half that also returns x, summing x's two gradients in its
+    backward; ``added``, the norm that first makes the previous half's closing add) run on
+    ``args``; None where it has none or where it fails, which marks the backend broken on
+    ``op`` (said once) as a failed call does, so the caller runs the plain calls, on the next
+    choice."""
+    form = getattr(backend.fn, name, None)
     if form is None:
         return None
     try:

@@ -36,14 +36,24 @@ def _row_tile(X, sx, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @jit
-def _norm_fwd(X, W, SHIFT, SCALE, SEG, OUT, R, D, sx, s_sh, s_sc, eps,
-              HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_fwd(X, W, SHIFT, SCALE, SEG, OUT, R, D, sx, s_sh, s_sc, eps, Y, GATE, XN, sy, s_gate,
+              HAS_MOD: tl.constexpr, ADDED: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """The norm of x; with ``ADDED`` (modulated only) of ``x + gate y`` first, which is
+    rounded once and stored to ``XN``, and the norm reads that rounded stream."""
     rows, cols, rmask, cmask, m, r64, x = _row_tile(X, sx, R, D, BLOCK_R, BLOCK_D)
+    if HAS_MOD:
+        s = tl.load(SEG + rows, mask=rmask, other=0).to(tl.int64)[:, None]
+    if ADDED:
+        y = tl.load(Y + r64 * sy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(GATE + s * s_gate + cols[None, :], mask=m, other=0.0).to(tl.float32) * y
+        xr = rounded(x + y, XN.dtype.element_ty)  # as the gated add's kernel rounds it
+        tl.store(XN + r64 * D + cols[None, :], xr, mask=m)
+        x = xr.to(tl.float32)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None] * w[None, :]
     if HAS_MOD:
-        s = tl.load(SEG + rows, mask=rmask, other=0).to(tl.int64)[:, None]
         sc = tl.load(SCALE + s * s_sc + cols[None, :], mask=m, other=0.0).to(tl.float32)
         sh = tl.load(SHIFT + s * s_sh + cols[None, :], mask=m, other=0.0).to(tl.float32)
         y = y * (1.0 + sc) + sh
@@ -133,17 +143,20 @@ def _tile(D: int) -> tuple[int, int]:
     return max(1, min(64, 4096 // block_d)), block_d
 
 
-def _forward(x, w, shift, scale, seg, eps, has_mod):
+def _forward(x, w, shift, scale, seg, eps, has_mod, added=None):
+    """The norm's output; with ``added`` = (y, gate), (the norm of x + gate y, x + gate y)."""
     R, D = x.shape
     out = torch.empty((R, D), dtype=x.dtype, device=x.device)
-    if R == 0:
-        return out
-    block_r, block_d = _tile(D)
-    s_sh, s_sc = (shift.stride(0), scale.stride(0)) if has_mod else (0, 0)
-    _norm_fwd[(triton.cdiv(R, block_r),)](
-        x, w, shift, scale, seg, out, R, D, x.stride(0), s_sh, s_sc, eps,
-        HAS_MOD=has_mod, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
-    return out
+    y, gate = added if added is not None else (x, x)
+    xn = torch.empty((R, D), dtype=x.dtype, device=x.device) if added is not None else out
+    if R > 0:
+        block_r, block_d = _tile(D)
+        s_sh, s_sc = (shift.stride(0), scale.stride(0)) if has_mod else (0, 0)
+        _norm_fwd[(triton.cdiv(R, block_r),)](
+            x, w, shift, scale, seg, out, R, D, x.stride(0), s_sh, s_sc, eps, y, gate, xn,
+            y.stride(0), gate.stride(0), HAS_MOD=has_mod, ADDED=added is not None,
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
+    return out if added is None else (out, xn)
 
 
 def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None):
@@ -287,45 +300,6 @@ def _mod_backward(ctx, g):
 
 _mod_norm = entry(_mod_norm_op, _mod_norm_impl, _mod_setup, _mod_backward, _mod_norm_bwd_op,
                   _mod_norm_bwd_impl)
-
-
-class _StreamNorm(torch.autograd.Function):
-    """``(modulated_rms_norm(x, ...), x)`` as one node: x comes back (a view) for the residual
-    add that closes the block's half, and the backward adds that add's gradient of x to the
-    norm's own inside the kernel, one pass and one rounding where autograd would sum the two
-    in a pass of its own."""
-
-    @staticmethod
-    def forward(ctx, x, weight, shift, scale, seg, eps):
-        ctx.save_for_backward(x, weight, scale, seg)
-        ctx.eps, ctx.dtypes = eps, (shift.dtype, scale.dtype)
-        return _mod_norm_impl(x, weight, shift, scale, seg, eps), x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g, res):
-        x, weight, scale, seg = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        if g is None:  # the norm's output unused: x's gradient is the add's alone
-            return res, None, None, None, None, None
-        dx, dw, dshift, dscale = _backward(g, x, weight, scale, seg, ctx.eps, True, need[1],
-                                           need[2] or need[3], res)
-        return (dx, dw if need[1] else None, dshift.to(ctx.dtypes[0]) if need[2] else None,
-                dscale.to(ctx.dtypes[1]) if need[3] else None, None, None)
-
-
-def stream_modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
-                              scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(modulated_rms_norm(...), x)`` with x's two gradients summed in the norm's backward
-    kernel (``ops.stream_norm``; ``_StreamNorm``). Without autograd or under
-    ``torch.compile``: the norm and x itself."""
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x_ND, weight, shift_BD, scale_BD))):
-        return modulated_rms_norm(x_ND, weight, shift_BD, scale_BD, seg_N, eps), x_ND
-    _check_mod(x_ND, weight, shift_BD, scale_BD, seg_N)
-    return _StreamNorm.apply(lastdim_contiguous(x_ND), lastdim_contiguous(weight),
-                             lastdim_contiguous(shift_BD), lastdim_contiguous(scale_BD), seg_N,
-                             float(eps))
 
 
 # ---- the op-table entries (the references' signatures) -------------------------------------

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.model.ops import FORMS
 
 # op name -> how many leading arguments are tensors (saved for backward; the index tensor
 # ``seg`` among them); the rest are static (``eps``)
@@ -74,11 +75,13 @@ def recomputed(fn: Callable, n_tensors: int) -> Callable:
 
     op.__qualname__ = f"recomputed({getattr(fn, '__qualname__', repr(fn))})"
     op.wrapped = fn
-    if getattr(fn, "stream", None) is not None:
-        # a half's norm keeps its stream form (``ops.stream_norm``): that form runs only a
-        # kernel that keeps its inputs alone, and without it autograd sums x's two gradients
-        # in a pass of its own (a table choosing Triton with compile after it was wrapped so)
-        op.stream = fn.stream
+    for form in FORMS:
+        # a half's norm keeps its forms: ``stream`` (``ops.stream_norm``) runs only a kernel
+        # that keeps its inputs alone, and without it autograd sums x's two gradients in a
+        # pass of its own (a table choosing Triton with compile after it was wrapped so);
+        # ``added`` (``ops.added_norm``) is inference only, where the wrap is ``fn`` itself
+        if getattr(fn, form, None) is not None:
+            setattr(op, form, getattr(fn, form))
     return op
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.model.layout import PackedLayout
-from kohakumoss.model.ops import OpTable, compute_dtype, stream_norm
+from kohakumoss.model.ops import OpTable, added_norm, compute_dtype, stream_norm
 
 # modules kept in max(float32, compute dtype) whatever the compute dtype (docs/model.md)
 FP32_MODULES = ("time_embedding", "shared_block_modulation", "video_head_modulation")
@@ -130,28 +130,55 @@ class JointBlock(nn.Module):
 
     def attention(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
         """The attention half: ``x + gate_a * o(attn(norm1(x)))``."""
-        N, D = x_ND.shape
+        eps, gate_a = self._stream(mod_B6D[:, 2])
+        y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, self.norm1.weight, mod_B6D[:, 0],
+                              mod_B6D[:, 1], seg_N, eps)
+        return ops.gated_residual(x_ND, self._attend(y, rope, lengths, ops), gate_a, seg_N)
+
+    def mlp(self, x_ND, mod_B6D, seg_N, ops: OpTable):
+        """The MLP half: ``x + gate_f * down(situ(up_gate(norm2(x))))``."""
+        eps, gate_f = self._stream(mod_B6D[:, 5])
+        y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, self.norm2.weight, mod_B6D[:, 3],
+                              mod_B6D[:, 4], seg_N, eps)
+        return ops.gated_residual(x_ND, self._ffn(y, ops), gate_f, seg_N)
+
+    def chained(self, x_ND, pending, mod_B6D, seg_N, rope, lengths, ops: OpTable):
+        """``forward`` for inference, each half's closing gated add left to the norm that opens
+        the next half (``ops.added_norm``: one kernel where the table has one). The stream is
+        ``x + gate * branch`` with ``pending = (branch, gate)`` (None: x itself); returns the
+        same pair after this block."""
+        y, x_ND = self._open(x_ND, pending, self.norm1, mod_B6D, 0, seg_N, ops)
+        pending = (self._attend(y, rope, lengths, ops), self._stream(mod_B6D[:, 2])[1])
+        y, x_ND = self._open(x_ND, pending, self.norm2, mod_B6D, 3, seg_N, ops)
+        return x_ND, (self._ffn(y, ops), self._stream(mod_B6D[:, 5])[1])
+
+    def _open(self, x_ND, pending, norm, mod_B6D, i, seg_N, ops: OpTable):
+        """(the half's norm of the stream, with shift and scale ``mod[:, i]``, ``mod[:, i + 1]``;
+        the stream), the pending add made first."""
+        eps = self._stream(mod_B6D[:, i + 2])[0]
+        shift, scale = mod_B6D[:, i], mod_B6D[:, i + 1]
+        if pending is None:
+            return ops.modulated_rms_norm(x_ND, norm.weight, shift, scale, seg_N, eps), x_ND
+        return added_norm(ops.modulated_rms_norm, ops.gated_residual, x_ND, *pending, norm.weight,
+                          shift, scale, seg_N, eps)
+
+    def _attend(self, y_ND, rope, lengths, ops: OpTable):
+        """The attention half's branch on its normed input: ``o(attn(y))``."""
+        N, D = y_ND.shape
         Dh = D // self.heads
         p = self.proj
-        shift_a, scale_a = mod_B6D[:, 0], mod_B6D[:, 1]
-        eps, gate_a = self._stream(mod_B6D[:, 2])
-        y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, self.norm1.weight, shift_a, scale_a, seg_N, eps)
-        q, k, v = ops.linears(y, (p["q"], p["k"], p["v"]), ops.linear)
+        q, k, v = ops.linears(y_ND, (p["q"], p["k"], p["v"]), ops.linear)
         q = ops.qk_norm_rope(q.view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
         k = ops.qk_norm_rope(k.view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
         v = v.view(N, self.heads, Dh)
         o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
-        return ops.gated_residual(x_ND, ops.linears(o, (p["o"],), ops.linear)[0], gate_a, seg_N)
+        return ops.linears(o, (p["o"],), ops.linear)[0]
 
-    def mlp(self, x_ND, mod_B6D, seg_N, ops: OpTable):
-        """The MLP half: ``x + gate_f * down(situ(up_gate(norm2(x))))``."""
+    def _ffn(self, y_ND, ops: OpTable):
+        """The MLP half's branch on its normed input: ``down(situ(up_gate(y)))``."""
         p = self.proj
-        shift_f, scale_f = mod_B6D[:, 3], mod_B6D[:, 4]
-        eps, gate_f = self._stream(mod_B6D[:, 5])
-        y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, self.norm2.weight, shift_f, scale_f, seg_N, eps)
-        u, g = ops.linears(y, (p["ffn_up_gate"],), ops.linear)[0].split(self.ffn_dim, dim=-1)
-        h = ops.situ(u, g)
-        return ops.gated_residual(x_ND, ops.linears(h, (p["ffn_down"],), ops.linear)[0], gate_f, seg_N)
+        u, g = ops.linears(y_ND, (p["ffn_up_gate"],), ops.linear)[0].split(self.ffn_dim, dim=-1)
+        return ops.linears(ops.situ(u, g), (p["ffn_down"],), ops.linear)[0]
 
 
 class MOSSImageTransformer(nn.Module):
@@ -171,6 +198,7 @@ class MOSSImageTransformer(nn.Module):
         self.final_norm_video = RMSNormWeight(D)
         self.final_linear_video = nn.Linear(D, c.latent_channels, bias=False)
         self.video_head_modulation = nn.Linear(D, 2 * D)
+        self.chain_adds = True  # inference: each half's closing add made by the next norm (``chains``)
 
     @property
     def stream_scale(self) -> float:
@@ -209,15 +237,26 @@ class MOSSImageTransformer(nn.Module):
 
     def forward(self, img_NC: torch.Tensor, text_NT: torch.Tensor, sigma_B: torch.Tensor,
                 layout: PackedLayout, skip_layers: Iterable[int] = (),
-                skip_samples: torch.Tensor | Sequence[bool] | None = None) -> torch.Tensor:
+                skip_samples: torch.Tensor | Sequence[bool] | None = None,
+                text_cache: dict | None = None) -> torch.Tensor:
         """``skip_layers`` are skipped for every sample, or, with ``skip_samples`` (bool [B]: a
         tensor, or a host sequence), only for those samples: they keep their pre-block value
         (the CFG negative branch packed with the positive one). Where the skipped samples are
         the last ones (known on the host: the sampler's negatives), a skipped layer runs on
-        the leading samples' tokens alone."""
+        the leading samples' tokens alone.
+
+        ``text_cache``: a dict the caller keeps while ``text_NT``, ``layout`` and the weights
+        stay as they are (a sampling run): the text refiner's output (which does not see the
+        timestep) is kept there by the first call without autograd and read by later ones.
+        Without autograd the joint blocks run ``JointBlock.chained`` where nothing hooks or
+        wraps them (``chains``)."""
         ops, c = self.ops, self.config
         mod, head = self.conditioning(sigma_B)
-        txt = self.refine_text(text_NT, layout)
+        txt = text_cache.get("refined") if text_cache is not None else None
+        if txt is None:
+            txt = self.refine_text(text_NT, layout)
+            if text_cache is not None and not torch.is_grad_enabled() and self._text_reusable():
+                text_cache["refined"] = txt
         img = self.video_embedder(img_NC.to(self.dtype))
         x = img.new_empty(layout.n_joint, c.dim)
         x = x.index_copy(0, layout.img_in_joint, img).index_copy(0, layout.txt_in_joint, txt)
@@ -232,7 +271,13 @@ class MOSSImageTransformer(nn.Module):
             skip_samples = torch.as_tensor(skip_samples, dtype=torch.bool)
             keep_tok = skip_samples.to(x.device)[layout.seg_joint][:, None]
         P = sum(layout.joint_len[:lead]) if lead is not None else 0
+        chain, pending = self.chains(), None
         for n, block in enumerate(self.layers):
+            if n not in skip and chain:
+                x, pending = block.chained(x, pending, mod, layout.seg_joint, rope, layout.joint_len, ops)
+                continue
+            if pending is not None:  # the chain's last add, before a block that runs whole
+                x, pending = ops.gated_residual(x, *pending, layout.seg_joint), None
             if n not in skip:
                 x = block(x, mod, layout.seg_joint, rope, layout.joint_len, ops)
             elif lead is not None:  # the leading samples' tokens alone (their own attention)
@@ -241,9 +286,29 @@ class MOSSImageTransformer(nn.Module):
                                          layout.joint_len[:lead], ops), x[P:]])
             elif keep_tok is not None:  # attention stays within a sample: exact for the others
                 x = torch.where(keep_tok, x, block(x, mod, layout.seg_joint, rope, layout.joint_len, ops))
+        if pending is not None:
+            x = ops.gated_residual(x, *pending, layout.seg_joint)
         y = ops.modulated_rms_norm(x[layout.img_in_joint], self.final_norm_video.weight,
                                    head[:, 0], head[:, 1], layout.seg_img, c.eps * s * s)
         return self.final_linear_video(y)
+
+
+    def chains(self) -> bool:
+        """Whether this forward runs the joint blocks ``chained``: without autograd, with
+        ``chain_adds`` on, and where no block is hooked (weight streaming, the parity check's
+        captures), wrapped by an engine (its halves or forward replaced) or compiled."""
+        return self.chain_adds and not torch.is_grad_enabled() and not any(
+            _hooked(b) or b._compiled_call_impl is not None or {"forward", *HALVES} & b.__dict__.keys()
+            for b in self.layers)
+
+    def _text_reusable(self) -> bool:
+        """The text refiner's output may be kept for later calls: no engine hooks its blocks
+        (streaming) or wraps the model's forward."""
+        return "forward" not in self.__dict__ and not any(_hooked(m) for m in self.text_embedder.modules())
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 def _leading(skip_samples) -> int | None:

@@ -105,6 +105,28 @@ def stream_norm(norm: Callable, x_ND: torch.Tensor, weight: torch.Tensor, shift_
     return out if out is not None else (norm(*args), x_ND)
 
 
+def added_norm(norm: Callable, add: Callable, x_ND: torch.Tensor, y_ND: torch.Tensor,
+               gate_BD: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
+               scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(s, ...), s)`` with ``s = add(x, y, gate, seg)``: the gated add that closes a
+    block's half and the modulated norm that opens the next (``norm``, ``add``: a table's
+    ``modulated_rms_norm`` and ``gated_residual``), inference only. Where the norm's call runs
+    a backend with an ``added`` form (the Triton kernels': one pass that writes s and reads it
+    once), that form; else the two calls."""
+    form = getattr(norm, "added", None)
+    out = form(x_ND, weight, shift_BD, scale_BD, seg_N, eps, y_ND, gate_BD) if form is not None else None
+    if out is not None:
+        return out
+    s = add(x_ND, y_ND, gate_BD, seg_N)
+    return norm(s, weight, shift_BD, scale_BD, seg_N, eps), s
+
+
+FORMS = ("stream", "added")
+"""The other forms a table entry may carry as attributes (``stream_norm``, ``added_norm``):
+each takes the op's own arguments first; None, or no attribute, runs the plain calls."""
+
+
 def varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tensor,
                      lengths: list[int]) -> torch.Tensor:
     """Softmax attention within each contiguous segment of ``lengths`` tokens. Each input is

@@ -1,0 +1,91 @@
+"""The Triton modulated norm's other forms (``model.ops.FORMS``), which ``model.ops`` takes
+where a call runs the Triton kernels (``backends.TRITON_FORMS``):
+
+- ``stream``: ``(norm(x), x)`` as one autograd node whose backward sums x's two gradients
+  (the norm's own and the half's closing add's) in the norm's backward kernel
+  (``ops.stream_norm``);
+- ``added``: ``(norm(x + gate y), x + gate y)``, inference only: the add that closes a
+  block's half made by the kernel of the norm that opens the next (``ops.added_norm``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kohakumoss.kernels.triton_common import check_tensors, lastdim_contiguous
+from kohakumoss.kernels.triton_norm import (_backward, _check_mod, _forward, _mod_norm_impl,
+                                            modulated_rms_norm)
+
+
+class _StreamNorm(torch.autograd.Function):
+    """``(modulated_rms_norm(x, ...), x)`` as one node: x comes back (a view) for the residual
+    add that closes the block's half, and the backward adds that add's gradient of x to the
+    norm's own inside the kernel, one pass and one rounding where autograd would sum the two
+    in a pass of its own."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shift, scale, seg, eps):
+        ctx.save_for_backward(x, weight, scale, seg)
+        ctx.eps, ctx.dtypes = eps, (shift.dtype, scale.dtype)
+        return _mod_norm_impl(x, weight, shift, scale, seg, eps), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g, res):
+        x, weight, scale, seg = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if g is None:  # the norm's output unused: x's gradient is the add's alone
+            return res, None, None, None, None, None
+        dx, dw, dshift, dscale = _backward(g, x, weight, scale, seg, ctx.eps, True, need[1],
+                                           need[2] or need[3], res)
+        return (dx, dw if need[1] else None, dshift.to(ctx.dtypes[0]) if need[2] else None,
+                dscale.to(ctx.dtypes[1]) if need[3] else None, None, None)
+
+
+def stream_modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
+                              scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(modulated_rms_norm(...), x)`` with x's two gradients summed in the norm's backward
+    kernel (``ops.stream_norm``; ``_StreamNorm``). Without autograd or under
+    ``torch.compile``: the norm and x itself."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x_ND, weight, shift_BD, scale_BD))):
+        return modulated_rms_norm(x_ND, weight, shift_BD, scale_BD, seg_N, eps), x_ND
+    _check_mod(x_ND, weight, shift_BD, scale_BD, seg_N)
+    return _StreamNorm.apply(lastdim_contiguous(x_ND), lastdim_contiguous(weight),
+                             lastdim_contiguous(shift_BD), lastdim_contiguous(scale_BD), seg_N,
+                             float(eps))
+
+
+def _added_impl(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                seg: torch.Tensor, eps: float, y: torch.Tensor, gate: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, weight, shift, scale, seg, eps, True, (y, gate))
+
+
+_added_op = torch.library.custom_op("kohakumoss::triton_added_modulated_rms_norm", _added_impl,
+                                    mutates_args=())
+
+
+@_added_op.register_fake
+def _(x, weight, shift, scale, seg, eps, y, gate):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def added_modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
+                             scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float,
+                             y_ND: torch.Tensor, gate_BD: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(modulated_rms_norm(s, ...), s)`` with ``s = x + gate[seg] y`` (``ops.gated_residual``)
+    in one kernel: the add that closes a block's half made by the norm that opens the next, so
+    the stream is read once and written once (``ops.added_norm``). Inference only: it has no
+    backward, and refuses inputs that require grad."""
+    args = (x_ND, weight, shift_BD, scale_BD, y_ND, gate_BD)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+        raise RuntimeError("added_modulated_rms_norm (triton): inference only (no backward)")
+    _check_mod(x_ND, weight, shift_BD, scale_BD, seg_N)
+    check_tensors("added_modulated_rms_norm", x_ND, y_ND, gate_BD)
+    if y_ND.shape != x_ND.shape or y_ND.dtype != x_ND.dtype or gate_BD.shape != shift_BD.shape:
+        raise ValueError(f"added_modulated_rms_norm (triton): y {tuple(y_ND.shape)} {y_ND.dtype}, "
+                         f"gate {tuple(gate_BD.shape)}; want y as x, gate as shift")
+    x, w, sh, sc, y, g = (lastdim_contiguous(t) for t in args)
+    return _added_op(x, w, sh, sc, seg_N, float(eps), y, g)
