@@ -152,6 +152,28 @@ def test_fa4_at_every_head_dim_it_takes(head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("launch", [{"tile_mn": (128, 176)}, {"mma_pv_is_rs": False}], ids=str)
+def test_a_forward_launch_of_the_bench_keeps_the_outputs(launch, monkeypatch):
+    """``fa4_attention.FWD_LAUNCH`` (what ``bench/bench_fa4_configs.py --passes fwd`` picks)
+    reaches the kernel and keeps the output within bf16's rounding of the package's choice."""
+    needs_fa4()
+    from kohakumoss.kernels import fa4_attention
+
+    lengths = [4202, 4106, 9]
+    q, k, v = _inputs(lengths, torch.bfloat16, heads=4)
+    with torch.no_grad():
+        want = FA4.fn(q, k, v, lengths)
+        calls = []
+        fwd = fa4_attention._fa4._flash_attn_fwd
+        monkeypatch.setattr(fa4_attention._fa4, "_flash_attn_fwd",
+                            lambda *a, **kw: calls.append(kw) or fwd(*a, **kw))
+        monkeypatch.setattr(fa4_attention, "FWD_LAUNCH", launch)
+        got = FA4.fn(q, k, v, lengths)
+    assert calls and all(calls[0][name] == value for name, value in launch.items())
+    assert rel(got, want) <= 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("offload", ["block", "sub-block"])
 def test_activation_offload_replays_fa4(offload):
     """Under activation offload FA4's forward runs once a step, in forward: its custom op is

@@ -22,11 +22,17 @@ from kohakumoss.kernels import attention
 from kohakumoss.kernels.custom import entry, like
 
 
+FWD_LAUNCH: dict = {}
+"""The forward's launch arguments of ``_flash_attn_fwd`` (``tile_mn``, ``mma_pv_is_rs``,
+``intra_wg_overlap``); empty: the package's own choice (for head dim 128 on sm90, 128 x 128
+tiles). ``bench/bench_fa4_configs.py --passes fwd`` times the others."""
+
+
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
               longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse, *_ = _fa4._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
-        softmax_scale=1.0 / math.sqrt(q.shape[-1]), return_lse=True)
+        softmax_scale=1.0 / math.sqrt(q.shape[-1]), return_lse=True, **FWD_LAUNCH)
     return out, lse
 
 
