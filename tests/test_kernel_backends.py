@@ -389,6 +389,13 @@ def check_gated_residual(fn, lengths, dtype) -> None:
                 TOL[dtype])
     gate = leaf(g, B, D, scale=0.3, grad=False)
     compare(fn, ops.gated_residual, (x, y, gate, seg), {"x": x, "y": y}, TOL[dtype])
+    # y is kept for the gate's per-sample sums alone: with a frozen gate the node keeps none
+    for frozen in (True, False):
+        kept = []
+        gate = leaf(g, B, D, scale=0.3, grad=not frozen)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.data_ptr()) or t, lambda t: t):
+            fn(x, y, gate, seg)
+        assert (y.data_ptr() in kept) != frozen, (frozen, kept)
 
 
 @triton_test

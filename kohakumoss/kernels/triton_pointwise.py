@@ -344,10 +344,10 @@ def _(go, y, gate, seg, gate_grad):
 
 
 def _gated_backward(ctx, go):
-    y, gate, seg = ctx.saved_tensors
+    y, gate, seg = ctx.saved_tensors  # y: None where the gate takes no gradient
     gate_grad = ctx.needs_input_grad[2]
-    dy, dgate = ctx.bwd(go, y, gate, seg, gate_grad)
-    return go.to(ctx.x_dtype), dy, dgate.to(gate.dtype) if gate_grad else None, None
+    dy, dgate = ctx.bwd(go, rows2d(go, go.shape[-1]) if y is None else y, gate, seg, gate_grad)
+    return go.to(ctx.x_dtype), dy.to(ctx.y_dtype), dgate.to(gate.dtype) if gate_grad else None, None
 
 
 _gated = entry(_gated_op, _gated_impl, gated_residual_setup, _gated_backward, _gated_bwd_op,
