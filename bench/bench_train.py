@@ -49,6 +49,7 @@ KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in o
 ENGINES = {}  # --checkpointing, --checkpoint-blocks, --no-recompute: the EnginePlan's memory
 COMPILE_BLOCKS: list[bool] = [False]  # --compile-blocks
 NO_OVERLAP: list[bool] = [False]  # --no-overlap
+CHAIN: list[bool] = [True]  # --chain: the model's chain_adds
 CAP: list[float] = [0.0]  # --cap: the allocator's limit in GiB (0: none)
 
 
@@ -127,7 +128,9 @@ def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy,
                                               kernels=KERNEL_CHOICES, tuned=TUNED, **ENGINES))
     torch.cuda.empty_cache()
-    print(json.dumps({"op_table": applied.kernels, "base": applied.quantized or base}), flush=True)
+    model.chain_adds = CHAIN[0]
+    print(json.dumps({"op_table": applied.kernels, "base": applied.quantized or base,
+                      "chain_adds": model.chain_adds}), flush=True)
     return model
 
 
@@ -502,6 +505,10 @@ def main() -> None:
     ap.add_argument("--narrow", nargs="*", default=["cublas"], choices=narrow.BACKENDS,
                     help="how the fp8 LoRA node's narrow products (x A^T, dy B) are made (kernels/narrow.py); "
                          "several: each base and budget is measured with each")
+    ap.add_argument("--chain", nargs="*", choices=["on", "off"], default=["on"],
+                    help="the joint blocks chained (each half's closing add made by the next "
+                         "norm, the model's default: on) or block by block (off); several: each "
+                         "base and budget is measured with each")
     ap.add_argument("--quant-backends", nargs="*", default=[],
                     help="a quantized base's quant_linear backends, in order (default: the "
                          "engines' own, dequant_mm from 1024 rows, else the fused triton kernel)")
@@ -564,12 +571,13 @@ def main() -> None:
             CAP[0] = cap
             for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
                 fp8_compute.FAST_ACCUM_GRAD = base == "fp8-full-fast"
-                for how in a.narrow:  # the LoRA's narrow products, each way asked
-                    narrow.BACKEND = how
+                for how, chain in [(h, c) for h in a.narrow for c in a.chain or ["on"]]:
+                    narrow.BACKEND, CHAIN[0] = how, chain == "on"  # each way asked
                     for b in a.budgets:
                         res["lora"].append({**bench_lora(b, a.steps, a.text, rate,
-                                                         f"{root}/{cap:g}-{b}-{base}-{i}-{how}", a.profile, base),
-                                            "narrow": how})
+                                                         f"{root}/{cap:g}-{b}-{base}-{i}-{how}-{chain}",
+                                                         a.profile, base),
+                                            "narrow": how, "chain": chain})
                         print(json.dumps(res["lora"][-1]), flush=True)
         if a.full:
             res["full"] = bench_full(a.text, root, a.steps)

@@ -194,16 +194,41 @@ def test_the_norm_that_makes_the_closing_add(lengths, dtype):
 
 
 @triton_test
-def test_the_added_form_is_for_inference_and_checks_its_inputs():
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+def test_the_added_form_gives_x_and_y_their_gradients_and_declines_the_rest(dtype):
+    """Under autograd the ``added`` form is one node for x and y's gradients (the references'
+    add then norm, with s also used by a later add); where the weight, the modulation or the
+    gate needs a gradient it returns None, and the caller makes the add and the norm apart."""
     needs_triton()
     form = triton_fn("modulated_rms_norm").added
     g = torch.Generator().manual_seed(24)
-    x, y, w = leaf(g, 6, 16), leaf(g, 6, 16, grad=False), leaf(g, 16, grad=False)
-    mod, seg = leaf(g, 2, 3, 16, grad=False), seg_of([2, 4])
-    with pytest.raises(RuntimeError, match="inference only"):
-        form(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y, mod[:, 2])
+    lengths = [5, 1, 9]
+    N, D, B = sum(lengths), 48, len(lengths)
+    x, y = leaf(g, N, D, dtype=dtype), leaf(g, N, D, dtype=dtype)
+    w = leaf(g, D, dtype=dtype, grad=False)
+    mod = leaf(g, B, 6, D, scale=0.5, grad=False)
+    m = leaf(g, D, D, dtype=dtype, scale=D ** -0.5, grad=False)
+    seg = seg_of(lengths, True, g)
+
+    def half(added):  # (norm(s) m) summed with s, as a later add reads the stream
+        def run(x, y):
+            out, s = added(x, y)
+            return ops.gated_residual(s, out @ m, mod[:, 5], seg)
+        return run
+
+    def reference(x, y):
+        s = ops.gated_residual(x, y, mod[:, 2], seg)
+        return ops.modulated_rms_norm(s, w, mod[:, 0], mod[:, 1], seg, 1e-6), s
+
+    mine = half(lambda x, y: form(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y, mod[:, 2]))
+    assert "_AddedNormBackward" in _graph(mine(x, y))
+    compare(mine, half(reference), (x, y), {"x": x, "y": y}, TOL[dtype])
+    for trained in ("weight", "shift", "gate"):
+        args = [x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y, mod[:, 2]]
+        at = {"weight": 1, "shift": 2, "gate": 7}[trained]
+        args[at] = args[at].detach().clone().requires_grad_()
+        assert form(*args) is None, trained
     with torch.no_grad():
-        form(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y, mod[:, 2])  # the same call without autograd
         with pytest.raises(ValueError, match="want y as x, gate as shift"):
             form(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, y[:, :8], mod[:, 2])
         with pytest.raises(ValueError, match="want y as x, gate as shift"):
@@ -244,7 +269,43 @@ def test_a_chained_forward_is_the_blockwise_forward(dtype):
             # but the chain's last, before the head, and its last before the skipped layer,
             # which runs whole (its own 2)
             assert len(adds) == (1 + 3 * len(skip) if choices else 2 * model.config.depth)
-        assert not model.chains()  # under autograd: the blocks as training runs them
+        model.chain_adds = False
+        assert not model.chains()
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("trained", ["linears", "everything"])
+def test_a_chained_training_step_is_the_blockwise_one(trained, dtype):
+    """Under autograd too: the loss and every gradient of the chained forward are the block
+    forward's, bit for bit, with the references and with the Triton table. Where only the
+    linears train (an adapter run's case: norms and modulation frozen) the Triton norms' added
+    form is one node (``_AddedNorm``) whose backward makes the branch's gradient in the
+    norm's kernel; where everything trains it declines and the add and the norm run apart."""
+    needs_triton()
+    from kohakumoss.model import cast_model
+    from kohakumoss.model.build import tiny_transformer
+
+    img, text, sigma, layout = _tiny_inputs(dtype)
+    layout = layout.to(DEVICE)
+    for choices in ({}, {op: "triton" for op in ELEMENTWISE}):
+        runs = []
+        for chain in (False, True):
+            model = cast_model(tiny_transformer(), dtype).to(DEVICE)
+            model.ops = build_op_table(DEVICE, dtype, choices)
+            for name, p in model.named_parameters():
+                p.requires_grad_(trained == "everything" or ".proj." in name)
+            model.chain_adds = chain
+            assert model.chains() == chain
+            v = model(img, text, sigma, layout)
+            graph = _graph(v)
+            v.float().square().mean().backward()
+            runs.append((v, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        assert ("_AddedNormBackward" in graph) == (bool(choices) and trained == "linears")
+        (v_a, g_a), (v_b, g_b) = runs
+        assert torch.equal(v_a, v_b) and g_a.keys() == g_b.keys() and g_a
+        for name in g_a:
+            assert torch.equal(g_a[name], g_b[name]), (choices, name)
 
 
 @triton_test

@@ -116,12 +116,14 @@ def _norm_bwd(G, X, W, SCALE, ORDER, STARTS, DX, PW, PSC, PSH, R, D, sg, sx, s_s
 
 
 @jit
-def _norm_bwd_rows(G, X, W, SCALE, SEG, RES, DX, R, D, sg, sx, s_sc, s_res, eps,
-                   HAS_MOD: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _norm_bwd_rows(G, X, W, SCALE, SEG, RES, DX, R, D, sg, sx, s_sc, s_res, eps, GATE, DY, s_gate,
+                   HAS_MOD: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """``dx`` alone (no reduction over rows): tiles of rows in token order, each row's
     scale fetched through its sample, as the forward reads them; with ``HAS_RES`` the
-    gradient ``RES`` that reached x by another path is added before the one rounding."""
+    gradient ``RES`` that reached x by another path is added before the one rounding. With
+    ``GATED`` (modulated; x = x' + gate y made by the forward's ``ADDED``) also the branch's
+    gradient ``DY = gate dx``, from dx as rounded (as the gated add's backward reads it)."""
     rows, cols, rmask, cmask, m, r64, x = _row_tile(X, sx, R, D, BLOCK_R, BLOCK_D)
     g = tl.load(G + r64 * sg + cols[None, :], mask=m, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -135,7 +137,12 @@ def _norm_bwd_rows(G, X, W, SCALE, SEG, RES, DX, R, D, sg, sx, s_sc, s_res, eps,
     dx = rstd[:, None] * (gw - xh * c[:, None])
     if HAS_RES:
         dx += tl.load(RES + r64 * s_res + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(DX + r64 * D + cols[None, :], rounded(dx, DX.dtype.element_ty), mask=m)
+    dx = rounded(dx, DX.dtype.element_ty)
+    tl.store(DX + r64 * D + cols[None, :], dx, mask=m)
+    if GATED:
+        gate = tl.load(GATE + s * s_gate + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(DY + r64 * D + cols[None, :], rounded(gate * dx.to(tl.float32), DY.dtype.element_ty),
+                 mask=m)
 
 
 def _tile(D: int) -> tuple[int, int]:
@@ -176,8 +183,8 @@ def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None
             _norm_bwd_rows[(triton.cdiv(R, block_r),)](
                 g, x, w, scale, seg, g if res is None else res, dx, R, D, g.stride(0),
                 x.stride(0), scale.stride(0) if has_mod else 0, 0 if res is None else res.stride(0),
-                eps, HAS_MOD=has_mod, HAS_RES=res is not None, BLOCK_R=block_r,
-                BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
+                eps, g, g, 0, HAS_MOD=has_mod, HAS_RES=res is not None, GATED=False,
+                BLOCK_R=block_r, BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
         empty = torch.empty((0, D), **f32)
         return dx, torch.empty((0,), dtype=w.dtype, device=x.device), empty, empty
     if res is not None:
@@ -200,6 +207,26 @@ def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None
     if not (has_mod and mod_grad):
         return dx, dw, torch.empty((0, D), **f32), torch.empty((0, D), **f32)
     return dx, dw, psh.view(B, K, D).sum(1), psc.view(B, K, D).sum(1)  # fp32: cast by autograd
+
+
+def backward_added(g, s, w, scale, seg, eps, res, gate, y_dtype):
+    """The backward of ``(norm(s), s)`` with ``s = x + gate y`` (the forward's ``added``), when
+    only x and y take gradients: ``(ds, dy)``, ``ds`` the norm's gradient of s plus ``res`` (s's
+    gradient by the later add; None: none), which is x's gradient too, and ``dy = gate ds``;
+    one pass over the rows."""
+    R, D = s.shape
+    g = rows2d(g, D)
+    res = None if res is None else rows2d(res, D)
+    ds = torch.empty((R, D), dtype=s.dtype, device=s.device)
+    dy = torch.empty((R, D), dtype=y_dtype, device=s.device)
+    if R > 0:
+        block_r, block_d = _tile(D)
+        _norm_bwd_rows[(triton.cdiv(R, block_r),)](
+            g, s, w, scale, seg, g if res is None else res, ds, R, D, g.stride(0), s.stride(0),
+            scale.stride(0), 0 if res is None else res.stride(0), eps, gate, dy, gate.stride(0),
+            HAS_MOD=True, HAS_RES=res is not None, GATED=True, BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=row_warps(block_r * block_d))
+    return ds, dy
 
 
 # ---- custom ops ----------------------------------------------------------------------------

@@ -4,8 +4,9 @@ where a call runs the Triton kernels (``backends.TRITON_FORMS``):
 - ``stream``: ``(norm(x), x)`` as one autograd node whose backward sums x's two gradients
   (the norm's own and the half's closing add's) in the norm's backward kernel
   (``ops.stream_norm``);
-- ``added``: ``(norm(x + gate y), x + gate y)``, inference only: the add that closes a
-  block's half made by the kernel of the norm that opens the next (``ops.added_norm``).
+- ``added``: ``(norm(x + gate y), x + gate y)``: the add that closes a block's half made by
+  the kernel of the norm that opens the next (``ops.added_norm``), its backward one kernel
+  too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from kohakumoss.kernels.triton_common import check_tensors, lastdim_contiguous
 from kohakumoss.kernels.triton_norm import (_backward, _check_mod, _forward, _mod_norm_impl,
-                                            modulated_rms_norm)
+                                            backward_added, modulated_rms_norm)
 
 
 class _StreamNorm(torch.autograd.Function):
@@ -71,21 +72,50 @@ def _(x, weight, shift, scale, seg, eps, y, gate):
     return torch.empty_like(x), torch.empty_like(x)
 
 
+class _AddedNorm(torch.autograd.Function):
+    """``(norm(s), s)``, ``s = x + gate y``, as one node, for x and y's gradients (the norm's
+    weight, its modulation and the gate frozen: an adapter run). It keeps s (the stream, which
+    the next half holds anyway), not x or y. Its backward is one pass: s's gradient (the
+    norm's plus the later add's, ``gs``) is x's, and y's is ``gate`` times it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shift, scale, seg, eps, y, gate):
+        out, s = _added_impl(x, weight, shift, scale, seg, eps, y, gate)
+        ctx.save_for_backward(s, weight, scale, seg, gate)
+        ctx.eps, ctx.y_dtype = eps, y.dtype
+        return out, s
+
+    @staticmethod
+    def backward(ctx, g, gs):
+        s, weight, scale, seg, gate = ctx.saved_tensors
+        if g is None:  # the norm's output unused: s's gradient is the later add's alone
+            ds = gs if gs is not None else torch.zeros_like(s)
+            dy = (gate.float()[seg] * ds.float()).to(ctx.y_dtype)
+        else:
+            ds, dy = backward_added(g, s, weight, scale, seg, ctx.eps, gs, gate, ctx.y_dtype)
+        return ds, None, None, None, None, None, dy, None
+
+
 def added_modulated_rms_norm(x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
                              scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float,
                              y_ND: torch.Tensor, gate_BD: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(modulated_rms_norm(s, ...), s)`` with ``s = x + gate[seg] y`` (``ops.gated_residual``)
     in one kernel: the add that closes a block's half made by the norm that opens the next, so
-    the stream is read once and written once (``ops.added_norm``). Inference only: it has no
-    backward, and refuses inputs that require grad."""
+    the stream is read once and written once (``ops.added_norm``). Under autograd, where only
+    x and y take gradients, one node (``_AddedNorm``) whose backward is one kernel too. None
+    (the caller makes the add and the norm apart) where the norm's weight, its modulation or
+    the gate take gradients (a full finetune), and under ``torch.compile``."""
     args = (x_ND, weight, shift_BD, scale_BD, y_ND, gate_BD)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
-        raise RuntimeError("added_modulated_rms_norm (triton): inference only (no backward)")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
+    if torch.compiler.is_compiling() or (grad and any(t.requires_grad for t in args[1:4] + args[5:])):
+        return None
     _check_mod(x_ND, weight, shift_BD, scale_BD, seg_N)
     check_tensors("added_modulated_rms_norm", x_ND, y_ND, gate_BD)
     if y_ND.shape != x_ND.shape or y_ND.dtype != x_ND.dtype or gate_BD.shape != shift_BD.shape:
         raise ValueError(f"added_modulated_rms_norm (triton): y {tuple(y_ND.shape)} {y_ND.dtype}, "
                          f"gate {tuple(gate_BD.shape)}; want y as x, gate as shift")
     x, w, sh, sc, y, g = (lastdim_contiguous(t) for t in args)
+    if grad:
+        return _AddedNorm.apply(x, w, sh, sc, seg_N, float(eps), y, g)
     return _added_op(x, w, sh, sc, seg_N, float(eps), y, g)

@@ -143,10 +143,10 @@ class JointBlock(nn.Module):
         return ops.gated_residual(x_ND, self._ffn(y, ops), gate_f, seg_N)
 
     def chained(self, x_ND, pending, mod_B6D, seg_N, rope, lengths, ops: OpTable):
-        """``forward`` for inference, each half's closing gated add left to the norm that opens
-        the next half (``ops.added_norm``: one kernel where the table has one). The stream is
-        ``x + gate * branch`` with ``pending = (branch, gate)`` (None: x itself); returns the
-        same pair after this block."""
+        """``forward`` with each half's closing gated add left to the norm that opens the next
+        half (``ops.added_norm``: one kernel, and one in backward, where the table has them).
+        The stream is ``x + gate * branch`` with ``pending = (branch, gate)`` (None: x itself);
+        returns the same pair after this block."""
         y, x_ND = self._open(x_ND, pending, self.norm1, mod_B6D, 0, seg_N, ops)
         pending = (self._attend(y, rope, lengths, ops), self._stream(mod_B6D[:, 2])[1])
         y, x_ND = self._open(x_ND, pending, self.norm2, mod_B6D, 3, seg_N, ops)
@@ -158,7 +158,7 @@ class JointBlock(nn.Module):
         eps = self._stream(mod_B6D[:, i + 2])[0]
         shift, scale = mod_B6D[:, i], mod_B6D[:, i + 1]
         if pending is None:
-            return ops.modulated_rms_norm(x_ND, norm.weight, shift, scale, seg_N, eps), x_ND
+            return stream_norm(ops.modulated_rms_norm, x_ND, norm.weight, shift, scale, seg_N, eps)
         return added_norm(ops.modulated_rms_norm, ops.gated_residual, x_ND, *pending, norm.weight,
                           shift, scale, seg_N, eps)
 
@@ -198,7 +198,7 @@ class MOSSImageTransformer(nn.Module):
         self.final_norm_video = RMSNormWeight(D)
         self.final_linear_video = nn.Linear(D, c.latent_channels, bias=False)
         self.video_head_modulation = nn.Linear(D, 2 * D)
-        self.chain_adds = True  # inference: each half's closing add made by the next norm (``chains``)
+        self.chain_adds = True  # each half's closing add made by the next half's norm (``chains``)
 
     @property
     def stream_scale(self) -> float:
@@ -248,8 +248,8 @@ class MOSSImageTransformer(nn.Module):
         ``text_cache``: a dict the caller keeps while ``text_NT``, ``layout`` and the weights
         stay as they are (a sampling run): the text refiner's output (which does not see the
         timestep) is kept there by the first call without autograd and read by later ones.
-        Without autograd the joint blocks run ``JointBlock.chained`` where nothing hooks or
-        wraps them (``chains``)."""
+        The joint blocks run ``JointBlock.chained`` where nothing hooks or wraps them
+        (``chains``)."""
         ops, c = self.ops, self.config
         mod, head = self.conditioning(sigma_B)
         txt = text_cache.get("refined") if text_cache is not None else None
@@ -294,10 +294,11 @@ class MOSSImageTransformer(nn.Module):
 
 
     def chains(self) -> bool:
-        """Whether this forward runs the joint blocks ``chained``: without autograd, with
-        ``chain_adds`` on, and where no block is hooked (weight streaming, the parity check's
-        captures), wrapped by an engine (its halves or forward replaced) or compiled."""
-        return self.chain_adds and not torch.is_grad_enabled() and not any(
+        """Whether this forward runs the joint blocks ``chained``: with ``chain_adds`` on, and
+        where no block is hooked (weight streaming, sharding, the parity check's captures),
+        wrapped by an engine (its halves or forward replaced: checkpointing, activation
+        offload) or compiled: those act on whole blocks and halves."""
+        return self.chain_adds and not any(
             _hooked(b) or b._compiled_call_impl is not None or {"forward", *HALVES} & b.__dict__.keys()
             for b in self.layers)
 

@@ -111,15 +111,14 @@ def added_norm(norm: Callable, add: Callable, x_ND: torch.Tensor, y_ND: torch.Te
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(s, ...), s)`` with ``s = add(x, y, gate, seg)``: the gated add that closes a
     block's half and the modulated norm that opens the next (``norm``, ``add``: a table's
-    ``modulated_rms_norm`` and ``gated_residual``), inference only. Where the norm's call runs
-    a backend with an ``added`` form (the Triton kernels': one pass that writes s and reads it
-    once), that form; else the two calls."""
+    ``modulated_rms_norm`` and ``gated_residual``). Where the norm's call runs a backend with
+    an ``added`` form (the Triton kernels': one pass that writes s and reads it once, and one
+    for its gradients), that form; else the add, then the norm through ``stream_norm``."""
     form = getattr(norm, "added", None)
     out = form(x_ND, weight, shift_BD, scale_BD, seg_N, eps, y_ND, gate_BD) if form is not None else None
     if out is not None:
         return out
-    s = add(x_ND, y_ND, gate_BD, seg_N)
-    return norm(s, weight, shift_BD, scale_BD, seg_N, eps), s
+    return stream_norm(norm, add(x_ND, y_ND, gate_BD, seg_N), weight, shift_BD, scale_BD, seg_N, eps)
 
 
 FORMS = ("stream", "added")
