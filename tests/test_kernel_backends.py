@@ -258,11 +258,11 @@ def test_a_chained_forward_is_the_blockwise_forward(dtype):
             kw = dict(skip_layers=skip, skip_samples=(False, False, True)) if skip else {}
             with torch.no_grad():
                 model.chain_adds = False
-                assert not model.chains()
+                assert not any(model.chained_blocks())
                 want = model(img, text, sigma, layout, **kw)
                 adds.clear()
                 model.chain_adds = True
-                assert model.chains()
+                assert all(model.chained_blocks())
                 got = model(img, text, sigma, layout, **kw)
             assert torch.equal(got, want), (choices, skip)
             # the references make every half's add (2 a block run); the Triton norms make all
@@ -270,7 +270,7 @@ def test_a_chained_forward_is_the_blockwise_forward(dtype):
             # which runs whole (its own 2)
             assert len(adds) == (1 + 3 * len(skip) if choices else 2 * model.config.depth)
         model.chain_adds = False
-        assert not model.chains()
+        assert not any(model.chained_blocks())
 
 
 @triton_test
@@ -296,7 +296,7 @@ def test_a_chained_training_step_is_the_blockwise_one(trained, dtype):
             for name, p in model.named_parameters():
                 p.requires_grad_(trained == "everything" or ".proj." in name)
             model.chain_adds = chain
-            assert model.chains() == chain
+            assert model.chained_blocks() == [chain] * model.config.depth
             v = model(img, text, sigma, layout)
             graph = _graph(v)
             v.float().square().mean().backward()
@@ -620,6 +620,35 @@ def test_a_recomputed_norm_keeps_its_stream_form():
     (v_a, g_a), (v_b, g_b) = runs
     assert torch.equal(v_a, v_b)
     assert all(rel(a, b) <= 1e-6 for a, b in zip(g_a, g_b) if a is not None)
+
+
+@triton_test
+def test_blocks_an_engine_wraps_run_whole_and_the_rest_chain():
+    """Partial checkpointing wraps the first block: it runs whole (the chain's add made
+    before it), the others chained; the step's gradients are the unchained run's bit for bit
+    (checkpointing's recomputation included)."""
+    needs_triton()
+    from kohakumoss.memory.checkpointing import apply_checkpointing
+    from kohakumoss.model import cast_model
+    from kohakumoss.model.build import tiny_transformer
+
+    img, text, sigma, layout = _tiny_inputs(torch.bfloat16)
+    layout = layout.to(DEVICE)
+    runs = []
+    for chain in (False, True):
+        model = cast_model(tiny_transformer(), torch.bfloat16).to(DEVICE)
+        model.ops = build_op_table(DEVICE, torch.bfloat16, {op: "triton" for op in ELEMENTWISE})
+        for name, p in model.named_parameters():
+            p.requires_grad_(".proj." in name)
+        assert apply_checkpointing(model, "partial", 1) == ["text_embedder.blocks.0", "layers.0"]
+        model.chain_adds = chain
+        assert model.chained_blocks() == [False] + [chain] * (model.config.depth - 1)
+        v = model(img, text, sigma, layout)
+        v.float().square().mean().backward()
+        runs.append((v, [p.grad for p in model.parameters() if p.grad is not None]))
+    (v_a, g_a), (v_b, g_b) = runs
+    assert torch.equal(v_a, v_b) and len(g_a) == len(g_b) > 0
+    assert all(torch.equal(a, b) for a, b in zip(g_a, g_b))
 
 
 # ---- the real model's sizes (GPU) ----------------------------------------------------------

@@ -198,7 +198,7 @@ class MOSSImageTransformer(nn.Module):
         self.final_norm_video = RMSNormWeight(D)
         self.final_linear_video = nn.Linear(D, c.latent_channels, bias=False)
         self.video_head_modulation = nn.Linear(D, 2 * D)
-        self.chain_adds = True  # each half's closing add made by the next half's norm (``chains``)
+        self.chain_adds = True  # each half's closing add made by the next half's norm (``chained_blocks``)
 
     @property
     def stream_scale(self) -> float:
@@ -249,7 +249,7 @@ class MOSSImageTransformer(nn.Module):
         stay as they are (a sampling run): the text refiner's output (which does not see the
         timestep) is kept there by the first call without autograd and read by later ones.
         The joint blocks run ``JointBlock.chained`` where nothing hooks or wraps them
-        (``chains``)."""
+        (``chained_blocks``)."""
         ops, c = self.ops, self.config
         mod, head = self.conditioning(sigma_B)
         txt = text_cache.get("refined") if text_cache is not None else None
@@ -271,9 +271,9 @@ class MOSSImageTransformer(nn.Module):
             skip_samples = torch.as_tensor(skip_samples, dtype=torch.bool)
             keep_tok = skip_samples.to(x.device)[layout.seg_joint][:, None]
         P = sum(layout.joint_len[:lead]) if lead is not None else 0
-        chain, pending = self.chains(), None
+        chain, pending = self.chained_blocks(), None
         for n, block in enumerate(self.layers):
-            if n not in skip and chain:
+            if n not in skip and chain[n]:
                 x, pending = block.chained(x, pending, mod, layout.seg_joint, rope, layout.joint_len, ops)
                 continue
             if pending is not None:  # the chain's last add, before a block that runs whole
@@ -293,14 +293,14 @@ class MOSSImageTransformer(nn.Module):
         return self.final_linear_video(y)
 
 
-    def chains(self) -> bool:
-        """Whether this forward runs the joint blocks ``chained``: with ``chain_adds`` on, and
-        where no block is hooked (weight streaming, sharding, the parity check's captures),
-        wrapped by an engine (its halves or forward replaced: checkpointing, activation
-        offload) or compiled: those act on whole blocks and halves."""
-        return self.chain_adds and not any(
-            _hooked(b) or b._compiled_call_impl is not None or {"forward", *HALVES} & b.__dict__.keys()
-            for b in self.layers)
+    def chained_blocks(self) -> list[bool]:
+        """Which joint blocks run ``chained`` (with ``chain_adds`` on): those that no engine
+        hooks (weight streaming, sharding, the parity check's captures), wraps (its halves or
+        forward replaced: checkpointing, activation offload) or compiles, all of which act on
+        whole blocks and halves. A block that runs whole gets the stream with its add made."""
+        return [self.chain_adds and not (_hooked(b) or b._compiled_call_impl is not None
+                                         or {"forward", *HALVES} & b.__dict__.keys())
+                for b in self.layers]
 
     def _text_reusable(self) -> bool:
         """The text refiner's output may be kept for later calls: no engine hooks its blocks
