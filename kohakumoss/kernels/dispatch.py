@@ -26,7 +26,6 @@ REFERENCE_NAME = "reference"
 Fits = Callable[[Mapping[str, int]], bool]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Backend:
     op: str
@@ -200,10 +199,10 @@ _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 
 
 def _form(op: TunedOp | ChosenOp, backend: Backend, name: str, args: tuple):
-    """``backend``'s form ``name`` of the op (``model.ops.FORMS``, its function's attribute: ``stream``,
-    the norm of a block's half that also returns x, summing x's two gradients in its
-    backward; ``added``, the norm that first makes the previous half's closing add) run on
-    ``args``; None where it has none or where it fails, which marks the backend broken on
+    """``backend``'s form ``name`` of the op (``model.ops.FORMS``, its function's attribute:
+    ``stream``, the norm of a block's half that also returns x, summing x's two gradients in
+    its backward; ``added``, the norm that first makes the previous half's closing add) run on
+    ``args``; None where it has none, declines or fails. A failure marks the backend broken on
     ``op`` (said once) as a failed call does, so the caller runs the plain calls, on the next
     choice."""
     form = getattr(backend.fn, name, None)

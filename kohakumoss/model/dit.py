@@ -147,20 +147,22 @@ class JointBlock(nn.Module):
         half (``ops.added_norm``: one kernel, and one in backward, where the table has them).
         The stream is ``x + gate * branch`` with ``pending = (branch, gate)`` (None: x itself);
         returns the same pair after this block."""
-        y, x_ND = self._open(x_ND, pending, self.norm1, mod_B6D, 0, seg_N, ops)
-        pending = (self._attend(y, rope, lengths, ops), self._stream(mod_B6D[:, 2])[1])
-        y, x_ND = self._open(x_ND, pending, self.norm2, mod_B6D, 3, seg_N, ops)
-        return x_ND, (self._ffn(y, ops), self._stream(mod_B6D[:, 5])[1])
+        y, x_ND, gate = self._open(x_ND, pending, self.norm1, mod_B6D[:, 0:3], seg_N, ops)
+        pending = (self._attend(y, rope, lengths, ops), gate)
+        y, x_ND, gate = self._open(x_ND, pending, self.norm2, mod_B6D[:, 3:6], seg_N, ops)
+        return x_ND, (self._ffn(y, ops), gate)
 
-    def _open(self, x_ND, pending, norm, mod_B6D, i, seg_N, ops: OpTable):
-        """(the half's norm of the stream, with shift and scale ``mod[:, i]``, ``mod[:, i + 1]``;
-        the stream), the pending add made first."""
-        eps = self._stream(mod_B6D[:, i + 2])[0]
-        shift, scale = mod_B6D[:, i], mod_B6D[:, i + 1]
+    def _open(self, x_ND, pending, norm, mod_B3D, seg_N, ops: OpTable):
+        """A half's start: (its norm of the stream, the stream, its own gate), the pending add
+        made first; ``mod``: the half's shift, scale and gate."""
+        eps, gate = self._stream(mod_B3D[:, 2])
+        shift, scale = mod_B3D[:, 0], mod_B3D[:, 1]
         if pending is None:
-            return stream_norm(ops.modulated_rms_norm, x_ND, norm.weight, shift, scale, seg_N, eps)
-        return added_norm(ops.modulated_rms_norm, ops.gated_residual, x_ND, *pending, norm.weight,
-                          shift, scale, seg_N, eps)
+            y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, norm.weight, shift, scale, seg_N, eps)
+        else:
+            y, x_ND = added_norm(ops.modulated_rms_norm, ops.gated_residual, x_ND, *pending,
+                                 norm.weight, shift, scale, seg_N, eps)
+        return y, x_ND, gate
 
     def _attend(self, y_ND, rope, lengths, ops: OpTable):
         """The attention half's branch on its normed input: ``o(attn(y))``."""
@@ -291,7 +293,6 @@ class MOSSImageTransformer(nn.Module):
         y = ops.modulated_rms_norm(x[layout.img_in_joint], self.final_norm_video.weight,
                                    head[:, 0], head[:, 1], layout.seg_img, c.eps * s * s)
         return self.final_linear_video(y)
-
 
     def chained_blocks(self) -> list[bool]:
         """Which joint blocks run ``chained`` (with ``chain_adds`` on): those that no engine

@@ -115,7 +115,7 @@ def added_norm(norm: Callable, add: Callable, x_ND: torch.Tensor, y_ND: torch.Te
     an ``added`` form (the Triton kernels': one pass that writes s and reads it once, and one
     for its gradients), that form; else the add, then the norm through ``stream_norm``."""
     form = getattr(norm, "added", None)
-    out = form(x_ND, weight, shift_BD, scale_BD, seg_N, eps, y_ND, gate_BD) if form is not None else None
+    out = None if form is None else form(x_ND, weight, shift_BD, scale_BD, seg_N, eps, y_ND, gate_BD)
     if out is not None:
         return out
     return stream_norm(norm, add(x_ND, y_ND, gate_BD, seg_N), weight, shift_BD, scale_BD, seg_N, eps)
