@@ -274,7 +274,7 @@ def test_a_chained_forward_is_the_blockwise_forward(dtype):
 
 
 @triton_test
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("trained", ["linears", "everything"])
 def test_a_chained_training_step_is_the_blockwise_one(trained, dtype):
     """Under autograd too: the loss and every gradient of the chained forward are the block
