@@ -309,6 +309,54 @@ def test_a_chained_training_step_is_the_blockwise_one(trained, dtype):
 
 
 @triton_test
+@pytest.mark.parametrize("launch", [(2, 2), (4, 8)], ids=str)
+def test_every_row_launch_of_the_norms_gives_their_results(launch, monkeypatch):
+    """``triton_norm.LAUNCH`` (rows per program, warps; what ``bench/bench_norm_launch.py``
+    picks) for each kind of row kernel: the norm, the norm that makes the add, dx alone, dx with
+    the branch's gradient; the results are the default launch's (row counts that leave a
+    partial last tile, samples shuffled)."""
+    needs_triton()
+    module = backends.triton_module("triton_norm")
+    g = torch.Generator().manual_seed(31)
+    lengths = [7, 1, 6]
+    N, D, B = sum(lengths), 48, len(lengths)
+    x, y, go, res = (leaf(g, N, D, dtype=torch.bfloat16, grad=False) for _ in range(4))
+    w = leaf(g, D, dtype=torch.bfloat16, grad=False)
+    mod = leaf(g, B, 3, D, scale=0.5, grad=False)
+    seg = seg_of(lengths, True, g)
+    calls = {
+        "forward": lambda: [module._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True)],
+        "added": lambda: list(module._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True, (y, mod[:, 2]))),
+        "rows": lambda: [module._backward(go, x, w, mod[:, 1], seg, 1e-6, True, False, False, res)[0]],
+        "gated": lambda: list(module.backward_added(go, x, w, mod[:, 1], seg, 1e-6, res, mod[:, 2],
+                                                    torch.bfloat16)),
+    }
+    seen = []
+
+    class Spy:  # records each launch's grid, rows per program and warps
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.append((grid[0], kw["BLOCK_R"], kw["num_warps"]))
+                return self.kernel[grid](*args, **kw)
+            return run
+
+    for name in ("_norm_fwd", "_norm_bwd_rows"):
+        monkeypatch.setattr(module, name, Spy(getattr(module, name)))
+    for kind, call in calls.items():
+        want = call()
+        monkeypatch.setitem(module.LAUNCH, kind, launch)
+        got = call()
+        assert seen[-1] == (-(-N // launch[0]), *launch), (kind, seen[-1])
+        monkeypatch.delitem(module.LAUNCH, kind)
+        assert all(rel(a, b) <= TOL[torch.bfloat16] for a, b in zip(got, want)), kind
+        if INTERPRETED:  # numpy's row sums do not depend on the launch
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), kind
+
+
+@triton_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
 def test_norms_of_an_adapter_run(dtype):
     """Frozen norm weights and modulation (LoRA): only x takes a gradient, and the kernels

@@ -150,6 +150,20 @@ def _tile(D: int) -> tuple[int, int]:
     return max(1, min(64, 4096 // block_d)), block_d
 
 
+LAUNCH: dict[str, tuple[int, int]] = {}
+"""(rows per program, warps) of a row kernel's launch, by kind, where one was measured better
+than the default (``_tile``'s rows, ``row_warps``): ``forward`` (the norm), ``added`` (the
+norm that makes the closing add), ``rows`` (dx alone), ``gated`` (dx and the branch's
+gradient). ``bench/bench_norm_launch.py`` sweeps them at the model's sizes."""
+
+
+def _launch(kind: str, D: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, warps) of a row kernel of ``kind`` (``LAUNCH``)."""
+    block_r, block_d = _tile(D)
+    block_r, warps = LAUNCH.get(kind, (block_r, row_warps(block_r * block_d)))
+    return block_r, block_d, warps
+
+
 def _forward(x, w, shift, scale, seg, eps, has_mod, added=None):
     """The norm's output; with ``added`` = (y, gate), (the norm of x + gate y, x + gate y)."""
     R, D = x.shape
@@ -157,12 +171,12 @@ def _forward(x, w, shift, scale, seg, eps, has_mod, added=None):
     y, gate = added if added is not None else (x, x)
     xn = torch.empty((R, D), dtype=x.dtype, device=x.device) if added is not None else out
     if R > 0:
-        block_r, block_d = _tile(D)
+        block_r, block_d, warps = _launch("forward" if added is None else "added", D)
         s_sh, s_sc = (shift.stride(0), scale.stride(0)) if has_mod else (0, 0)
         _norm_fwd[(triton.cdiv(R, block_r),)](
             x, w, shift, scale, seg, out, R, D, x.stride(0), s_sh, s_sc, eps, y, gate, xn,
             y.stride(0), gate.stride(0), HAS_MOD=has_mod, ADDED=added is not None,
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
     return out if added is None else (out, xn)
 
 
@@ -180,11 +194,12 @@ def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None
     if not (weight_grad or (has_mod and mod_grad)):  # dx alone: rows in order, no partials
         if R > 0:
             res = None if res is None else rows2d(res, D)
-            _norm_bwd_rows[(triton.cdiv(R, block_r),)](
+            rows, _, warps = _launch("rows", D)
+            _norm_bwd_rows[(triton.cdiv(R, rows),)](
                 g, x, w, scale, seg, g if res is None else res, dx, R, D, g.stride(0),
                 x.stride(0), scale.stride(0) if has_mod else 0, 0 if res is None else res.stride(0),
                 eps, g, g, 0, HAS_MOD=has_mod, HAS_RES=res is not None, GATED=False,
-                BLOCK_R=block_r, BLOCK_D=block_d, num_warps=row_warps(block_r * block_d))
+                BLOCK_R=rows, BLOCK_D=block_d, num_warps=warps)
         empty = torch.empty((0, D), **f32)
         return dx, torch.empty((0,), dtype=w.dtype, device=x.device), empty, empty
     if res is not None:
@@ -220,12 +235,12 @@ def backward_added(g, s, w, scale, seg, eps, res, gate, y_dtype):
     ds = torch.empty((R, D), dtype=s.dtype, device=s.device)
     dy = torch.empty((R, D), dtype=y_dtype, device=s.device)
     if R > 0:
-        block_r, block_d = _tile(D)
+        block_r, block_d, warps = _launch("gated", D)
         _norm_bwd_rows[(triton.cdiv(R, block_r),)](
             g, s, w, scale, seg, g if res is None else res, ds, R, D, g.stride(0), s.stride(0),
             scale.stride(0), 0 if res is None else res.stride(0), eps, gate, dy, gate.stride(0),
             HAS_MOD=True, HAS_RES=res is not None, GATED=True, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=row_warps(block_r * block_d))
+            num_warps=warps)
     return ds, dy
 
 

@@ -1,0 +1,76 @@
+"""The modulated norm's row kernels at the model's sizes, over launches. (GPU, not a test.)
+
+    PYTHONPATH=. python bench/bench_norm_launch.py [--tokens 8308 16800]
+
+A joint block's halves open with the modulated norm, which the chain makes together with the
+previous half's gated add (``JointBlock.chained``): a sampling step runs the kernel that
+makes the add and the norm (``added``) 83 times at 8,308 tokens, a training step at 16,800
+and, backward, the rows kernel that writes the stream's gradient and the branch's
+(``gated``); ``forward`` (the plain norm) and ``rows`` (dx alone) run where the chain does
+not. Each reads and writes whole [tokens, 3,072] bf16 rows, with the sample's fp32 shift,
+scale and gate beside them. Per kind and token count, every launch (rows a program: 1, 2, 4;
+warps: 2, 4, 8, 16): the median time (CUDA events, ``_report.cuda_ms``), the bytes of the
+bf16 rows moved over the time, whether the results equal the default launch's, and the
+fastest against the default. A winner goes to ``triton_norm.LAUNCH``. Prints one JSON
+object (``$OUT/bench_norm_launch.json`` on the device machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from kohakumoss.kernels import backends
+from _report import cuda_ms, report  # bench/_report.py (the script's folder is on sys.path)
+
+D = 3072
+ROWS_MOVED = {"forward": 2, "added": 4, "rows": 4, "gated": 5}  # bf16 rows read + written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8308, 16800])
+    a = ap.parse_args()
+    norm = backends.triton_module("triton_norm")
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    out = {"device": torch.cuda.get_device_name(), "width": D, "kinds": {}}
+    for N in a.tokens:
+        x, y, go, res = (torch.randn(N, D, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(4))
+        w = torch.randn(D, device=dev, generator=g, dtype=torch.bfloat16)
+        mod = torch.randn(2, 6, D, device=dev, generator=g) * 0.3  # a CFG pair's modulation
+        seg = torch.repeat_interleave(torch.arange(2, device=dev), torch.tensor([N // 2, N - N // 2], device=dev))
+        calls = {
+            "forward": lambda: [norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True)],
+            "added": lambda: list(norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True, (y, mod[:, 2]))),
+            "rows": lambda: [norm._backward(go, x, w, mod[:, 1], seg, 1e-6, True, False, False, res)[0]],
+            "gated": lambda: list(norm.backward_added(go, x, w, mod[:, 1], seg, 1e-6, res, mod[:, 2],
+                                                      torch.bfloat16)),
+        }
+        for kind, call in calls.items():
+            want = call()
+            rows = []
+            for launch in itertools.product((1, 2, 4), (2, 4, 8, 16)):
+                norm.LAUNCH[kind] = launch
+                try:
+                    got = call()
+                    same = all(torch.equal(p, q) for p, q in zip(got, want))
+                    ms = cuda_ms(call, reps=10, iters=9)
+                except Exception as e:  # a launch that does not build (registers)
+                    rows.append({"launch": launch, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                    continue
+                finally:
+                    norm.LAUNCH.pop(kind, None)
+                rows.append({"launch": launch, "us": round(ms * 1e3, 1),
+                             "gb_s": round(ROWS_MOVED[kind] * N * D * 2 / ms / 1e6), "same": same})
+            default = cuda_ms(call, reps=10, iters=9)
+            timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+            out["kinds"][f"{kind}/{N}"] = {"default_us": round(default * 1e3, 1), "best": timed[0],
+                                          "top": timed[:5], "failed": [r for r in rows if "error" in r][:3]}
+            print(kind, N, "default", round(default * 1e3, 1), "best", timed[0], flush=True)
+    report(out, "bench_norm_launch")
+
+
+if __name__ == "__main__":
+    main()
