@@ -742,6 +742,32 @@ def test_triton_at_the_real_sizes(op, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_ids)
+def test_the_norm_that_makes_the_add_at_the_real_sizes(dtype):
+    """The ``added`` form at a 2 x 1 MP batch: the stream and its norm against the references'
+    add then norm, x and the branch's gradients with the stream read by a later add too."""
+    needs_triton()
+    g = torch.Generator().manual_seed(15)
+    N, D = sum(REAL_LENGTHS), BASE.dim
+    seg = seg_of(REAL_LENGTHS)
+    x, y = leaf(g, N, D, dtype=dtype), leaf(g, N, D, dtype=dtype, scale=0.1)
+    w = leaf(g, D, dtype=dtype, grad=False)
+    mod = leaf(g, 2, 6, D, scale=0.5, grad=False)
+    form = triton_fn("modulated_rms_norm").added
+
+    def mine(x, y):
+        out, s = form(x, w, mod[:, 3], mod[:, 4], seg, 1e-6, y, mod[:, 2])
+        return ops.gated_residual(s, out, mod[:, 5], seg)
+
+    def reference(x, y):
+        s = ops.gated_residual(x, y, mod[:, 2], seg)
+        out = ops.modulated_rms_norm(s, w, mod[:, 3], mod[:, 4], seg, 1e-6)
+        return ops.gated_residual(s, out, mod[:, 5], seg)
+
+    compare(mine, reference, (x, y), {"x": x, "y": y}, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_ids)
 @pytest.mark.parametrize("loss", ["mse", "huber"])
 def test_the_flow_loss_at_the_real_sizes(loss, dtype):
     """The loss of a 2 x 1 MP batch: 8192 image tokens x 128 channels."""
