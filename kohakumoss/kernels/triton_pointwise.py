@@ -5,8 +5,9 @@ Math, all in fp32, rounded once to the output's dtype (the first input's):
 - SiTU: ``A(g) = 4 tanh(g/4) sigmoid(g)``, ``U(u) = 25 tanh(u/25)``, ``out = A U``;
   ``du = go A (1 - tanh(u/25)^2)``,
   ``dg = go U ((1 - tanh(g/4)^2) sig + 4 tanh(g/4) sig (1 - sig))`` with ``sig = sigmoid(g)``.
-  Both tanh and the sigmoid of g come from one ``exp2`` and one division (``gate_parts``),
-  tanh(u/25) from another: the special-function unit, not memory, bounds this kernel.
+  Both tanh and the sigmoid of g come from one ``exp2`` and one division (``situ_gate``
+  forward, ``gate_parts`` backward), tanh(u/25) from another: the special-function unit,
+  not memory, bounds this kernel.
 - residual: ``out = x + y``; its gradients are the output's, cast to each input's dtype.
 - gated residual: ``out = x + gate[seg] y``; ``dx = go``, ``dy = gate[seg] go``,
   ``dgate_b = sum_{rows of b} go y`` (per (sample, chunk) program in fp32 registers, then a
@@ -23,7 +24,8 @@ import triton.language as tl
 
 from kohakumoss.kernels.custom import entry, gated_residual_setup, packed_halves, rows2d
 from kohakumoss.kernels.triton_common import (check_tensors, gate_parts, jit, pow2, programs,
-                                              rounded, segment_order, tanh_nonneg, warps)
+                                              rounded, segment_order, situ_gate, tanh_nonneg,
+                                              warps)
 
 _TILE, _BLOCK_C = 4096, 1024  # the elementwise tile: elements, widest column block
 
@@ -35,8 +37,7 @@ def _situ_fwd(U, G, OUT, R, C, su, sg, BLOCK_R: tl.constexpr, BLOCK_C: tl.conste
     m = (rows < R) & (cols < C)
     u = tl.load(U + rows * su + cols, mask=m, other=0.0).to(tl.float32)
     g = tl.load(G + rows * sg + cols, mask=m, other=0.0).to(tl.float32)
-    t4, sp, a2 = gate_parts(g)
-    gate = 4.0 * tl.where(g >= 0.0, t4 * sp, -t4 * (a2 * sp))  # 4 tanh(g/4) sigmoid(g)
+    gate = situ_gate(g)  # 4 tanh(g/4) sigmoid(g)
     tu = tanh_nonneg(tl.abs(u) * 0.04)
     value = 25.0 * tl.where(u < 0.0, -tu, tu)  # 25 tanh(u/25)
     tl.store(OUT + rows * C + cols, rounded(gate * value, OUT.dtype.element_ty), mask=m)
