@@ -10,7 +10,7 @@ eleventh pass's profile put them at 39.6 ms a 16,800-token step, some at about h
 memory's speed (``t`` at 3,072 wide: 49 µs for 103 MB). Asked as the transposed product
 (``(B^T dy^T)^T``) cuBLAS picks other tiles; and ``h`` and ``t`` (a narrow output, the
 long side summed in one program) by ``kernels/triton_narrow.py`` in several launches
-(``kernels/narrow.py`` picks among the three ways in a step). This times every form of
+(``ops.narrow_mm``'s backends, ``kernels/narrow.py``, are the three ways in a step). This times every form of
 each product (CUDA events, ``_report.cuda_ms``) with the bytes read over the time, and the
 error against the first form. Prints one JSON object (``$OUT/bench_lora_products.json`` on the device
 machine).

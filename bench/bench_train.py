@@ -74,10 +74,11 @@ def kernel_choices(names: list[str]) -> dict[str, list[str]]:
 
     return {op: [n for n in names if n in KERNELS.names(op)] for op in REFERENCE
             if any(n in KERNELS.names(op) for n in names) and op not in QUANT_BACKENDS
-            and op not in PER_SHAPE}
+            and op not in PER_SHAPE and op not in APART}
 
 
 PER_SHAPE = ("linear",)  # ops whose backend is chosen per shape (``--tune``), never statically
+APART = ("narrow_mm",)  # ops an option of their own chooses (``--narrow``), not ``--kernels``
 TUNED: dict[str, list[str]] = {}  # --tune: "op/dtype/key" -> backends, fastest first
 
 
@@ -503,7 +504,8 @@ def main() -> None:
                          "fp8-full-fast (fast accumulation in its input gradients too); each "
                          "budget is measured with each, in one run")
     ap.add_argument("--narrow", nargs="*", default=["cublas"], choices=narrow.BACKENDS,
-                    help="how the fp8 LoRA node's narrow products (x A^T, dy B) are made (kernels/narrow.py); "
+                    help="how the LoRA nodes' narrow products (x A^T, dy B) are made (ops.narrow_mm's "
+                         "backends, kernels/narrow.py; cublas: the reference); "
                          "several: each base and budget is measured with each")
     ap.add_argument("--chain", nargs="*", choices=["on", "off"], default=["on"],
                     help="the joint blocks chained (each half's closing add made by the next "
@@ -572,7 +574,10 @@ def main() -> None:
             for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
                 fp8_compute.FAST_ACCUM_GRAD = base == "fp8-full-fast"
                 for how, chain in [(h, c) for h in a.narrow for c in a.chain or ["on"]]:
-                    narrow.BACKEND, CHAIN[0] = how, chain == "on"  # each way asked
+                    CHAIN[0] = chain == "on"  # each way asked; cublas: the reference
+                    KERNEL_CHOICES.pop("narrow_mm", None)
+                    if how != "cublas":
+                        KERNEL_CHOICES["narrow_mm"] = [how]
                     for b in a.budgets:
                         res["lora"].append({**bench_lora(b, a.steps, a.text, rate,
                                                          f"{root}/{cap:g}-{b}-{base}-{i}-{how}-{chain}",

@@ -1,6 +1,7 @@
-"""The LoRA's narrow-output products (``kohakumoss/kernels/narrow.py``): the Triton kernel
-(``triton_narrow.py``) against ``torch.mm``, each way of making them giving the fp8 LoRA
-node the same values, and a failing kernel falling back to cuBLAS.
+"""The LoRA's narrow-output products (``ops.narrow_mm``'s backends, ``kohakumoss/kernels/
+narrow.py``): the Triton kernel (``triton_narrow.py``) against ``torch.mm``, each way giving
+the fp8 LoRA node and a model's bf16 LoRA nodes the same values, and a failing way falling
+back to the next choice, said once.
 
 As in ``test_kernel_backends.py``: on a CPU machine the Triton tests run interpreted, in a
 subprocess started with ``TRITON_INTERPRET=1`` (``test_the_interpreted_suite``); on a CUDA
@@ -27,13 +28,7 @@ def triton_test(fn):
     return fn
 
 
-@pytest.fixture
-def backend():
-    """Sets ``narrow.BACKEND`` for a test; puts it back after."""
-    kept = narrow.BACKEND
-    yield lambda name: setattr(narrow, "BACKEND", name)
-    narrow.BACKEND = kept
-    narrow._broken.clear()
+WAYS = {"cublas-t": narrow.cublas_t, "triton": narrow.triton_narrow}
 
 
 @triton_test
@@ -52,83 +47,122 @@ def test_the_kernel_is_the_product(shape, dtype):
         assert got.shape == (M, R) and got.dtype == dtype and got.is_contiguous()
         want = (x.double() @ w.double()).to(dtype)  # fp32 sums, one rounding: the rounded exact product
         assert rel(got, want) <= {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+        assert rel(narrow.triton_narrow(x, w), want) <= {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
     with pytest.raises(ValueError, match="narrow_mm"):
         tn.narrow_mm(x, leaf(g, K + 1, R, dtype=dtype, grad=False))
 
 
-def test_the_transposed_way_is_the_product(backend):
+def test_the_transposed_way_is_the_product():
     """``cublas-t``: ``torch.mm``'s values (fp32, to the order of the sums) as a [M, R] view,
     w as a transposed view (``A^T``) and as it is (``B``)."""
     g = torch.Generator().manual_seed(3)
     x = leaf(g, 29, 24, grad=False)
-    backend("cublas-t")
     for w in (leaf(g, 4, 24, grad=False).t(), leaf(g, 24, 4, grad=False)):
-        got = narrow.narrow_mm(x, w)
+        got = narrow.cublas_t(x, w)
         assert got.shape == (29, 4) and rel(got, torch.mm(x, w)) <= 1e-6
 
 
-def test_the_triton_way_leaves_what_it_does_not_take_to_cublas(backend, monkeypatch):
-    """``triton`` takes bf16/fp16 CUDA tensors of rank <= 256 alone: CPU tensors, fp32 and
-    wider factors go to ``torch.mm`` without the kernel being asked for."""
+def test_the_triton_way_leaves_what_it_does_not_take_to_cublas(monkeypatch):
+    """``triton`` takes bf16/fp16 tensors where Triton runs, of rank <= 256: CPU tensors
+    (Triton compiled), fp32 and wider factors go to ``torch.mm`` without the kernel being
+    asked for."""
+    from test_kernel_backends import INTERPRETED
+
+    if INTERPRETED:
+        pytest.skip("interpreted, the kernel takes CPU tensors")
     asked = []
-    monkeypatch.setattr(narrow, "triton_module", lambda name: asked.append(name))
-    backend("triton")
+    real = narrow.triton_module
+    monkeypatch.setattr(narrow, "triton_module",
+                        lambda name: asked.append(name) if name == "triton_narrow" else real(name))
     g = torch.Generator().manual_seed(4)
     x, w, wide = torch.randn(9, 24, generator=g), torch.randn(24, 4, generator=g), torch.randn(24, 257, generator=g)
     cases = [(x.bfloat16(), w.bfloat16()), (x.to(DEVICE), w.to(DEVICE))]  # on the CPU; fp32
     if CUDA:
         cases.append((x.bfloat16().cuda(), wide.bfloat16().cuda()))  # rank 257
     for a, b in cases:
-        assert torch.equal(narrow.narrow_mm(a, b), torch.mm(a, b))
+        assert torch.equal(narrow.triton_narrow(a, b), torch.mm(a, b))
     assert asked == []
 
 
-def fp8_node_values(full: bool) -> list[torch.Tensor]:
+def fp8_node_values(full: bool, way=torch.mm) -> list[torch.Tensor]:
     """The fp8 LoRA node (q, k, v as one; ``fp8_compute``: ``torch._scaled_mm``, which the
     CPU has too): its outputs and the gradients of x and the LoRA factors, the narrow products
-    made as ``narrow.BACKEND`` says."""
+    made by ``way``."""
     from kohakumoss.kernels import KERNELS
     from test_quant_kernels import fp8_loras
 
     fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
     n = 300 if CUDA else 40  # rows; interpreted, a few
     x, layers = fp8_loras(torch.Generator().manual_seed(5), 3, n, 64, 48, 8)
-    ys = fn(x, layers, full)
+    ys = fn(x, layers, full, way)
     sum((y.float() ** 2).sum() for y in ys).backward()
     return [y.detach() for y in ys] + [x.grad] + [t.grad for _, _, d, u in layers for t in (d, u)]
 
 
-def same_as_cublas(name: str, full: bool, backend) -> None:
-    backend("cublas")
-    want = fp8_node_values(full)
-    backend(name)
-    for a, b in zip(fp8_node_values(full), want):
+def same_as_cublas(name: str, full: bool) -> None:
+    calls = []
+    way = WAYS[name]
+    got = fp8_node_values(full, lambda x, w: calls.append(1) or way(x, w))
+    assert len(calls) == 4  # h forward, and t for each of the three linears
+    for a, b in zip(got, fp8_node_values(full)):
         assert rel(a, b) <= 1e-2
-    assert not narrow._broken
 
 
 @triton_test
 @pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
-def test_the_transposed_way_gives_the_fp8_lora_node_the_same_values(full, backend):
+def test_the_transposed_way_gives_the_fp8_lora_node_the_same_values(full):
     """The node with ``cublas-t``'s [tokens, r] views for h and t (the row quantization's
     tail and the saved h take them as they are): cuBLAS's values within bf16's rounding."""
     needs_triton()
-    same_as_cublas("cublas-t", full, backend)
+    same_as_cublas("cublas-t", full)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
 @pytest.mark.parametrize("name", ["cublas-t", "triton"])
-def test_every_way_gives_the_fp8_lora_node_the_same_values_on_the_gpu(name, full, backend):
+def test_every_way_gives_the_fp8_lora_node_the_same_values_on_the_gpu(name, full):
     """The same on CUDA, where ``triton`` runs the kernel."""
     if not CUDA or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs CUDA sm89+")
-    same_as_cublas(name, full, backend)
+    same_as_cublas(name, full)
 
 
-def test_a_failing_kernel_falls_back_to_cublas_and_says_so(backend, monkeypatch, caplog):
-    """The Triton kernel raising (a build failure on some card): said once, and every product
-    from then on made by cuBLAS, with its values."""
+@triton_test
+@pytest.mark.parametrize("name", ["cublas-t", "triton"])
+def test_a_models_table_makes_its_lora_nodes_narrow_products(name):
+    """The model passes its table's ``narrow_mm`` to the LoRA nodes (``ops.linears``, the bf16
+    node of q|k|v and of each lone linear): a step's output and LoRA gradients with each way are
+    the reference's (interpreted, the Triton kernel runs on the CPU), and every adapted
+    linear's h and t went through it."""
+    needs_triton()
+    from kohakumoss.adapters import apply_adapters
+    from kohakumoss.config import AdapterConfig
+    from kohakumoss.model.build import tiny_transformer
+    from test_kernel_backends import _tiny_inputs
+
+    img, text, sigma, layout = _tiny_inputs(torch.float32)
+    runs = []
+    for way in (None, WAYS[name]):
+        model = tiny_transformer().to(DEVICE)
+        adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
+        calls = []
+        if way is not None:
+            model.ops.override("narrow_mm", lambda x, w: calls.append(1) or way(x, w))
+        v = model(img, text, sigma, layout.to(DEVICE))
+        v.square().mean().backward()
+        runs.append((v, [p.grad for _, p in adapters.named_trainable()], calls))
+    (v_a, g_a, _), (v_b, g_b, calls) = runs
+    depth = tiny_transformer().config.depth
+    # per block: h of q|k|v (one, x read once) and t of each; h and t of o, up|gate and down
+    assert len(calls) == (1 + 3 + 3 * 2) * depth
+    assert rel(v_b, v_a) <= 1e-6 and all(rel(a, b) <= 1e-5 for a, b in zip(g_b, g_a) if a is not None)
+
+
+def test_a_failing_way_falls_back_to_the_next_and_says_so_once(monkeypatch, caplog):
+    """The Triton kernel raising (a build failure on some card): the table's op says so once,
+    and every product from then on is the reference's, with its values."""
+    from kohakumoss.kernels import KernelRegistry
+
     calls = []
 
     class Broken:
@@ -138,18 +172,18 @@ def test_a_failing_kernel_falls_back_to_cublas_and_says_so(backend, monkeypatch,
             raise RuntimeError("out of resource: shared memory")
 
     monkeypatch.setattr(narrow, "triton_module", lambda name: Broken)
-    x, w = torch.randn(8, 6), torch.randn(6, 2)
-    if not CUDA:  # the kernel is taken for CUDA tensors only: pretend, on the CPU
-        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    backend("triton")
-    with caplog.at_level(logging.WARNING, "kohakumoss.kernels.narrow"):
+    monkeypatch.setattr(narrow, "_kernel_takes", lambda x, w: True)
+    r = KernelRegistry()
+    r.register("narrow_mm", "triton", narrow.triton_narrow, lambda device, dtype: True)
+    table = r.build_op_table(torch.device("cpu"), torch.bfloat16, {"narrow_mm": ["triton"]})
+    x, w = torch.randn(8, 6).bfloat16(), torch.randn(6, 2).bfloat16()
+    with caplog.at_level(logging.WARNING, "kohakumoss.kernels"):
         for _ in range(3):
-            got = narrow.narrow_mm(x.bfloat16().to(DEVICE), w.bfloat16().to(DEVICE))
-            assert torch.equal(got, torch.mm(x.bfloat16(), w.bfloat16()).to(DEVICE))
+            assert torch.equal(table.narrow_mm(x, w), torch.mm(x, w))
     assert calls == [1]
     assert [r.getMessage() for r in caplog.records] == [
-        "narrow products: the Triton kernel failed (RuntimeError: out of resource: shared memory); "
-        "using cuBLAS from now on"]
+        "narrow_mm: backend triton failed (RuntimeError: out of resource: shared memory); "
+        "using the next choice from now on"]
 
 
 @pytest.mark.gpu

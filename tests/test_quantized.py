@@ -124,7 +124,8 @@ def test_a_lora_on_fp8_compute_is_one_node_with_its_linear(full, monkeypatch):
 
     def counted(model):
         inner = model.ops.fp8_lora_linears
-        model.ops.override("fp8_lora_linears", lambda x, layers, g: calls.append(len(layers)) or inner(x, layers, g))
+        model.ops.override("fp8_lora_linears",
+                           lambda x, layers, *rest: calls.append(len(layers)) or inner(x, layers, *rest))
         return model
 
     one, apart = tiny_transformer(), tiny_transformer()

@@ -33,12 +33,14 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from kohakumoss.adapters.casts import lora_factors
 from kohakumoss.model.ops import linear as ref_linear
+from kohakumoss.model.ops import narrow_mm as ref_narrow_mm
 
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, down, up, evaluate=True, linear=None):
-        h = torch.mm(x2, down.t())
+    def forward(ctx, x2, weight, bias, down, up, evaluate=True, linear=None, narrow=None):
+        ctx.narrow = narrow = narrow or ref_narrow_mm
+        h = narrow(x2, down.t())
         ctx.save_for_backward(x2, h, weight, down, up)
         ctx.linear = linear or ref_linear
         if not evaluate:  # nobody reads the output (memory.replay.unevaluated): backward only
@@ -52,11 +54,11 @@ class _LoraLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x2, h, weight, down, up = ctx.saved_tensors
         need_x, need_w, need_b, need_down, need_up = ctx.needs_input_grad[:5]
-        t = torch.mm(dy, up)
+        t = ctx.narrow(dy, up)
         dx = ctx.linear(dy, weight.t(), torch.mm(t, down)) if need_x else None
         return (dx, torch.mm(dy.t(), x2) if need_w else None, dy.sum(0) if need_b else None,
                 torch.mm(t.t(), x2) if need_down else None, torch.mm(dy.t(), h) if need_up else None,
-                None, None)
+                None, None, None)
 
 
 def _compute_dtype(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
@@ -74,18 +76,20 @@ def linear_dtype(x: torch.Tensor) -> torch.dtype:
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 down: torch.Tensor, up: torch.Tensor, alpha: float, evaluate: bool = True,
-                linear=None) -> torch.Tensor:
+                linear=None, narrow=None) -> torch.Tensor:
     """``F.linear(x, weight, bias) + alpha * F.linear(F.linear(x, down), up)`` in the
     dtype the linear computes in (autocast's where it is on, else ``x``'s); ``down`` [r, in]
     and ``up`` [out, r] may be held in another dtype (their gradients come back in it).
     ``evaluate=False``: zeros out, the same gradients back (an output nobody reads).
-    ``linear``: the base products' op (a table's ``ops.linear``; None: the reference)."""
+    ``linear``: the base products' op (a table's ``ops.linear``; None: the reference);
+    ``narrow``: the narrow ones' (``x A^T``, ``dy B``; a table's ``ops.narrow_mm``)."""
     dev, autocast, dt = _compute_dtype(x)
     up = up * alpha if alpha != 1.0 else up
     x_c, w_c, b_c, down_c, up_c = (t if t is None or t.dtype == dt else t.to(dt)
                                    for t in (x, weight, bias, down, up))
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-        y = _LoraLinear.apply(x_c.reshape(-1, x.shape[-1]), w_c, b_c, down_c, up_c, evaluate, linear)
+        y = _LoraLinear.apply(x_c.reshape(-1, x.shape[-1]), w_c, b_c, down_c, up_c, evaluate, linear,
+                              narrow)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -94,10 +98,11 @@ class _LoraLinears(torch.autograd.Function):
     product ``x A^T`` for all their down matrices (stacked), and one input gradient."""
 
     @staticmethod
-    def forward(ctx, x2, ranks, linear, down, *tensors):
+    def forward(ctx, x2, ranks, linear, narrow, down, *tensors):
         n = len(ranks)
         weights, ups = tensors[:n], tensors[n:]
-        h = torch.mm(x2, down.t())  # [tokens, sum of ranks]: x read once for every down
+        ctx.narrow = narrow = narrow or ref_narrow_mm
+        h = narrow(x2, down.t())  # [tokens, sum of ranks]: x read once for every down
         ctx.linear = linear = linear or ref_linear
         outs = [linear(x2, w, torch.mm(hi, up.t()))  # the base product onto the narrow one
                 for w, up, hi in zip(weights, ups, h.split(ranks, dim=1))]
@@ -110,10 +115,10 @@ class _LoraLinears(torch.autograd.Function):
         x2, h, down, *rest = ctx.saved_tensors
         n = len(ctx.ranks)
         weights, ups = rest[:n], rest[n:]
-        need_x, _, _, need_down = ctx.needs_input_grad[:4]
-        need_w, need_up = ctx.needs_input_grad[4:4 + n], ctx.needs_input_grad[4 + n:]
+        need_x, _, _, _, need_down = ctx.needs_input_grad[:5]
+        need_w, need_up = ctx.needs_input_grad[5:5 + n], ctx.needs_input_grad[5 + n:]
         # t = dy (alpha B) per linear, side by side; an unused output contributes nothing
-        t = torch.cat([torch.mm(dy, up) if dy is not None else x2.new_zeros(x2.shape[0], r)
+        t = torch.cat([ctx.narrow(dy, up) if dy is not None else x2.new_zeros(x2.shape[0], r)
                        for dy, up, r in zip(dys, ups, ctx.ranks)], dim=1)
         dx = None
         if need_x:  # dx = t A, then each dy W accumulated onto it in place
@@ -127,14 +132,14 @@ class _LoraLinears(torch.autograd.Function):
                for dy, need in zip(dys, need_w)]
         d_up = [torch.mm(dy.t(), hi) if need and dy is not None else None
                 for dy, hi, need in zip(dys, hs, need_up)]
-        return (dx, None, None, d_down, *d_w, *d_up)
+        return (dx, None, None, None, d_down, *d_w, *d_up)
 
 
 def lora_linears(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]],
-                 linear=None) -> list[torch.Tensor]:
-    """``[lora_linear(x, w, None, down, up, alpha, linear=linear) for (w, down, up, alpha)
-    in parts]`` as one autograd node (``_LoraLinears``): the linears share their input (q,
-    k and v)."""
+                 linear=None, narrow=None) -> list[torch.Tensor]:
+    """``[lora_linear(x, w, None, down, up, alpha, linear=linear, narrow=narrow) for (w, down,
+    up, alpha) in parts]`` as one autograd node (``_LoraLinears``): the linears share their
+    input (q, k and v)."""
     dev, autocast, dt = _compute_dtype(x)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
@@ -145,11 +150,12 @@ def lora_linears(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, 
     weights = [cast(w) for w, _, _, _ in parts]
     ranks = tuple(d.shape[0] for _, d, _, _ in parts)
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-        ys = _LoraLinears.apply(cast(x).reshape(-1, x.shape[-1]), ranks, linear, down, *weights, *ups)
+        ys = _LoraLinears.apply(cast(x).reshape(-1, x.shape[-1]), ranks, linear, narrow, down, *weights,
+                                *ups)
     return [y.view(*x.shape[:-1], w.shape[0]) for y, (w, _, _, _) in zip(ys, parts)]
 
 
-def folded_forward(lyco, x: torch.Tensor, linear=None) -> torch.Tensor:
+def folded_forward(lyco, x: torch.Tensor, linear=None, narrow=None) -> torch.Tensor:
     """A folding LoRA/LoCon module's forward (``runtime.folds``): ``base(x) + m * scale *
     up(down(x))`` with the delta rounded once, inside a matmul. On a plain linear the whole
     layer is one autograd node (``lora_linear``). On another base (a quantized linear runs
@@ -161,12 +167,13 @@ def folded_forward(lyco, x: torch.Tensor, linear=None) -> torch.Tensor:
     alpha = float(lyco.scale) * float(lyco.multiplier)
     fp8 = fp8_fold_parts(lyco, x.dtype)
     if fp8 is not None:
-        return fp8_lora_linears(x, [fp8])[0]
+        return fp8_lora_linears(x, [fp8], narrow)[0]
     if getattr(lyco.org_forward, "__func__", None) is nn.Linear.forward:
         base = lyco.org_module[0]  # kmoss_unevaluated: a recomputation reads no output
         down, up = lora_factors(lyco, linear_dtype(x))  # alpha in up, as lora_linear puts it
         return lora_linear(x, base.weight, base.bias, down, up, 1.0,
-                           evaluate=not getattr(base, "kmoss_unevaluated", False), linear=linear)
+                           evaluate=not getattr(base, "kmoss_unevaluated", False), linear=linear,
+                           narrow=narrow)
     y = lyco.org_forward(x)
     h = F.linear(x, lyco.lora_down.weight.to(x))
     up = lyco.lora_up.weight.to(y.dtype)
@@ -197,9 +204,11 @@ def fp8_fold_parts(lyco, dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, t
     return base, *lora_factors(lyco, dtype)
 
 
-def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
-                     ) -> list[torch.Tensor]:
+def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor, torch.Tensor]],
+                     narrow=None) -> list[torch.Tensor]:
     """The fp8 linears ``parts`` (``fp8_fold_parts``, one input ``x``) with their LoRAs as one
-    node: the base's op table's ``fp8_lora_linears``."""
+    node: the base's op table's ``fp8_lora_linears``, its narrow products through ``narrow``
+    (the model's ``ops.narrow_mm``; None: the reference)."""
     base = parts[0][0]
-    return base.lora_op()(x, [(b.codes, b.scale, down, up) for b, down, up in parts], base.fp8_grad)
+    return base.lora_op()(x, [(b.codes, b.scale, down, up) for b, down, up in parts], base.fp8_grad,
+                          narrow or ref_narrow_mm)

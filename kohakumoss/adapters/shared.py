@@ -73,9 +73,10 @@ def _fp8_parts(m: nn.Module, dtype: torch.dtype) -> tuple | None:
     return None if lyco is None else fp8_fold_parts(lyco, dtype)
 
 
-def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Tensor]:
+def shared_input_linears(x: torch.Tensor, modules, linear=None, narrow=None) -> list[torch.Tensor]:
     """``[m(x) for m in modules]``, as one node where every module folds (see the module),
-    the base products through ``linear`` (the model's ``ops.linear``). Each module's forward
+    the base products through ``linear`` (the model's ``ops.linear``), the narrow ones
+    (``x A^T``, ``dy B``) through ``narrow`` (its ``ops.narrow_mm``). Each module's forward
     pre-hooks run first, as its call would run them (a weight ring's loads); one that
     changes the input, or any other hook, takes the modules' own route. A lone folding
     module is its own node (``folded_forward``) with its base product through ``linear``;
@@ -86,7 +87,7 @@ def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Te
         lyco = _folding(modules[0])
         if lyco is not None and not modules[0]._forward_pre_hooks and not (
                 x.dtype != lyco.dtype_tensor.dtype and _needs_own_dtype(lyco)):  # as _run routes
-            return [folded_forward(lyco, x, linear)]
+            return [folded_forward(lyco, x, linear, narrow)]
         return [ops_linears(x, modules, linear or ref_linear)[0]]
     args = [_pre_hooked(m, x) for m in modules]
     if not all(len(a) == 1 and a[0] is x for a in args):
@@ -94,9 +95,9 @@ def shared_input_linears(x: torch.Tensor, modules, linear=None) -> list[torch.Te
     dt = linear_dtype(x)
     parts = [fold_parts(m, dt) for m in modules]  # cast as lora_linears computes
     if all(p is not None for p in parts):
-        return lora_linears(x, parts, linear)
+        return lora_linears(x, parts, linear, narrow)
     fp8 = [_fp8_parts(m, x.dtype) for m in modules]  # fp8 compute bases (precision.fp8_compute)
     if all(p is not None for p in fp8) and \
             len({p[0].codes.shape[0] for p in fp8}) == 1 and len({p[0].fp8_grad for p in fp8}) == 1:
-        return fp8_lora_linears(x, fp8)
+        return fp8_lora_linears(x, fp8, narrow)
     return [m.forward(*a) for m, a in zip(modules, args)]

@@ -20,7 +20,6 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from kohakumoss.kernels.backends import triton_module
-from kohakumoss.kernels.narrow import narrow_mm
 from kohakumoss.kernels.registry import register_backend
 
 
@@ -119,11 +118,12 @@ class _Fp8Loras(torch.autograd.Function):
     ``A^T / g'`` beside them (``transposed_codes`` with a slot)."""
 
     @staticmethod
-    def forward(ctx, x2, ranks, full, down, *tensors):
+    def forward(ctx, x2, ranks, full, narrow, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         t8 = triton_module("triton_fp8")
-        h = narrow_mm(x2, down.t())
+        ctx.narrow = narrow
+        h = narrow(x2, down.t())
         outs = []
         if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
             width, c0 = t8.slot_width(sum(ranks)), 0
@@ -150,12 +150,12 @@ class _Fp8Loras(torch.autograd.Function):
         x2, h, down, *rest = ctx.saved_tensors
         n = len(ctx.ranks)
         codes, scales, ups = rest[:n], rest[n:2 * n], rest[2 * n:]
-        need_x, _, _, need_down = ctx.needs_input_grad[:4]
-        need_up = ctx.needs_input_grad[4 + 2 * n:]
+        need_x, _, _, _, need_down = ctx.needs_input_grad[:5]
+        need_up = ctx.needs_input_grad[5 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
-        t = torch.cat([narrow_mm(dy, up) for dy, up in zip(dys, ups)], 1) if n > 1 else \
-            narrow_mm(dys[0], ups[0])
+        t = torch.cat([ctx.narrow(dy, up) for dy, up in zip(dys, ups)], 1) if n > 1 else \
+            ctx.narrow(dys[0], ups[0])
         dx = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
@@ -173,13 +173,14 @@ class _Fp8Loras(torch.autograd.Function):
         d_down = torch.mm(t.t(), x2) if need_down else None
         d_up = [torch.mm(dy.t(), hi) if need else None
                 for dy, hi, need in zip(dys, h.split(ctx.ranks, dim=1), need_up)]
-        return (dx, None, None, d_down, *([None] * 2 * n), *d_up)
+        return (dx, None, None, None, d_down, *([None] * 2 * n), *d_up)
 
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                     full: bool = False) -> list[torch.Tensor]:
+                     full: bool = False, narrow=torch.mm) -> list[torch.Tensor]:
     """``ops.fp8_lora_linears`` as one node (``_Fp8Loras``): fp8 GEMMs, the LoRAs' products in
-    bf16 accumulated in place, or with ``full`` inside the GEMMs."""
+    bf16 accumulated in place, or with ``full`` inside the GEMMs; the narrow products
+    (``x A^T``, ``dy B``) through ``narrow`` (the model's ``ops.narrow_mm``)."""
     if not 1 <= len(layers) <= 3 or len({c.shape[0] for c, _, _, _ in layers}) != 1:
         raise ValueError(f"fp8_lora_linears (scaled_mm): one to three linears of one width, got "
                          f"{[tuple(c.shape) for c, _, _, _ in layers]}")
@@ -192,7 +193,7 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers]) if len(layers) > 1 else layers[0][2]
-    ys = _Fp8Loras.apply(x2, ranks, full, down, *(c for c, _, _, _ in layers),
+    ys = _Fp8Loras.apply(x2, ranks, full, narrow, down, *(c for c, _, _, _ in layers),
                          *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
     return [y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1]) for y in ys]
 

@@ -169,18 +169,18 @@ class JointBlock(nn.Module):
         N, D = y_ND.shape
         Dh = D // self.heads
         p = self.proj
-        q, k, v = ops.linears(y_ND, (p["q"], p["k"], p["v"]), ops.linear)
+        q, k, v = ops.linears(y_ND, (p["q"], p["k"], p["v"]), ops.linear, ops.narrow_mm)
         q = ops.qk_norm_rope(q.view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
         k = ops.qk_norm_rope(k.view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
         v = v.view(N, self.heads, Dh)
         o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
-        return ops.linears(o, (p["o"],), ops.linear)[0]
+        return ops.linears(o, (p["o"],), ops.linear, ops.narrow_mm)[0]
 
     def _ffn(self, y_ND, ops: OpTable):
         """The MLP half's branch on its normed input: ``down(situ(up_gate(y)))``."""
         p = self.proj
-        u, g = ops.linears(y_ND, (p["ffn_up_gate"],), ops.linear)[0].split(self.ffn_dim, dim=-1)
-        return ops.linears(ops.situ(u, g), (p["ffn_down"],), ops.linear)[0]
+        u, g = ops.linears(y_ND, (p["ffn_up_gate"],), ops.linear, ops.narrow_mm)[0].split(self.ffn_dim, dim=-1)
+        return ops.linears(ops.situ(u, g), (p["ffn_down"],), ops.linear, ops.narrow_mm)[0]
 
 
 class MOSSImageTransformer(nn.Module):

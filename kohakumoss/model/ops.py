@@ -251,6 +251,14 @@ def fp8_lora_slots(up: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     return g, q.to(torch.float8_e4m3fn)
 
 
+def narrow_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for a tall x [M, K] and a narrow w [K, R]: a LoRA's ``x A^T`` and ``dy B``,
+    made inside its nodes (``adapters/folded.py``, the fp8 node), rounded once to x's dtype.
+    Bound by memory (a whole activation read for an r-wide result): backends make it their
+    own way (``kernels/narrow.py``)."""
+    return torch.mm(x, w)
+
+
 class _Fp8Loras(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, full, ranks, down, *tensors):
@@ -296,7 +304,7 @@ class _Fp8Loras(torch.autograd.Function):
 
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                     full: bool = False) -> list[torch.Tensor]:
+                     full: bool = False, narrow: Callable = narrow_mm) -> list[torch.Tensor]:
     """Bias-free ``fp8_linear``s reading one input, each with a LoRA, as one node: per
     ``(codes, scale, down, up)`` (``down`` [r, in] and ``up`` [out, r] in x's dtype, the
     LoRA's scale already in ``up``) ``fp8_linear(x, codes, scale) + (x down^T) up^T``, the
@@ -312,7 +320,9 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     scale per row, times the codes stacked with ``down^T / g'`` (``fp8_lora_slots(down^T,
     1)``): one product for the base's part and the LoRAs' ``t down``. Without ``full``, each
     ``dy_i`` times its dequantized weight, plus ``t down``. The LoRAs' own gradients are
-    those of ``h up^T`` unrounded (straight through)."""
+    those of ``h up^T`` unrounded (straight through). ``narrow``: the table's ``narrow_mm``,
+    which a backend's node makes h and t with; the reference makes them in fp32, rounded
+    once."""
     x2 = x.reshape(-1, x.shape[-1])
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers])
@@ -348,11 +358,13 @@ def plain_linear(m) -> bool:
         and not m._forward_pre_hooks and not hooked(m)
 
 
-def linears(x: torch.Tensor, modules, linear: Callable = linear) -> list[torch.Tensor]:
+def linears(x: torch.Tensor, modules, linear: Callable = linear, narrow: Callable = narrow_mm
+            ) -> list[torch.Tensor]:
     """The linears ``modules`` that read one input, each on ``x``: a plain one
     (``plain_linear``) through ``linear`` (the caller's table's ``ops.linear``), any other
     through its own call. An adapter may put one node for the group in a model's table
-    (``kohakumoss/adapters/shared.py``)."""
+    (``kohakumoss/adapters/shared.py``), whose narrow products go through ``narrow`` (the
+    table's ``ops.narrow_mm``); plain linears have none."""
     return [linear(x, m.weight) if plain_linear(m) else m(x) for m in modules]
 
 
@@ -371,6 +383,7 @@ REFERENCE: dict[str, Callable] = {
     "fp8_linear": fp8_linear,
     "fp8_lora_linears": fp8_lora_linears,
     "linear": linear,
+    "narrow_mm": narrow_mm,
     "linears": linears,
 }
 

@@ -183,7 +183,7 @@ class _Fp8LorasLike(torch.autograd.Function):
         return (torch.empty_like(x2), None, *([None] * len(ctx.widths)))
 
 
-def _fp8_loras_like(x: torch.Tensor, layers, full: bool = False) -> list[torch.Tensor]:
+def _fp8_loras_like(x: torch.Tensor, layers, full: bool = False, narrow=None) -> list[torch.Tensor]:
     down = torch.cat([d for _, _, d, _ in layers])
     ys = _Fp8LorasLike.apply(x.reshape(-1, x.shape[-1]), down, *(c for c, _, _, _ in layers))
     return [y.view(*x.shape[:-1], y.shape[1]) for y in ys]
