@@ -102,8 +102,8 @@ def test_a_static_choice_respects_fits_per_call_and_survives_a_failing_backend(c
 
 def test_a_backends_stream_form_runs_and_a_failing_one_falls_back(caplog):
     """``ops.stream_norm`` takes a chosen backend's ``stream`` form (the half's norm and x
-    through one node); one that raises marks the backend broken, said once, and the half
-    runs the plain call on the next choice, with the same values."""
+    through one node); one that raises marks that form broken, said once, and the half runs
+    the plain call, on the same backend (its plain kernel works), with the same values."""
     r = KernelRegistry()
     streamed, plain = [], Counting(ops.modulated_rms_norm)
 
@@ -133,10 +133,11 @@ def test_a_backends_stream_form_runs_and_a_failing_one_falls_back(caplog):
         for _ in range(2):
             y, x_res = ops.stream_norm(op, x, w, shift, scale, seg, 1e-6)
             assert torch.equal(y, want) and x_res is x
-    assert plain.calls == 2 and bad.calls == 0 and op.broken == {"bad": "RuntimeError: no kernel image for this device"}
+    assert plain.calls == 0 and bad.calls == 2 and op.broken == {}
+    assert op.broken_forms == {("bad", "stream"): "RuntimeError: no kernel image for this device"}
     assert [m.getMessage() for m in caplog.records] == [
-        "modulated_rms_norm: backend bad failed (RuntimeError: no kernel image for this device); "
-        "using the next choice from now on"]
+        "modulated_rms_norm: the stream form of backend bad failed (RuntimeError: no kernel image "
+        "for this device); the plain calls run from now on"]
     y, x_res = ops.stream_norm(ops.modulated_rms_norm, x, w, shift, scale, seg, 1e-6)  # no form
     assert torch.equal(y, want) and x_res is x
 

@@ -4,7 +4,7 @@ tuned op choosing by ``(dtype, shape bucket)`` (``TunedOp``) or a static choice
 (``ChosenOp``), and the fallback every call shares: a backend that raises is marked broken on
 that op, said once, and the next choice runs (the reference last). A backend's forms of
 an op (``model.ops.FORMS``: the norm's ``stream`` and ``added``, ``model.ops.stream_norm`` and
-``model.ops.added_norm``) fall back the same way.
+``model.ops.added_norm``) fall back to the plain calls, said once, the backend kept.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class TunedOp:
         self.reference = REFERENCE[op]
         self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
         self.broken: dict[str, str] = {}
+        self.broken_forms: dict[tuple[str, str], str] = {}  # (backend, form) -> why (``_form``)
         names = sorted({b.name for chain in chains.values() for b in chain})
         self.__qualname__ = f"tuned({op}: {', '.join([*names, REFERENCE_NAME])})"
 
@@ -161,6 +162,7 @@ class ChosenOp:
         self.reference = REFERENCE[op]
         self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
         self.broken: dict[str, str] = {}
+        self.broken_forms: dict[tuple[str, str], str] = {}  # (backend, form) -> why (``_form``)
         if all(b.keeps_inputs_only for b in backends) and not self.shaped:
             self.keeps_inputs_only = True  # every call that does not fail
         self.__qualname__ = f"chosen({op}: {', '.join([*(b.name for b in backends), REFERENCE_NAME])})"
@@ -202,21 +204,22 @@ def _form(op: TunedOp | ChosenOp, backend: Backend, name: str, args: tuple):
     """``backend``'s form ``name`` of the op (``model.ops.FORMS``, its function's attribute:
     ``stream``, the norm of a block's half that also returns x, summing x's two gradients in
     its backward; ``added``, the norm that first makes the previous half's closing add) run on
-    ``args``; None where it has none, declines or fails. A failure marks the backend broken on
-    ``op`` (said once) as a failed call does, so the caller runs the plain calls, on the next
-    choice."""
+    ``args``; None where it has none, declines or fails. A failure marks that form broken on
+    ``op`` (said once), not the backend: the caller runs the plain calls, and the backend's
+    plain kernel, a separate one, stays in use unless it fails too."""
     form = getattr(backend.fn, name, None)
-    if form is None:
+    broken = op.broken_forms
+    if form is None or (backend.name, name) in broken:
         return None
     try:
         return form(*args)
     except (torch.OutOfMemoryError, _StopRecomputation):
         raise
     except Exception as e:
-        op.broken[backend.name] = failure_reason(e)
-        op._note(("broken", op.op, backend.name),
-                 f"{op.op}: backend {backend.name} failed ({op.broken[backend.name]}); "
-                 f"using the next choice from now on", logging.WARNING)
+        broken[(backend.name, name)] = failure_reason(e)
+        op._note(("broken form", op.op, backend.name, name),
+                 f"{op.op}: the {name} form of backend {backend.name} failed "
+                 f"({broken[(backend.name, name)]}); the plain calls run from now on", logging.WARNING)
         return None
 
 
