@@ -32,7 +32,7 @@ import torch
 from kohakumoss.cache.store import TensorStore
 from kohakumoss.config import AdapterConfig, OptimConfig
 from kohakumoss.diffusion.objective import flow_loss, noised
-from kohakumoss.kernels import fp8_compute, narrow
+from kohakumoss.kernels import KERNELS, fp8_compute
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
@@ -68,7 +68,6 @@ def compile_blocks(model: MOSSImageTransformer) -> None:
 def kernel_choices(names: list[str]) -> dict[str, list[str]]:
     """``--kernels triton compile``: per op, those of the named backends it has, in order
     (the reference stays the fallback)."""
-    from kohakumoss.kernels import KERNELS
     from kohakumoss.model.ops import REFERENCE
     from kohakumoss.training.engines import QUANT_BACKENDS  # --quant-backends chooses those
 
@@ -503,7 +502,8 @@ def main() -> None:
                     help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full, "
                          "fp8-full-fast (fast accumulation in its input gradients too); each "
                          "budget is measured with each, in one run")
-    ap.add_argument("--narrow", nargs="*", default=["cublas"], choices=narrow.BACKENDS,
+    ap.add_argument("--narrow", nargs="*", default=["cublas"],
+                    choices=["cublas", *KERNELS.names("narrow_mm")[1:]],  # cublas: the reference
                     help="how the LoRA nodes' narrow products (x A^T, dy B) are made (ops.narrow_mm's "
                          "backends, kernels/narrow.py; cublas: the reference); "
                          "several: each base and budget is measured with each")

@@ -25,10 +25,6 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from kohakumoss.kernels.backends import triton_module
 from kohakumoss.kernels.registry import register_backend
 
-BACKENDS = ("cublas", "cublas-t", "triton")
-"""The ways ``bench/bench_train.py --narrow`` names: ``cublas`` is the reference."""
-
-
 def cublas_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w`` asked of cuBLAS as ``(w^T x^T)^T``."""
     return torch.mm(w.t(), x.t()).t()
