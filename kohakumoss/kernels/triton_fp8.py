@@ -196,7 +196,6 @@ def _transpose(A, B, N, K, sb, BN: tl.constexpr, BK: tl.constexpr):
     tl.store(B + rk.to(tl.int64)[:, None] * sb + rn[None, :], tl.trans(a), mask=tl.trans(m))
 
 
-
 def fp8_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ops.fp8_rows`` in Triton: one program per row (amax, then the codes); with
     ``col_scale`` [K] (fp32) the rows of ``x * col_scale`` (the product in fp32)."""
