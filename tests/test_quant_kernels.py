@@ -111,6 +111,34 @@ def test_dequantize_rounds_as_the_reference(base):
 
 
 @triton_test
+def test_fp8_codes_read_as_bytes_give_the_same_results(monkeypatch):
+    """Below sm89 the kernels take e4m3 codes as bytes and decode them (``E4M3_BYTES``): every
+    finite byte gives torch's own value, and the fused kernel's forward and input gradient and
+    ``dequantize`` are those of the e4m3 path bit for bit."""
+    needs_triton()
+    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    every = torch.arange(256, dtype=torch.uint8)
+    every = every[(every & 0x7F) != 0x7F].view(torch.float8_e4m3fn).reshape(2, 127)  # no NaN
+    ones = torch.ones(2, device=DEVICE)
+    monkeypatch.setattr(tq, "E4M3_BYTES", True)
+    decoded = tq.dequantize(every.to(DEVICE), ones, torch.float32)
+    assert torch.equal(decoded.cpu(), every.float())  # -0.0 and the subnormals included
+    assert torch.equal(decoded.cpu().signbit(), every.float().signbit())
+    g = torch.Generator().manual_seed(8)
+    codes, scale = weights(g, 40, 48, "fp8")
+    x = leaf(g, 37, 48, dtype=torch.bfloat16)
+    got = {}
+    for as_bytes in (True, False):
+        monkeypatch.setattr(tq, "E4M3_BYTES", as_bytes)
+        xi = x.detach().clone().requires_grad_()
+        y = tq.quant_linear(xi, codes, scale, None)
+        y.backward(torch.ones_like(y))
+        got[as_bytes] = (y, xi.grad, tq.dequantize(codes, scale, torch.bfloat16))
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
+
+
+@triton_test
 def test_many_rows_take_dequant_mm_and_few_the_fused_kernel():
     """The default choice of a quantized base (``training.engines.QUANT_BACKENDS``)."""
     needs_triton()

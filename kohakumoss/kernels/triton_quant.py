@@ -16,6 +16,9 @@ for cuBLAS instead, and ``dequantize`` is that pass alone.
   each tile is dequantized in registers, ``(codes[n, k] * scale[n])`` rounded to dy's dtype
   (the weight a bf16 model would hold), then multiplied on the tensor cores;
 
+Below sm89 (A100, the RTX 30 series) Triton has no e4m3 type: there fp8 codes are passed as
+their bytes and decoded by integer operations (``_widen_codes``), exactly.
+
 fp32 inputs are multiplied in full fp32 (``input_precision="ieee"``), not TF32. Compiled,
 each kernel is autotuned per (token bucket, N, K); interpreted (``TRITON_INTERPRET=1``, the
 CPU tests) one small tile is used.
@@ -33,6 +36,9 @@ from kohakumoss.kernels.custom import entry
 from kohakumoss.kernels.triton_common import INTERPRETED, check_tensors, jit, rounded
 
 CODES = (torch.int8, torch.float8_e4m3fn)
+E4M3_BYTES: bool | None = None
+"""fp8 codes read as bytes and decoded by the kernels (True), or as Triton's e4m3 type
+(False); None: bytes on cards below sm89, which have no e4m3 type."""
 _INTERPRETED = tl.constexpr(INTERPRETED)
 
 
@@ -48,6 +54,20 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @jit
+def _widen_codes(q, BYTES: tl.constexpr):
+    """Codes as loaded -> float32. ``BYTES``: e4m3 codes as uint8, decoded exactly by placing
+    sign, exponent and mantissa in a float16's fields (e4m3's exponent bias is 7, float16's
+    15: times 2^8 after; e4m3's subnormals land on float16's); 0x7f / 0xff (e4m3's NaN) read
+    as +-480, codes of finite weights never hold them."""
+    if BYTES:
+        h = q.to(tl.uint16)
+        bits = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        return q.to(tl.float32)
+
+
+@jit
 def _swizzle(pid, grid_a, grid_b, GROUP: tl.constexpr):
     """Program ``pid`` -> (tile along a, tile along b), ``GROUP`` a-tiles walked together so
     the b-tiles they share stay in L2."""
@@ -59,8 +79,8 @@ def _swizzle(pid, grid_a, grid_b, GROUP: tl.constexpr):
 
 @jit
 def _qmm_fwd(X, Q, S, BIAS, OUT, M, N, K, MB, sx, sq, so, HAS_BIAS: tl.constexpr,
-             IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             GROUP: tl.constexpr):
+             IEEE: tl.constexpr, BYTES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, GROUP: tl.constexpr):
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -72,7 +92,7 @@ def _qmm_fwd(X, Q, S, BIAS, OUT, M, N, K, MB, sx, sq, so, HAS_BIAS: tl.constexpr
         km = (k0 + rk) < K
         a = tl.load(xp, mask=(rm[:, None] < M) & km[None, :], other=0.0)
         bm = km[:, None] & (rn[None, :] < N)  # fp8 loads take no `other`: zeroed after
-        b = tl.where(bm, tl.load(qp, mask=bm).to(tl.float32), 0.0).to(a.dtype)
+        b = tl.where(bm, _widen_codes(tl.load(qp, mask=bm), BYTES), 0.0).to(a.dtype)
         acc = _mma(a, b, acc, IEEE)
         xp += BK
         qp += BK
@@ -84,8 +104,8 @@ def _qmm_fwd(X, Q, S, BIAS, OUT, M, N, K, MB, sx, sq, so, HAS_BIAS: tl.constexpr
 
 
 @jit
-def _qmm_bwd(DY, Q, S, DX, M, N, K, MB, sd, sq, sx, IEEE: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+def _qmm_bwd(DY, Q, S, DX, M, N, K, MB, sd, sq, sx, IEEE: tl.constexpr, BYTES: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     # dx [M, K] = dy [M, N] @ (codes * scale) [N, K]; BK tiles the output, BN the sum
     pid_m, pid_k = _swizzle(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -99,7 +119,7 @@ def _qmm_bwd(DY, Q, S, DX, M, N, K, MB, sd, sq, sx, IEEE: tl.constexpr, BM: tl.c
         a = tl.load(dp, mask=(rm[:, None] < M) & nm[None, :], other=0.0)
         s = tl.load(S + n0 + rn, mask=nm, other=0.0)
         bm = nm[:, None] & (rk[None, :] < K)
-        b = tl.where(bm, tl.load(qp, mask=bm).to(tl.float32), 0.0)
+        b = tl.where(bm, _widen_codes(tl.load(qp, mask=bm), BYTES), 0.0)
         acc = _mma(a, rounded(b * s[:, None], a.dtype), acc, IEEE)
         dp += BN
         qp += BN * sq
@@ -108,12 +128,12 @@ def _qmm_bwd(DY, Q, S, DX, M, N, K, MB, sd, sq, sx, IEEE: tl.constexpr, BM: tl.c
 
 
 @jit
-def _dequant(Q, S, W, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant(Q, S, W, N, K, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (rn[:, None] < N) & (rk[None, :] < K)
     at = rn.to(tl.int64)[:, None] * K + rk[None, :]
-    q = tl.where(m, tl.load(Q + at, mask=m).to(tl.float32), 0.0)
+    q = tl.where(m, _widen_codes(tl.load(Q + at, mask=m), BYTES), 0.0)
     s = tl.load(S + rn, mask=rn < N, other=0.0)
     tl.store(W + at, rounded(q * s[:, None], W.dtype.element_ty), mask=m)
 
@@ -144,6 +164,16 @@ def _meta() -> dict:
     return dict(_SMALL) if INTERPRETED else {}
 
 
+def _as_loaded(codes: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the codes as the kernels load them, whether as e4m3 bytes): ``E4M3_BYTES``."""
+    if codes.dtype != torch.float8_e4m3fn:
+        return codes, False
+    as_bytes = E4M3_BYTES
+    if as_bytes is None:
+        as_bytes = codes.device.type == "cuda" and torch.cuda.get_device_capability(codes.device) < (8, 9)
+    return (codes.view(torch.uint8), True) if as_bytes else (codes, False)
+
+
 def _check(op: str, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, dim: int = 1) -> None:
     """x's last size must be the codes' size ``dim`` (1: a forward, 0: an input gradient)."""
     check_tensors(op, x)
@@ -161,10 +191,12 @@ def _fwd_impl(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     N = codes.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if out.numel():
+        codes, as_bytes = _as_loaded(codes)
         grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
         _fwd_kernel[grid](x, codes, scale, bias if bias is not None else scale, out, M, N, K,
                           _bucket(M), x.stride(0), codes.stride(0), out.stride(0),
-                          HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **_meta())
+                          HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BYTES=as_bytes,
+                          **_meta())
     return out
 
 
@@ -174,9 +206,11 @@ def _bwd_impl(go: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
     dx = torch.empty((M, K), dtype=go.dtype, device=go.device)
     if dx.numel():
         go = go if go.stride(-1) == 1 else go.contiguous()
+        codes, as_bytes = _as_loaded(codes)
         grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(K, meta["BK"]),)  # noqa: E731
         _bwd_kernel[grid](go, codes, scale, dx, M, N, K, _bucket(M), go.stride(0),
-                          codes.stride(0), dx.stride(0), IEEE=go.dtype == torch.float32, **_meta())
+                          codes.stride(0), dx.stride(0), IEEE=go.dtype == torch.float32,
+                          BYTES=as_bytes, **_meta())
     return dx
 
 
@@ -229,8 +263,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     w = torch.empty((N, K), dtype=dtype, device=codes.device)
     if w.numel():
         bn, bk = (16, 16) if INTERPRETED else (32, 256)
-        _dequant[(triton.cdiv(N, bn), triton.cdiv(K, bk))](codes, scale, w, N, K, BLOCK_N=bn,
-                                                          BLOCK_K=bk, num_warps=4)
+        codes, as_bytes = _as_loaded(codes)
+        _dequant[(triton.cdiv(N, bn), triton.cdiv(K, bk))](codes, scale, w, N, K, BYTES=as_bytes,
+                                                          BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return w
 
 
