@@ -27,6 +27,19 @@ from _report import cuda_ms, report  # bench/_report.py (the script's folder is 
 
 D = 3072
 ROWS_MOVED = {"forward": 2, "added": 4, "rows": 4, "gated": 5}  # bf16 rows read + written
+LAUNCHES = tuple(itertools.product((1, 2, 4), (2, 4, 8, 16)))  # (rows a program, warps)
+
+
+def row_calls(norm, x, y, go, res, w, mod, seg) -> dict:
+    """Each row kernel of the norm as a call (``kind``: ``triton_norm.LAUNCH``'s keys) on
+    rows ``x``, ``y`` (the added branch), ``go`` and ``res`` [N, D], a CFG pair's ``mod``."""
+    return {
+        "forward": lambda: [norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True)],
+        "added": lambda: list(norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True, (y, mod[:, 2]))),
+        "rows": lambda: [norm._backward(go, x, w, mod[:, 1], seg, 1e-6, True, False, False, res)[0]],
+        "gated": lambda: list(norm.backward_added(go, x, w, mod[:, 1], seg, 1e-6, res, mod[:, 2],
+                                                  torch.bfloat16)),
+    }
 
 
 def main() -> None:
@@ -41,17 +54,11 @@ def main() -> None:
         w = torch.randn(D, device=dev, generator=g, dtype=torch.bfloat16)
         mod = torch.randn(2, 6, D, device=dev, generator=g) * 0.3  # a CFG pair's modulation
         seg = torch.repeat_interleave(torch.arange(2, device=dev), torch.tensor([N // 2, N - N // 2], device=dev))
-        calls = {
-            "forward": lambda: [norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True)],
-            "added": lambda: list(norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True, (y, mod[:, 2]))),
-            "rows": lambda: [norm._backward(go, x, w, mod[:, 1], seg, 1e-6, True, False, False, res)[0]],
-            "gated": lambda: list(norm.backward_added(go, x, w, mod[:, 1], seg, 1e-6, res, mod[:, 2],
-                                                      torch.bfloat16)),
-        }
+        calls = row_calls(norm, x, y, go, res, w, mod, seg)
         for kind, call in calls.items():
             want = call()
             rows = []
-            for launch in itertools.product((1, 2, 4), (2, 4, 8, 16)):
+            for launch in LAUNCHES:
                 norm.LAUNCH[kind] = launch
                 try:
                     got = call()

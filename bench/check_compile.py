@@ -19,8 +19,11 @@ more shared memory than the card has; spills are reported, not failed.
 Runs: ``lora`` (rank-32 LoRA, bf16), ``full`` (full finetune, bf16: the weight and
 modulation gradients), ``fp16`` (LoRA, fp16 compute, the stream scaled), ``fp32``, ``int8``
 and ``fp8`` (weight-only bases), ``fp8-full`` (fp8 compute with fp8 input gradients),
-``sample`` (no gradients, a prompt and a negative packed). The Triton the machine has does
-the compiling: its version is printed (the H200 image has 3.6).
+``sample`` (no gradients, a prompt and a negative packed); and ``sweeps``: every launch
+config the GPU sweeps time (fp8 rows, the norm's row kernels, the narrow products), so a
+config that cannot build is known before device time is spent on it. The Triton the
+machine has does the compiling: its version is printed (the H200 image has 3.6: install
+that one beside, ``pip install --target DIR triton==3.6.0`` and ``PYTHONPATH=DIR:.``).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class Compiled:
     stages: int
     shared: int = 0
     registers: int = 0
-    spilled: int = 0  # local memory bytes per thread
+    spilled: int = 0  # stack (spilled registers) and local memory, bytes a thread
     error: str = ""
 
 
@@ -79,7 +82,8 @@ class _Driver:
 
 
 def _resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, local bytes) of a cubin's kernel, by ``cuobjdump --dump-resource-usage``."""
+    """(registers, stack bytes a thread: where registers spill) of a cubin's kernel, by
+    ``cuobjdump --dump-resource-usage``."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -90,7 +94,7 @@ def _resources(cubin: bytes) -> tuple[int, int]:
                              text=True, check=True).stdout
     fields = dict(part.split(":", 1) for line in out.splitlines() if "REG:" in line
                   for part in line.split() if ":" in part)
-    return int(fields.get("REG", 0)), int(fields.get("LOCAL", 0))
+    return int(fields.get("REG", 0)), int(fields.get("STACK", 0)) + int(fields.get("LOCAL", 0))
 
 
 @contextlib.contextmanager
@@ -205,6 +209,39 @@ def step(run: str, blocks: int = 2, image: int = 64, text: int = 24) -> None:
             loss.backward()
 
 
+def sweeps() -> None:
+    """The launches the GPU sweeps time, each made once on a few rows (the launches depend on
+    the widths): ``bench_fp8_rows.py``'s configs at its five shapes, ``bench_norm_launch.py``'s
+    for each row kernel of the norm, and ``bench_lora_products.py``'s for the narrow kernel."""
+    import bench_fp8_rows
+    import bench_lora_products
+    import bench_norm_launch
+    from kohakumoss.kernels import triton_fp8, triton_norm, triton_narrow
+
+    g, rows, bf16 = torch.Generator().manual_seed(0), 8, torch.bfloat16
+    for n, K, cols, r in bench_fp8_rows.SHAPES.values():
+        xs = [torch.randn(rows, K, generator=g).to(bf16) for _ in range(n)]
+        cs = torch.rand(n * K, generator=g) + 0.5 if cols else None
+        tail = (torch.randn(rows, r * 32, generator=g).to(bf16), torch.rand(r * 32, generator=g))
+        for config in bench_fp8_rows.configs(K, n):
+            triton_fp8.fp8_rows_joined(xs, cs, tail, launch=config)
+    D = bench_norm_launch.D
+    x, y, go, res = (torch.randn(rows, D, generator=g).to(bf16) for _ in range(4))
+    w, mod = torch.randn(D, generator=g).to(bf16), torch.randn(2, 6, D, generator=g)
+    seg = torch.tensor([0] * (rows // 2) + [1] * (rows - rows // 2))
+    for kind, call in bench_norm_launch.row_calls(triton_norm, x, y, go, res, w, mod, seg).items():
+        for launch in bench_norm_launch.LAUNCHES:
+            triton_norm.LAUNCH[kind] = launch
+            try:
+                call()
+            finally:
+                triton_norm.LAUNCH.pop(kind, None)
+    for K, R in ((3072, 32), (3072, 96), (8192, 32), (16384, 32)):  # h = x A^T (q|k|v: 3 x 32), t = dy B
+        for config in bench_lora_products.TRITON_CONFIGS:
+            triton_narrow.narrow_mm(torch.randn(rows, K, generator=g).to(bf16),
+                                    torch.randn(K, R, generator=g).to(bf16), config)
+
+
 def problem(k: Compiled, arch: int) -> str:
     """Why kernel ``k`` cannot run on ``sm<arch>`` ("" when it can)."""
     limit = SHARED_LIMIT.get(arch, min(SHARED_LIMIT.values()))
@@ -213,9 +250,10 @@ def problem(k: Compiled, arch: int) -> str:
 
 def check(arch: int, run: str, blocks: int = 2, e4m3_bytes: bool | None = None
           ) -> tuple[list[Compiled], list[str]]:
-    """``run``'s kernels compiled for ``sm<arch>``, and what fails there (one line each)."""
+    """``run``'s kernels compiled for ``sm<arch>`` (``sweeps``: the sweeps' launches), and
+    what fails there (one line each)."""
     with compile_only(arch, e4m3_bytes) as compiled:
-        step(run, blocks)
+        sweeps() if run == "sweeps" else step(run, blocks)
     return compiled, [f"sm{arch}/{run}/{k.kernel}: {problem(k, arch)}" for k in compiled
                       if problem(k, arch)]
 
@@ -225,7 +263,9 @@ def main() -> None:
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80],
                         help="compute capabilities to compile for, e.g. 90 (H100/H200), 80 (A100), "
                              "86 (RTX 30), 89 (Ada)")
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=[*RUNS, "sweeps"],
+                        help="the steps to compile (default: all); sweeps: the launches "
+                             "bench_fp8_rows, bench_norm_launch and bench_lora_products time")
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--json", help="also write every compiled kernel here")
     parser.add_argument("--e4m3-bytes", choices=["auto", "on", "off"], default="auto",
@@ -253,7 +293,7 @@ def main() -> None:
                 flag = "FAIL" if why else ("spills" if k.spilled else "ok")
                 consts = ",".join(f"{n}={v}" for n, v in k.constants.items())
                 print(f"sm{arch} {run:9s} {flag:6s} {k.kernel:22s} warps={k.warps} stages={k.stages} "
-                      f"regs={k.registers} shared={k.shared} local={k.spilled} [{consts}] "
+                      f"regs={k.registers} shared={k.shared} stack={k.spilled} [{consts}] "
                       f"{why.splitlines()[-1] if why else ''}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
