@@ -113,11 +113,14 @@ def compile_only(arch: int, e4m3_bytes: bool | None = None):
     def run(self, *args, grid, warmup, **kwargs):
         try:
             kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        except Exception as e:  # the compiler's refusal is the finding
+        except Exception as e:  # the compiler's refusal is the finding (once per variant)
             names = [p.name for p in self.params]
             constants = {k: v for k, v in kwargs.items() if k in names}
-            out.append(Compiled(self.__name__, constants, kwargs.get("num_warps", 4),
-                                kwargs.get("num_stages", 3), error=f"{type(e).__name__}: {e}"[:400]))
+            key = repr((self.__name__, constants, kwargs.get("num_warps"), kwargs.get("num_stages")))
+            if key not in seen:
+                seen[key] = Compiled(self.__name__, constants, kwargs.get("num_warps", 4),
+                                     kwargs.get("num_stages", 3), error=f"{type(e).__name__}: {e}"[:400])
+                out.append(seen[key])
             return None
         if kernel.hash not in seen:
             md = kernel.metadata
