@@ -128,12 +128,15 @@ def test_fp8_codes_read_as_bytes_give_the_same_results(monkeypatch):
     codes, scale = weights(g, 40, 48, "fp8")
     x = leaf(g, 37, 48, dtype=torch.bfloat16)
     got = {}
-    for as_bytes in (True, False):
+    for as_bytes in (True, False) if tq.native_e4m3(torch.device(DEVICE)) else (True,):
         monkeypatch.setattr(tq, "E4M3_BYTES", as_bytes)
         xi = x.detach().clone().requires_grad_()
         y = tq.quant_linear(xi, codes, scale, None)
         y.backward(torch.ones_like(y))
         got[as_bytes] = (y, xi.grad, tq.dequantize(codes, scale, torch.bfloat16))
+    if False not in got:  # a card without e4m3 in Triton: the reference's dequantized weight
+        assert torch.equal(got[True][2], ops.dequantize_rows(codes, scale, torch.bfloat16))
+        return
     for a, b in zip(got[True], got[False]):
         assert torch.equal(a, b)
 

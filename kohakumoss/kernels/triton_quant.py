@@ -170,8 +170,18 @@ def _as_loaded(codes: torch.Tensor) -> tuple[torch.Tensor, bool]:
         return codes, False
     as_bytes = E4M3_BYTES
     if as_bytes is None:
-        as_bytes = codes.device.type == "cuda" and torch.cuda.get_device_capability(codes.device) < (8, 9)
+        as_bytes = not native_e4m3(codes.device)
     return (codes.view(torch.uint8), True) if as_bytes else (codes, False)
+
+
+_NATIVE: dict[torch.device, bool] = {}
+
+
+def native_e4m3(device: torch.device) -> bool:
+    """Triton has the e4m3 type here: the CPU (interpreted) and CUDA sm89+; asked once a device."""
+    if device not in _NATIVE:
+        _NATIVE[device] = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    return _NATIVE[device]
 
 
 def _check(op: str, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, dim: int = 1) -> None:
