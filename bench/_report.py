@@ -1,6 +1,6 @@
 """The benchmarks' one way to report: the results as JSON on stdout, and in ``$OUT/<name>.json``
 when ``$OUT`` is set (the device machine sends that folder back); their one CUDA-event
-timer, ``cuda_ms``; and ``CardLog``, the card's clock, power and temperature while a run
+timer, ``cuda_ms``, and ``rounds_ms`` for sweeps (every config timed once a round); and ``CardLog``, the card's clock, power and temperature while a run
 goes (an H200 at its 700 W limit runs its SMs ~20% below their top clock, and a figure
 means little without it)."""
 
@@ -40,6 +40,37 @@ def cuda_ms(fn, reps: int = 1, iters: int = 15) -> float:
         b.synchronize()
         out.append(a.elapsed_time(b) / reps)
     return sorted(out)[len(out) // 2]
+
+
+def cuda_window(fn, reps: int) -> float:
+    """Milliseconds per call of ``fn`` over one CUDA-event window of ``reps`` back-to-back calls."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def rounds_ms(fns: dict, rounds: int = 7, reps: int = 10, window=cuda_window) -> dict:
+    """Milliseconds per call of each of ``fns`` (key: call), timed in rounds: each round times
+    every call once (one ``window`` of ``reps`` calls), starting one further along each round,
+    and a call's figure is its median over the rounds. A card's clock drifts over a sweep (an
+    idle H200 ramps from ~345 MHz, a busy one sinks to its power limit); timed one after
+    another, the first and last configs of a sweep see different clocks, timed in rounds they
+    see the same spread. Three warm-up calls each first."""
+    keys = list(fns)
+    for k in keys:
+        for _ in range(3):
+            fns[k]()
+    got: dict = {k: [] for k in keys}
+    for i in range(rounds):
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
+            got[k].append(window(fns[k], reps))
+    return {k: sorted(v)[len(v) // 2] for k, v in got.items()}
 
 
 class CardLog:

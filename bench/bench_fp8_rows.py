@@ -9,7 +9,7 @@ wide; ffn_down: 8,192) and the input gradients' ``dy * scale`` with theirs (q|k|
 3,072-wide sources as one row; o and ffn_down: 3,072; up|gate: 16,384). Each is bound by
 memory: it reads the bf16 rows once (twice where a row does not fit the registers) and
 writes one byte a column. Per shape and config (block, rows a program walks, their
-pipeline stages, warps): the median time (CUDA events, ``_report.cuda_ms``), the bytes moved
+pipeline stages, warps): the median time, every config timed once a round (``_report.rounds_ms``), the bytes moved
 at one read over the time, and the fastest config against the one ``rows_launch`` picks.
 Prints one JSON object (``$OUT/bench_fp8_rows.json`` on the device machine).
 """
@@ -23,7 +23,7 @@ import torch
 import triton
 
 from kohakumoss.kernels import triton_fp8
-from _report import cuda_ms, report  # bench/_report.py (the script's folder is on sys.path)
+from _report import report, rounds_ms  # bench/_report.py (the script's folder is on sys.path)
 
 # name: (sources, width, column factors, tail rank as a multiple of --rank)
 SHAPES = {"qkv_forward": (1, 3072, False, 3), "down_forward": (1, 8192, False, 1),
@@ -58,17 +58,22 @@ def main() -> None:
                 torch.rand(r * a.rank, device=dev, generator=g) * 4)
         moved = a.tokens * (n * K * 3 + r * a.rank * 3)  # bf16 in, e4m3 out, the tail alike
         want = triton_fp8.fp8_rows_joined(xs, cs, tail)
-        rows = []
+        rows, fns = [], {}
         for cfg in configs(K, n):
+            fns[cfg] = lambda cfg=cfg: triton_fp8.fp8_rows_joined(xs, cs, tail, launch=cfg)
             try:
-                got = triton_fp8.fp8_rows_joined(xs, cs, tail, launch=cfg)
+                got = fns[cfg]()
                 same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and \
                     torch.equal(got[1], want[1])
-                ms = cuda_ms(lambda: triton_fp8.fp8_rows_joined(xs, cs, tail, launch=cfg), reps=10, iters=9)
             except Exception as e:  # a config that does not build (registers, shared memory)
                 rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                del fns[cfg]
                 continue
-            rows.append({"config": cfg, "us": round(ms * 1e3, 1), "gb_s": round(moved / ms / 1e6), "same": same})
+            rows.append({"config": cfg, "same": same})
+        ms = rounds_ms(fns, reps=10)
+        for x in rows:
+            if "same" in x:
+                x.update(us=round(ms[x["config"]] * 1e3, 1), gb_s=round(moved / ms[x["config"]] / 1e6))
         timed = [x for x in rows if "us" in x]
         picked = triton_fp8.rows_launch(K, n)
         now = next((x for x in timed if tuple(x["config"]) == picked), None)

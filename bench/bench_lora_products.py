@@ -11,7 +11,7 @@ memory's speed (``t`` at 3,072 wide: 49 µs for 103 MB). Asked as the transposed
 (``(B^T dy^T)^T``) cuBLAS picks other tiles; and ``h`` and ``t`` (a narrow output, the
 long side summed in one program) by ``kernels/triton_narrow.py`` in several launches
 (``ops.narrow_mm``'s backends, ``kernels/narrow.py``, are the three ways in a step). This times every form of
-each product (CUDA events, ``_report.cuda_ms``) with the bytes read over the time, and the
+each product (every form once a round, ``_report.rounds_ms``) with the bytes read over the time, and the
 error against the first form. Prints one JSON object (``$OUT/bench_lora_products.json`` on the device
 machine).
 """
@@ -23,7 +23,7 @@ import argparse
 import torch
 
 from kohakumoss.kernels.triton_narrow import narrow_mm
-from _report import cuda_ms, report  # bench/_report.py (the script's folder is on sys.path)
+from _report import report, rounds_ms  # bench/_report.py (the script's folder is on sys.path)
 
 
 TRITON_CONFIGS = ((128, 64, 4, 4), (128, 128, 3, 8), (64, 128, 4, 4), (256, 64, 3, 8), (64, 64, 6, 4))
@@ -69,17 +69,18 @@ def main() -> None:
         big = rand(M, W)
         small = {"h": rand(rr, W), "t": rand(W, rr)}.get(kind, rand(M, rr))
         row = {"product": kind, "width": W, "rank": rr}
-        ref = None
+        ref, fns, got = None, {}, {}
         for name, fn in forms(big, small, kind):
             try:
-                got = fn()
+                got[name] = fn()
             except Exception as e:  # a candidate config that does not build
                 row[name] = f"{type(e).__name__}: {str(e)[:100]}"
                 continue
-            ref = got if ref is None else ref
-            ms = cuda_ms(fn, reps=10, iters=9)
+            ref = got[name] if ref is None else ref
+            fns[name] = fn
+        for name, ms in rounds_ms(fns, reps=10).items():
             row[name] = {"us": round(ms * 1e3, 1), "tb_s": round(big.numel() * 2 / ms / 1e9, 2),
-                         "rel": float((got.float() - ref.float()).norm() / ref.float().norm())}
+                         "rel": float((got[name].float() - ref.float()).norm() / ref.float().norm())}
         out["products"].append(row)
         print(row, flush=True)
     report(out, "bench_lora_products")

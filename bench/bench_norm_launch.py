@@ -9,8 +9,8 @@ and, backward, the rows kernel that writes the stream's gradient and the branch'
 (``gated``); ``forward`` (the plain norm) and ``rows`` (dx alone) run where the chain does
 not. Each reads and writes whole [tokens, 3,072] bf16 rows, with the sample's fp32 shift,
 scale and gate beside them. Per kind and token count, every launch (rows a program: 1, 2, 4;
-warps: 2, 4, 8, 16): the median time (CUDA events, ``_report.cuda_ms``), the bytes of the
-bf16 rows moved over the time, whether the results equal the default launch's, and the
+warps: 2, 4, 8, 16) and the default, timed in rounds so a drifting clock favours none
+(``_report.rounds_ms``): the median time, the bytes of the bf16 rows moved over the time, whether the results equal the default launch's, and the
 fastest against the default. A winner goes to ``triton_norm.LAUNCH``. Prints one JSON
 object (``$OUT/bench_norm_launch.json`` on the device machine).
 """
@@ -23,7 +23,7 @@ import itertools
 import torch
 
 from kohakumoss.kernels import backends
-from _report import cuda_ms, report  # bench/_report.py (the script's folder is on sys.path)
+from _report import report, rounds_ms  # bench/_report.py (the script's folder is on sys.path)
 
 D = 3072
 ROWS_MOVED = {"forward": 2, "added": 4, "rows": 4, "gated": 5}  # bf16 rows read + written
@@ -42,6 +42,17 @@ def row_calls(norm, x, y, go, res, w, mod, seg) -> dict:
     }
 
 
+def launched(norm, kind: str, launch: tuple[int, int], call):
+    """``call`` under ``launch`` for ``kind`` (``triton_norm.LAUNCH``), the default restored after."""
+    def run():
+        norm.LAUNCH[kind] = launch
+        try:
+            return call()
+        finally:
+            norm.LAUNCH.pop(kind, None)
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8308, 16800])
@@ -57,25 +68,25 @@ def main() -> None:
         calls = row_calls(norm, x, y, go, res, w, mod, seg)
         for kind, call in calls.items():
             want = call()
-            rows = []
+            fns, rows = {}, {}
             for launch in LAUNCHES:
-                norm.LAUNCH[kind] = launch
+                fns[launch] = launched(norm, kind, launch, call)
                 try:
-                    got = call()
-                    same = all(torch.equal(p, q) for p, q in zip(got, want))
-                    ms = cuda_ms(call, reps=10, iters=9)
+                    got = fns[launch]()
+                    rows[launch] = {"launch": launch, "same": all(torch.equal(p, q) for p, q in zip(got, want))}
                 except Exception as e:  # a launch that does not build (registers)
-                    rows.append({"launch": launch, "error": f"{type(e).__name__}: {str(e)[:120]}"})
-                    continue
-                finally:
-                    norm.LAUNCH.pop(kind, None)
-                rows.append({"launch": launch, "us": round(ms * 1e3, 1),
-                             "gb_s": round(ROWS_MOVED[kind] * N * D * 2 / ms / 1e6), "same": same})
-            default = cuda_ms(call, reps=10, iters=9)
-            timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-            out["kinds"][f"{kind}/{N}"] = {"default_us": round(default * 1e3, 1), "best": timed[0],
-                                          "top": timed[:5], "failed": [r for r in rows if "error" in r][:3]}
-            print(kind, N, "default", round(default * 1e3, 1), "best", timed[0], flush=True)
+                    rows[launch] = {"launch": launch, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+                    del fns[launch]
+            fns["default"] = call
+            ms = rounds_ms(fns, reps=10)
+            for launch, t in ms.items():
+                if launch != "default":
+                    rows[launch].update(us=round(t * 1e3, 1), gb_s=round(ROWS_MOVED[kind] * N * D * 2 / t / 1e6))
+            timed = sorted((r for r in rows.values() if "us" in r), key=lambda r: r["us"])
+            out["kinds"][f"{kind}/{N}"] = {"default": norm._launch(kind, D)[::2], "default_us": round(ms["default"] * 1e3, 1),
+                                          "best": timed[0], "top": timed[:5],
+                                          "failed": [r for r in rows.values() if "error" in r][:3]}
+            print(kind, N, "default", norm._launch(kind, D)[::2], round(ms["default"] * 1e3, 1), "best", timed[0], flush=True)
     report(out, "bench_norm_launch")
 
 

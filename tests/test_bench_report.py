@@ -42,3 +42,28 @@ def test_the_log_reads_what_nvidia_smi_printed_while_the_block_ran(tmp_path, mon
     assert time.perf_counter() - t0 < 10  # stopped, not waited out
     assert log.summary() == {"sm_mhz": [1500.0, 1600.0, 1700.0], "power_w": [650.0, 670.0, 690.0],
                              "temp_c": [58.0, 59.0, 60.0], "samples": 2}
+
+
+def test_rounds_cancel_a_drifting_clock():
+    """Three identical calls under a clock that speeds up as the sweep goes on: timed one after
+    another the last looks fastest, timed in rounds each gets the same median."""
+    from _report import rounds_ms
+
+    clock = {"t": 0}
+
+    def window(fn, reps):  # each window 1% faster than the one before
+        fn()
+        clock["t"] += 1
+        return 100.0 * 0.99 ** clock["t"]
+
+    fns = {k: (lambda: None) for k in "abc"}
+    one_after_another = {k: sorted(window(f, 1) for _ in range(5))[2] for k, f in fns.items()}
+    assert one_after_another["c"] < one_after_another["a"] * 0.95
+    clock["t"] = 0
+    got = rounds_ms(fns, rounds=9, window=window)
+    spread = max(got.values()) / min(got.values()) - 1
+    assert spread < (one_after_another["a"] / one_after_another["c"] - 1) / 3  # two windows' drift, not ten
+    calls = {"n": 0}
+    rounds_ms({"x": lambda: calls.__setitem__("n", calls["n"] + 1)}, rounds=4, reps=2,
+              window=lambda fn, reps: [fn() for _ in range(reps)] and 1.0)
+    assert calls["n"] == 3 + 4 * 2  # warm-up, then each round's window
