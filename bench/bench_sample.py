@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/bench_sample.py [--steps 50] [--batches 1 4] [--kernels triton]
                                               [--compile-blocks] [--chain on off]
+                                              [--base keep|int8|fp8|fp8-compute]
 
 The 5.08B DiT in bf16 (random weights), 1024x1024 images (4096 image tokens), a 112-token
 prompt embedding and the ~10-token empty-caption negative, 50 Euler steps at shift 5 with
@@ -28,8 +29,10 @@ from kohakumoss.model.build import random_transformer
 from _report import CardLog, report  # bench/_report.py (the script's folder is on sys.path)
 
 
-def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False) -> MOSSImageTransformer:
-    from bench_train import kernel_choices, tune_per_shape
+def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False, base: str = "keep") -> MOSSImageTransformer:
+    """The base flavor with random weights, held as ``base`` (``bench_train``'s ``--bases``:
+    keep (bf16), int8 or fp8 weight-only, fp8-compute: fp8 GEMMs)."""
+    from bench_train import _BASES, kernel_choices, tune_per_shape
 
     from kohakumoss.memory.checkpointing import repeated_blocks
     from kohakumoss.memory.profiles import MemoryEngines
@@ -38,9 +41,10 @@ def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False) -> 
 
     model = random_transformer(FLAVORS["base"], "cuda")
     no_recompute = MemoryEngines(checkpointing="none", recompute=False)  # sampling keeps no graph
-    applied = apply_engines(model, EnginePlan(torch.device("cuda"), precision_policy("bf16", full=False),
-                                              kernels=kernel_choices(kernels), memory=no_recompute,
-                                              tuned=tune_per_shape([[(4096, 112), (4096, 10)]], ["tilelang"]) if tune else {}))
+    policy = precision_policy("bf16", full=False, base=_BASES[base][0], fp8_compute=_BASES[base][1] != "off")
+    tuned = tune_per_shape([[(4096, 112), (4096, 10)]], ["tilelang"]) if tune else {}
+    applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy, kernels=kernel_choices(kernels),
+                                              memory=no_recompute, tuned=tuned))
     print(json.dumps({"op_table": applied.kernels}), flush=True)
     if compile_blocks:
         for _, block in repeated_blocks(model):
@@ -63,15 +67,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile 2 steps of batch 1 (bench_train's)")
     ap.add_argument("--tune", action="store_true",
                     help="the per-shape ops (the block linears' GEMM) as the tuner picks them")
+    ap.add_argument("--base", default="keep", choices=["keep", "int8", "fp8", "fp8-compute"],
+                    help="the frozen model as held: bf16 (keep), int8 or fp8 weight-only, or fp8 "
+                         "with fp8 GEMMs (precision.base / fp8_compute, as kmoss sample takes them)")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     a = ap.parse_args()
-    model = random_dit(a.kernels, a.compile_blocks, a.tune)
+    model = random_dit(a.kernels, a.compile_blocks, a.tune, a.base)
     g = torch.Generator().manual_seed(0)
     pos = torch.randn(112, 4096, generator=g)
     neg = torch.randn(10, 4096, generator=g)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "size": "1024x1024", "runs": [],
-           "kernels": a.kernels, "tuned": a.tune, "compile_blocks": a.compile_blocks}
+           "kernels": a.kernels, "base": a.base, "tuned": a.tune, "compile_blocks": a.compile_blocks}
     t0 = time.perf_counter()
     sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
