@@ -19,7 +19,8 @@ more shared memory than the card has; spills are reported, not failed.
 Runs: ``lora`` (rank-32 LoRA, bf16), ``full`` (full finetune, bf16: the weight and
 modulation gradients), ``fp16`` (LoRA, fp16 compute, the stream scaled), ``fp32``, ``int8``
 and ``fp8`` (weight-only bases), ``fp8-full`` (fp8 compute with fp8 input gradients),
-``sample`` (no gradients, a prompt and a negative packed); and ``sweeps``: every launch
+``sample`` (no gradients, a prompt and a negative packed), ``sample-fp8`` (the same over fp8
+GEMMs, as ``kmoss sample`` with ``precision.fp8_compute: on``); and ``sweeps``: every launch
 config the GPU sweeps time (fp8 rows, the norm's row kernels, the narrow products), so a
 config that cannot build is known before device time is spent on it. The Triton the
 machine has does the compiling: its version is printed (the H200 image has 3.6: install
@@ -43,7 +44,7 @@ import torch
 # the largest shared memory a block may ask for (bytes, opt-in), per compute capability
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
                 120: 101376}
-RUNS = ("lora", "full", "fp16", "fp32", "int8", "fp8", "fp8-full", "sample")
+RUNS = ("lora", "full", "fp16", "fp32", "int8", "fp8", "fp8-full", "sample", "sample-fp8")
 
 
 @dataclasses.dataclass
@@ -177,21 +178,21 @@ def _model(run: str, blocks: int):
     config = dataclasses.replace(FLAVORS["base"], depth=blocks, text_blocks=1, negative_skip_layers=(1,))
     model = random_transformer(config, "cpu")
     dtype = {"fp16": "fp16", "fp32": "fp32"}.get(run, "bf16")
-    base = {"int8": "int8", "fp8": "fp8", "fp8-full": "fp8"}.get(run, "keep")
-    policy = precision_policy(dtype, full=run == "full", base=base, fp8_compute=run == "fp8-full",
-                              fp8_grad=run == "fp8-full")
+    base = {"int8": "int8", "fp8": "fp8", "fp8-full": "fp8", "sample-fp8": "fp8"}.get(run, "keep")
+    policy = precision_policy(dtype, full=run == "full", base=base,
+                              fp8_compute=run in ("fp8-full", "sample-fp8"), fp8_grad=run == "fp8-full")
     kernels = {op: ["triton"] for op in TRITON_OPS if op != "quant_linear"}
     kernels["narrow_mm"] = ["triton"]
     apply_engines(model, EnginePlan(torch.device("cpu"), policy, kernels=kernels))
-    if run not in ("full", "sample"):
+    if run != "full" and not run.startswith("sample"):
         apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
-    if run == "sample":
+    if run.startswith("sample"):
         model.requires_grad_(False)
     return model, policy.compute
 
 
 def step(run: str, blocks: int = 2, image: int = 64, text: int = 24) -> None:
-    """One training step of ``run`` (``sample``: a CFG forward) on two samples of ``image``
+    """One training step of ``run`` (``sample``, ``sample-fp8``: a CFG forward) on two samples of ``image``
     image tokens (square) and ``text`` / ``text - 8`` text tokens."""
     from kohakumoss.diffusion.objective import flow_loss
     from kohakumoss.model import build_layout
@@ -204,9 +205,9 @@ def step(run: str, blocks: int = 2, image: int = 64, text: int = 24) -> None:
     z = torch.randn(2 * side * side, c.latent_channels, dtype=dtype)
     words = torch.randn(sum(texts), c.text_dim, dtype=dtype)
     sigma = torch.rand(2)
-    with torch.no_grad() if run == "sample" else contextlib.nullcontext():
+    with torch.no_grad() if run.startswith("sample") else contextlib.nullcontext():
         pred = model(z, words, sigma, layout)
-        if run != "sample":
+        if not run.startswith("sample"):
             loss = flow_loss(pred, torch.randn_like(pred, dtype=torch.float32), layout.seg_img,
                              torch.ones(2), layout.n_img)
             loss.backward()
@@ -282,7 +283,7 @@ def main() -> None:
     failed, summary, kernels = [], {}, []
     for arch in args.arch:
         for run in args.runs:
-            if run == "fp8-full" and arch < 89:
+            if run in ("fp8-full", "sample-fp8") and arch < 89:
                 continue  # fp8 compute needs sm89+ (the precision policy refuses it there)
             t0 = time.perf_counter()
             compiled, bad = check(arch, run, args.blocks,

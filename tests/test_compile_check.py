@@ -46,14 +46,16 @@ def _has(result: dict, kernel: str, **constants) -> bool:
 
 
 def test_the_training_kernels_build_for_an_h200(tmp_path):
-    result = _compile(tmp_path, 90, ["lora", "full", "fp8-full"])
+    result = _compile(tmp_path, 90, ["lora", "full", "fp8-full", "sample-fp8"])
     assert result["failed"] == []
     assert all(k["error"] == "" and 0 < k["registers"] <= 255 for k in result["kernels"])
     assert _has(result, "_norm_fwd", ADDED=True)  # the chain: the add made by the next norm
     assert _has(result, "_norm_bwd_rows", GATED=True)  # and its backward
     assert _has(result, "_norm_bwd", WEIGHT_GRAD=True, MOD_GRAD=True)  # a full finetune's
     assert _has(result, "_narrow") and _has(result, "_fp8_rows") and _has(result, "_widen")
-    assert {k["run"] for k in result["kernels"]} == {"lora", "full", "fp8-full"}
+    assert any(k["run"] == "sample-fp8" and k["kernel"] == "_fp8_rows" and k["constants"]["TAIL"] == 0
+               for k in result["kernels"])  # sampling over fp8 GEMMs: rows with no LoRA tail
+    assert {k["run"] for k in result["kernels"]} == {"lora", "full", "fp8-full", "sample-fp8"}
 
 
 def test_a_weight_only_fp8_base_builds_below_sm89(tmp_path):
