@@ -30,16 +30,8 @@ def cuda_ms(fn, reps: int = 1, iters: int = 15) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return sorted(out)[len(out) // 2]
+    out = sorted(cuda_window(fn, reps) for _ in range(iters))
+    return out[len(out) // 2]
 
 
 def cuda_window(fn, reps: int) -> float:

@@ -9,8 +9,8 @@ wide; ffn_down: 8,192) and the input gradients' ``dy * scale`` with theirs (q|k|
 3,072-wide sources as one row; o and ffn_down: 3,072; up|gate: 16,384). Each is bound by
 memory: it reads the bf16 rows once (twice where a row does not fit the registers) and
 writes one byte a column. Per shape and config (block, rows a program walks, their
-pipeline stages, warps): the median time, every config timed once a round (``_report.rounds_ms``), the bytes moved
-at one read over the time, and the fastest config against the one ``rows_launch`` picks.
+pipeline stages, warps): the median time, every config timed once a round
+(``_report.rounds_ms``), the bytes moved at one read over the time, and the fastest config against the one ``rows_launch`` picks.
 Prints one JSON object (``$OUT/bench_fp8_rows.json`` on the device machine).
 """
 
