@@ -238,6 +238,64 @@ def test_fp8_lora_kernels():
     assert torch.equal(q[:, :85].float(), want_q.float()) and not q[:, 85:].float().any()
 
 
+def _held(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """``codes`` as ``QuantizedLinear.hold_slots`` holds them: the first columns of a wider
+    buffer, ``width`` columns after each row (here not zero: whatever was there stays)."""
+    N, K = codes.shape
+    wide = torch.full((N, K + width), 0x5A, dtype=torch.uint8, device=codes.device)
+    wide[:, :K].copy_(codes.view(torch.uint8))
+    return wide.view(codes.dtype)[:, :K]
+
+
+@triton_test
+def test_codes_held_beside_their_slot_are_filled_in_place():
+    """Codes held with their slot columns after them (``slot_view``) take the slot in place
+    (``filled_slots``): the same bytes as ``widened_codes``' copy, the codes untouched; codes
+    held for another width, or not held, are not taken for it; and their transposes read the
+    held rows in place, the same bytes as the plain codes'."""
+    needs_triton()
+    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    g = torch.Generator().manual_seed(15)
+    codes, scale = weights(g, 40, 48, "fp8")
+    up = leaf(g, 40, 5, dtype=torch.bfloat16, scale=0.1, grad=False)
+    amax = tq.lora_amax([leaf(g, 40, 3, dtype=torch.bfloat16, grad=False), up], [scale, scale])
+    held = _held(codes, 16)
+    assert tq.slot_view(codes, 16) is None and tq.slot_view(held, 32) is None
+    wide = tq.slot_view(held, 16)
+    assert wide.shape == (40, 64) and wide.data_ptr() == held.data_ptr()
+    got = tq.filled_slots(wide, up, scale, amax, 3, 16)
+    want = tq.widened_codes(codes, up, scale, amax, 3, 16)
+    assert got.data_ptr() == held.data_ptr()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(held.view(torch.uint8), codes.view(torch.uint8))
+    down = leaf(g, 5, 48, dtype=torch.bfloat16, grad=False)
+    damax = torch.linalg.vector_norm(down, float("inf"), dim=1, dtype=torch.float32)
+    assert torch.equal(tq.transposed_codes([held, codes], (down, damax)).view(torch.uint8),
+                       tq.transposed_codes([codes, codes], (down, damax)).view(torch.uint8))
+
+
+@triton_test
+@pytest.mark.parametrize("n", [1, 3])
+def test_fp8_lora_linears_over_held_codes_are_bit_identical(n):
+    """With ``full``, codes held beside their slot give the node's outputs and every gradient
+    bit for bit as codes held plainly (the slot written in place of the copy)."""
+    needs_triton()
+    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    x, layers = fp8_loras(torch.Generator().manual_seed(16), n, 37, 48, 32, 4)
+    held = [(_held(c, tq.slot_width(4 * n)), s, d, u) for c, s, d, u in layers]
+    assert tq.slot_view(held[0][0], tq.slot_width(4 * n)) is not None
+    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    leaves = [x, *(t for _, _, d, u in layers for t in (d, u))]
+    dy = [torch.randn(37, 32, generator=torch.Generator().manual_seed(i)).to(DEVICE, torch.bfloat16)
+          for i in range(n)]
+    runs = []
+    for ls in (layers, held, held):  # held twice: the second forward overwrites its own slot
+        ys = fn(x, ls, True)
+        runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
+    for a, b, c in zip(*runs):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 @triton_test
 def test_fp8_rows_joined_and_transposed_codes():
     """Quantizing several sources as one row equals quantizing their concatenation; the codes'

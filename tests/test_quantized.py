@@ -146,6 +146,33 @@ def test_a_lora_on_fp8_compute_is_one_node_with_its_linear(full, monkeypatch):
         assert (a - b).norm() <= tol * b.norm() + 1e-8
 
 
+def test_full_holds_each_nodes_codes_beside_their_slot():
+    """With ``full``, the first forward of a LoRA node holds each linear's codes beside the
+    node's slot columns (``QuantizedLinear.hold_slots``: q, k and v with rank 4 each, 16
+    columns; o, up|gate and down alone, 16), once: the codes, the weight and the model's
+    output are unchanged, and a cast of the model keeps the held codes as they are."""
+    model = tiny_transformer()
+    quantize_base(model, "fp8", fp8_compute=True, fp8_grad=True)
+    block = model.layers[0].proj
+    before = {n: block[n].codes.clone() for n in ("q", "o")}
+    weight = block["q"].weight
+    out, _ = _forward_and_grads(model)
+    for name in ("q", "k", "v", "o"):
+        lin = block[name]
+        assert lin.codes.stride() == (lin.in_features + 16, 1), name
+    for name, c in before.items():
+        assert torch.equal(block[name].codes.view(torch.uint8), c.view(torch.uint8))
+    assert torch.equal(block["q"].weight, weight)
+    held = block["q"].codes
+    assert torch.equal(model(*_inputs()), out)  # the held codes' forward: the same
+    assert block["q"].codes is held  # held once
+    block["q"].hold_slots(32)  # another node width: held again, the codes the same
+    assert block["q"].codes.stride() == (block["q"].in_features + 32, 1)
+    assert torch.equal(block["q"].codes.view(torch.uint8), before["q"].view(torch.uint8))
+    model.to(torch.bfloat16)
+    assert block["q"].codes.dtype == torch.float8_e4m3fn and block["q"].codes.stride()[0] == block["q"].in_features + 32
+
+
 def test_codes_and_scales_keep_their_dtypes_and_the_weight_is_read_only():
     qm = tiny_transformer()
     quantize_base(qm, "fp8")

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from kohakumoss.adapters.casts import lora_factors
 from kohakumoss.model.ops import linear as ref_linear
 from kohakumoss.model.ops import narrow_mm as ref_narrow_mm
+from kohakumoss.model.quant_ops import slot_width
 
 
 class _LoraLinear(torch.autograd.Function):
@@ -210,5 +211,9 @@ def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor,
     node: the base's op table's ``fp8_lora_linears``, its narrow products through ``narrow``
     (the model's ``ops.narrow_mm``; None: the reference)."""
     base = parts[0][0]
+    if base.fp8_grad and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
+        width = slot_width(sum(down.shape[0] for _, down, _ in parts))
+        for b, _, _ in parts:  # once: the codes held beside their slot (no copy a forward)
+            b.hold_slots(width)
     return base.lora_op()(x, [(b.codes, b.scale, down, up) for b, down, up in parts], base.fp8_grad,
                           narrow or ref_narrow_mm)

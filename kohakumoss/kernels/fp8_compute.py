@@ -130,7 +130,9 @@ class _Fp8Loras(torch.autograd.Function):
             amax = t8.lora_amax(ups, scales)
             xq, xs = t8.fp8_rows_joined([x2], None, (h, amax))
             for c, s, up in zip(codes, scales, ups):
-                w = t8.widened_codes(c, up, s, amax, c0, width)
+                w = t8.slot_view(c, width)  # codes held widened: their slot written in place
+                w = t8.widened_codes(c, up, s, amax, c0, width) if w is None else \
+                    t8.filled_slots(w, up, s, amax, c0, width)
                 outs.append(torch._scaled_mm(xq, w.t(), scale_a=xs[:, None], scale_b=s[None, :],
                                              out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_FORWARD))
                 c0 += up.shape[1]

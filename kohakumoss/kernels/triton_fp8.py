@@ -10,7 +10,9 @@ activations and the transpose of weight codes.
   with a slot: a LoRA's products inside the fp8 GEMMs (``ops.fp8_lora_linears`` with
   ``full``): the up matrices' column maxima (g = amax / 448), the row ``[x | h g]`` under one
   scale, the codes widened by the up matrix's slot columns, and ``A^T / g'`` beside the
-  transposed codes.
+  transposed codes;
+- ``slot_view``, ``filled_slots``: codes held with their slot columns already beside them
+  (``memory.quantized.QuantizedLinear.hold_slots``), only the slot written each forward.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kohakumoss.kernels.triton_common import INTERPRETED, check_tensors, jit
+from kohakumoss.model.quant_ops import slot_width
 
 _INTERPRETED = tl.constexpr(INTERPRETED)
 
@@ -187,12 +190,13 @@ def _widen(C, UP, S, A, W, N, K, R, QW, c0, SK, su, sr, KC, HAS_S: tl.constexpr,
 
 
 @jit
-def _transpose(A, B, N, K, sb, BN: tl.constexpr, BK: tl.constexpr):
-    """``B[k, n] = A[n, k]``: A [N, K] contiguous, B's rows ``sb`` apart (bytes as uint8)."""
+def _transpose(A, B, N, K, sa, sb, BN: tl.constexpr, BK: tl.constexpr):
+    """``B[k, n] = A[n, k]``: A [N, K] with rows ``sa`` apart, B's rows ``sb`` apart (bytes as
+    uint8)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     m = (rn[:, None] < N) & (rk[None, :] < K)
-    a = tl.load(A + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=m, other=0)
+    a = tl.load(A + rn.to(tl.int64)[:, None] * sa + rk[None, :], mask=m, other=0)
     tl.store(B + rk.to(tl.int64)[:, None] * sb + rn[None, :], tl.trans(a), mask=tl.trans(m))
 
 
@@ -250,12 +254,6 @@ def rows_launch(K: int, n: int) -> tuple[int, int, int, int]:
     wide = 32 if INTERPRETED else 8192
     block = triton.next_power_of_2(K) if K <= wide else (16 if INTERPRETED else 2048)
     return block, 1, 1, 8 if n > 1 or K > wide else 4
-
-
-def slot_width(r: int) -> int:
-    """The extra columns r LoRA columns take in an fp8 GEMM's summed dimension: r rounded up
-    to 16 (``torch._scaled_mm`` wants it a multiple of 16)."""
-    return -(-r // 16) * 16
 
 
 def lora_amax(ups: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
@@ -317,6 +315,25 @@ def widened_codes(codes: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, am
     return _slots(out, codes, up, scale, amax, c0, K, width)
 
 
+def slot_view(codes: torch.Tensor, width: int) -> torch.Tensor | None:
+    """The [N, K + width] matrix whose first K columns ``codes`` [N, K] are, where the codes
+    are held that way (``QuantizedLinear.hold_slots``: rows K + width apart, room for the last
+    row's slot), else None."""
+    N, K = codes.shape
+    if codes.stride() != (K + width, 1) or N == 0 or \
+            codes.untyped_storage().nbytes() < (codes.storage_offset() + N * (K + width)) * codes.element_size():
+        return None
+    return codes.as_strided((N, K + width), (K + width, 1))
+
+
+def filled_slots(wide: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                 c0: int, width: int) -> torch.Tensor:
+    """``widened_codes`` in place: the last ``width`` columns of ``wide`` [N, K + width]
+    (``slot_view``'s) written as that function writes them, the codes before them left as
+    they are (one pass over ``N x width`` bytes, not a copy of the codes)."""
+    return _slots(wide, None, up, scale, amax, c0, wide.shape[1] - width, width)
+
+
 def transposed_codes(codes: list[torch.Tensor], slot: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> torch.Tensor:
     """``torch.cat([c.t() for c in codes], 1).contiguous()``: [K, sum of N], each [N, K]
@@ -335,10 +352,11 @@ def transposed_codes(codes: list[torch.Tensor], slot: tuple[torch.Tensor, torch.
     col = 0
     for c in codes:
         N = c.shape[0]
-        if N and K:
-            a = c.contiguous().view(torch.uint8)
+        if N and K:  # rows of codes held with their slot columns (``slot_view``) read in place
+            a = (c if c.stride(1) == 1 else c.contiguous()).view(torch.uint8)
             _transpose[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-                a, out.view(torch.uint8)[:, col:], N, K, total + width, BN=bn, BK=bk, num_warps=4)
+                a, out.view(torch.uint8)[:, col:], N, K, a.stride(0), total + width, BN=bn, BK=bk,
+                num_warps=4)
         col += N
     if slot is not None:
         _slots(out, None, slot[0].t(), None, slot[1], 0, total, width)

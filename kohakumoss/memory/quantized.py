@@ -90,6 +90,21 @@ class QuantizedLinear(nn.Linear):
         owner = self._owner() if self._owner is not None else None
         return owner.ops.fp8_lora_linears if owner is not None else REFERENCE["fp8_lora_linears"]
 
+    @torch.no_grad()
+    def hold_slots(self, width: int) -> None:
+        """Hold the codes with ``width`` zero columns after each row: ``codes`` becomes the
+        view of the first ``in_features`` columns of an [out, in + width] buffer, done once
+        (a copy of this layer's codes). fp8 compute's ``full`` node then writes its LoRA's
+        slot columns there each forward instead of copying the codes beside a new slot
+        (``kernels/triton_fp8.py``: ``slot_view``); every other reader sees the same codes."""
+        c = self.codes
+        if c.stride() == (self.in_features + width, 1):
+            return
+        wide = torch.zeros((self.out_features, self.in_features + width), dtype=torch.uint8,
+                           device=c.device)
+        wide[:, :self.in_features].copy_(c.view(torch.uint8))
+        self._buffers["codes"] = wide.view(c.dtype)[:, :self.in_features]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group:
             x = rotate_input(x, self.group)

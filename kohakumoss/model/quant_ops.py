@@ -16,6 +16,13 @@ import torch.nn.functional as F
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
+def slot_width(r: int) -> int:
+    """The columns r LoRA columns take in an fp8 GEMM's summed dimension (``fp8_lora_linears``
+    with ``full``, as the kernels run it): r rounded up to 16 (``torch._scaled_mm`` wants
+    every size a multiple of 16); the extra ones are zero."""
+    return -(-r // 16) * 16
+
+
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``codes * scale[:, None]`` in float32, rounded once to ``dtype``."""
     return (codes.float() * scale.float()[:, None]).to(dtype)
