@@ -113,9 +113,11 @@ def held_gib() -> float:
 
 # --bases: (precision.base, precision.fp8_compute)
 _BASES = {"keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
-          "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "full")}
+          "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "full"),
+          "fp8-full-rows": ("fp8", "full")}
 # fp8-full-fast: full with fast accumulation in the input-gradient GEMMs too
-# (kernels.fp8_compute.FAST_ACCUM_GRAD, set for that run alone)
+# (kernels.fp8_compute.FAST_ACCUM_GRAD, set for that run alone); fp8-full-rows: full with the
+# LoRA's narrow products made inside the row quantization (fp8_compute.NARROW_IN_ROWS)
 
 
 def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
@@ -500,7 +502,8 @@ def main() -> None:
                          "for the steps; several: each budget is measured under each cap")
     ap.add_argument("--bases", nargs="*", default=["keep"],
                     help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full, "
-                         "fp8-full-fast (fast accumulation in its input gradients too); each "
+                         "fp8-full-fast (fast accumulation in its input gradients too), "
+                         "fp8-full-rows (the narrow products inside the row quantization); each "
                          "budget is measured with each, in one run")
     ap.add_argument("--narrow", nargs="*", default=["cublas"],
                     choices=["cublas", *KERNELS.names("narrow_mm")[1:]],  # cublas: the reference
@@ -573,6 +576,7 @@ def main() -> None:
             CAP[0] = cap
             for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
                 fp8_compute.FAST_ACCUM_GRAD = base == "fp8-full-fast"
+                fp8_compute.NARROW_IN_ROWS = base == "fp8-full-rows"
                 for how, chain in [(h, c) for h in a.narrow for c in a.chain or ["on"]]:
                     CHAIN[0] = chain == "on"  # each way asked; cublas: the reference
                     KERNEL_CHOICES.pop("narrow_mm", None)

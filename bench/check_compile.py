@@ -215,20 +215,24 @@ def step(run: str, blocks: int = 2, image: int = 64, text: int = 24) -> None:
 
 def sweeps() -> None:
     """The launches the GPU sweeps time, each made once on a few rows (the launches depend on
-    the widths): ``bench_fp8_rows.py``'s configs at its five shapes, ``bench_norm_launch.py``'s
+    the widths): ``bench_fp8_rows.py``'s configs at its five shapes (with ``--narrow`` too),
+    ``bench_norm_launch.py``'s
     for each row kernel of the norm, and ``bench_lora_products.py``'s for the narrow kernel."""
     import bench_fp8_rows
     import bench_lora_products
     import bench_norm_launch
-    from kohakumoss.kernels import triton_fp8, triton_norm, triton_narrow
+    from kohakumoss.kernels import triton_fp8, triton_fp8_narrow, triton_norm, triton_narrow
 
     g, rows, bf16 = torch.Generator().manual_seed(0), 8, torch.bfloat16
-    for n, K, cols, r in bench_fp8_rows.SHAPES.values():
+    for name, (n, K, cols, r) in bench_fp8_rows.SHAPES.items():
         xs = [torch.randn(rows, K, generator=g).to(bf16) for _ in range(n)]
         cs = torch.rand(n * K, generator=g) + 0.5 if cols else None
         tail = (torch.randn(rows, r * 32, generator=g).to(bf16), torch.rand(r * 32, generator=g))
         for config in bench_fp8_rows.configs(K, n):
             triton_fp8.fp8_rows_joined(xs, cs, tail, launch=config)
+        xs, factors, cs, amax = bench_fp8_rows.narrow_inputs(name, rows, 32, g, torch.device("cpu"))
+        for config in bench_fp8_rows.NARROW_CONFIGS:  # --narrow: the rows with their narrow product
+            triton_fp8_narrow.rows_narrow(xs, factors, amax, cs, launch=config)
     D = bench_norm_launch.D
     x, y, go, res = (torch.randn(rows, D, generator=g).to(bf16) for _ in range(4))
     w, mod = torch.randn(D, generator=g).to(bf16), torch.randn(2, 6, D, generator=g)

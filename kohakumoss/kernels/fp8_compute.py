@@ -39,6 +39,14 @@ that for speed: ``bench/bench_train.py --bases fp8-full-fast`` and ``bench/bench
 --grads`` measure the step and the LoRA gradients' error with it."""
 
 
+NARROW_IN_ROWS = False
+"""``full``'s nodes make their LoRA's narrow products (``h = x A^T``, ``t = [dy_1 B_1 | ...]``)
+inside the row quantization of the same rows (``triton_fp8_narrow.rows_narrow``: one read of
+each activation row for both, not one for the narrow product and one for the codes) instead
+of by the table's ``narrow_mm`` first. Off until a step measures it on a GPU
+(``bench/bench_train.py --bases fp8-full-rows``)."""
+
+
 _ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -123,12 +131,15 @@ class _Fp8Loras(torch.autograd.Function):
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         t8 = triton_module("triton_fp8")
         ctx.narrow = narrow
-        h = narrow(x2, down.t())
         outs = []
         if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
             width, c0 = t8.slot_width(sum(ranks)), 0
             amax = t8.lora_amax(ups, scales)
-            xq, xs = t8.fp8_rows_joined([x2], None, (h, amax))
+            if NARROW_IN_ROWS:
+                h, xq, xs = triton_module("triton_fp8_narrow").rows_narrow([x2], [down.t()], amax)
+            else:
+                h = narrow(x2, down.t())
+                xq, xs = t8.fp8_rows_joined([x2], None, (h, amax))
             for c, s, up in zip(codes, scales, ups):
                 w = t8.slot_view(c, width)  # codes held widened: their slot written in place
                 w = t8.widened_codes(c, up, s, amax, c0, width) if w is None else \
@@ -137,6 +148,7 @@ class _Fp8Loras(torch.autograd.Function):
                                              out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_FORWARD))
                 c0 += up.shape[1]
         else:
+            h = narrow(x2, down.t())
             xq, xs = t8.fp8_rows(x2)
             for c, s, up, hi in zip(codes, scales, ups, h.split(ranks, dim=1)):
                 y = torch._scaled_mm(xq, c.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=x2.dtype,
@@ -156,19 +168,24 @@ class _Fp8Loras(torch.autograd.Function):
         need_up = ctx.needs_input_grad[5 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
-        t = torch.cat([ctx.narrow(dy, up) for dy, up in zip(dys, ups)], 1) if n > 1 else \
-            ctx.narrow(dys[0], ups[0])
-        dx = None
+        dx = t = None
         tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
             # A's row maxima (ops.fp8_lora_slots of A^T, bit for bit) as one aten op, not a fill and a
             # Triton launch: this backward is bound by its host (ops.fp8_lora_linears)
             amax = torch.linalg.vector_norm(down, float("inf"), dim=1, dtype=torch.float32)
-            gq, gs = t8.fp8_rows_joined(dys, torch.cat(scales) if n > 1 else scales[0], (t, amax))
+            cols = torch.cat(scales) if n > 1 else scales[0]
+            if NARROW_IN_ROWS:
+                t, gq, gs = triton_module("triton_fp8_narrow").rows_narrow(dys, list(ups), amax, cols)
+            else:
+                t = _narrow_t(ctx.narrow, dys, ups)
+                gq, gs = t8.fp8_rows_joined(dys, cols, (t, amax))
             ct = t8.transposed_codes(list(codes), (down, amax))
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], x2.device),
                                   out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_GRAD)
-        elif need_x:
+        if t is None:
+            t = _narrow_t(ctx.narrow, dys, ups)
+        if need_x and not ctx.grad_fp8:
             dx = torch.mm(t, down)
             for dy, c, s in zip(dys, codes, scales):
                 dx.addmm_(dy, tq.dequantize(c, s, dy.dtype))
@@ -176,6 +193,11 @@ class _Fp8Loras(torch.autograd.Function):
         d_up = [torch.mm(dy.t(), hi) if need else None
                 for dy, hi, need in zip(dys, h.split(ctx.ranks, dim=1), need_up)]
         return (dx, None, None, None, d_down, *([None] * 2 * n), *d_up)
+
+
+def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
+    """``t = [dy_1 B_1 | ...]`` by the table's narrow product."""
+    return torch.cat([narrow(dy, up) for dy, up in zip(dys, ups)], 1) if len(dys) > 1 else narrow(dys[0], ups[0])
 
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
