@@ -39,6 +39,7 @@ from kohakumoss.model.flops import train_flops
 from kohakumoss.precision import precision_policy
 from kohakumoss.memory.allocator import tight_allocator
 from kohakumoss.memory.profiles import MemoryEngines
+from kohakumoss.memory.quantized import keep_fp8_transposes
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.training.engines import EnginePlan, apply_engines
 from kohakumoss.training.optim import build_optimizer
@@ -114,10 +115,12 @@ def held_gib() -> float:
 # --bases: (precision.base, precision.fp8_compute)
 _BASES = {"keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
           "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "full"),
-          "fp8-full-rows": ("fp8", "full")}
+          "fp8-full-rows": ("fp8", "full"), "fp8-full-kept": ("fp8", "full")}
 # fp8-full-fast: full with fast accumulation in the input-gradient GEMMs too
 # (kernels.fp8_compute.FAST_ACCUM_GRAD, set for that run alone); fp8-full-rows: full with the
-# LoRA's narrow products made inside the row quantization (fp8_compute.NARROW_IN_ROWS)
+# LoRA's narrow products made inside the row quantization (fp8_compute.NARROW_IN_ROWS);
+# fp8-full-kept: full with the codes' transposes kept between steps (memory.fp8_transposes,
+# which profile speed sets)
 
 
 def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
@@ -129,6 +132,8 @@ def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
                               fp8_compute=_BASES[base][1] != "off", fp8_grad=_BASES[base][1] == "full")
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy,
                                               kernels=KERNEL_CHOICES, tuned=TUNED, **ENGINES))
+    if base == "fp8-full-kept":
+        keep_fp8_transposes(model)
     torch.cuda.empty_cache()
     model.chain_adds = CHAIN[0]
     print(json.dumps({"op_table": applied.kernels, "base": applied.quantized or base,
@@ -503,7 +508,8 @@ def main() -> None:
     ap.add_argument("--bases", nargs="*", default=["keep"],
                     help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full, "
                          "fp8-full-fast (fast accumulation in its input gradients too), "
-                         "fp8-full-rows (the narrow products inside the row quantization); each "
+                         "fp8-full-rows (the narrow products inside the row quantization), "
+                         "fp8-full-kept (the codes' transposes kept between steps); each "
                          "budget is measured with each, in one run")
     ap.add_argument("--narrow", nargs="*", default=["cublas"],
                     choices=["cublas", *KERNELS.names("narrow_mm")[1:]],  # cublas: the reference

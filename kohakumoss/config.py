@@ -303,14 +303,14 @@ class MemoryConfig:
     recompute: bool = knob(True, help="recompute the elementwise references' fp32 "
                                       "intermediates in backward instead of keeping them")
     stream_slots: int = knob(0, check=lambda v: v >= 0,
-                             allowed="an integer >= 0 (0: the base's weights stay on the device; "
-                                     "N: its block weights live in host memory and stream "
-                                     "through N block-sized device slots)")
+                             allowed="an integer >= 0 (0: the base's weights stay on the device; N: its "
+                                     "block weights live in host memory and stream through N block-sized device slots)")
     optimizer: Literal["device", "host", "fused", "streamed"] = knob(
         "device", help="host: gradients offloaded, states and update on the CPU; fused: the step "
                        "in backward; streamed: states from the host (docs/memory.md)")
     offload: bool = False  # checkpointing block/sub-block: the kept inputs wait in host memory
     rebuild: bool = False  # checkpointing none/partial: the elementwise outputs rebuilt in backward
+    fp8_transposes: bool = False  # fp8_compute full: the codes' transposes kept between steps (+ their bytes)
 
 
 @dataclasses.dataclass(frozen=True)

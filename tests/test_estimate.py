@@ -25,6 +25,25 @@ def _lora(**extra):
                        **extra)
 
 
+def test_auto_drops_the_kept_fp8_transposes_before_checkpointing():
+    """With ``precision.fp8_compute: full``, speed keeps the codes' transposes (counted: their
+    bytes again); where they alone do not fit, auto runs speed without them rather than
+    recompute anything."""
+    p = make_params(DS, adapter={"algo": "lora", "dim": 4, "alpha": 4.0}, train={"dtype": "bf16"},
+                    precision={"base": "fp8", "fp8_compute": "full"})
+    cpu = torch.device("cpu")
+    made = dataclasses.replace(PROFILE_ENGINES["speed"], fp8_transposes=False)
+    kept_peak, made_peak = (E.estimate(p, BATCH, e).peak for e in (PROFILE_ENGINES["speed"], made))
+    assert kept_peak > made_peak
+    assert A.slowdown(PROFILE_ENGINES["speed"], 2) < A.slowdown(made, 2) < A.slowdown(PROFILE_ENGINES["balanced"], 2)
+    name, engines, _, _ = A.resolve_profile(p, BATCH, cpu, free=int(kept_peak / A.HEADROOM) + 1)
+    assert (name, engines) == ("speed", PROFILE_ENGINES["speed"])
+    name, engines, est, why = A.resolve_profile(p, BATCH, cpu, free=int((kept_peak + made_peak) / 2 / A.HEADROOM))
+    assert engines == made and est.peak == made_peak and "fits" in why
+    plain = _lora()  # no fp8 compute: speed as ever, the flag moot
+    assert A.resolve_profile(plain, BATCH, cpu, free=10**12)[1] == PROFILE_ENGINES["speed"]
+
+
 def test_the_estimate_counts_what_a_real_forward_keeps():
     """The meta-device count of the kept activations matches what a CPU forward of the same
     model (same engines, same adapter, attention kept as the fused kernels keep it) saves

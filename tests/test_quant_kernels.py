@@ -277,23 +277,33 @@ def test_codes_held_beside_their_slot_are_filled_in_place():
 @triton_test
 @pytest.mark.parametrize("n", [1, 3])
 def test_fp8_lora_linears_over_held_codes_are_bit_identical(n):
-    """With ``full``, codes held beside their slot give the node's outputs and every gradient
-    bit for bit as codes held plainly (the slot written in place of the copy)."""
+    """With ``full``, codes held beside their slot, and their transposes kept between steps
+    (``held_t``: only the slot written in backward), give the node's outputs and every
+    gradient bit for bit as codes held plainly."""
     needs_triton()
     tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
     x, layers = fp8_loras(torch.Generator().manual_seed(16), n, 37, 48, 32, 4)
-    held = [(_held(c, tq.slot_width(4 * n)), s, d, u) for c, s, d, u in layers]
-    assert tq.slot_view(held[0][0], tq.slot_width(4 * n)) is not None
+    width = tq.slot_width(4 * n)
+    held = [(_held(c, width), s, d, u) for c, s, d, u in layers]
+    assert tq.slot_view(held[0][0], width) is not None
+    kept = torch.full((48, 32 * n + width), 0x5A, dtype=torch.uint8, device=DEVICE)  # a stale slot
+    kept[:, :32 * n] = torch.cat([c.view(torch.uint8).t() for c, _, _, _ in layers], 1)
+    kept = kept.view(torch.float8_e4m3fn)
     fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
     leaves = [x, *(t for _, _, d, u in layers for t in (d, u))]
     dy = [torch.randn(37, 32, generator=torch.Generator().manual_seed(i)).to(DEVICE, torch.bfloat16)
           for i in range(n)]
     runs = []
-    for ls in (layers, held, held):  # held twice: the second forward overwrites its own slot
-        ys = fn(x, ls, True)
+    # held twice: the second forward and backward overwrite their own slots
+    for ls, held_t in ((layers, None), (held, kept), (held, kept)):
+        ys = fn(x, ls, True, held_t=held_t)
         runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
     for a, b, c in zip(*runs):
         assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(kept.view(torch.uint8)[:, :32 * n],
+                       torch.cat([c.view(torch.uint8).t() for c, _, _, _ in layers], 1))
+    with pytest.raises(ValueError, match="held"):
+        tq.transposed_codes([c for c, _, _, _ in layers], None, kept)
 
 
 @triton_test
@@ -605,6 +615,30 @@ def test_rows_narrow_at_the_real_sizes(n, K, rank, monkeypatch):
         fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
         compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, True),
                 {"x": x, "down0": layers[0][2], "up0": layers[0][3]}, 3e-2)
+
+
+@pytest.mark.gpu
+def test_held_codes_and_kept_transposes_at_the_real_sizes():
+    """q, k and v at the model's sizes (rank 32) over codes held beside their slot and
+    transposes kept between steps: bit for bit the node over plain codes, twice."""
+    if not CUDA or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs CUDA sm89+")
+    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    x, layers = fp8_loras(torch.Generator().manual_seed(21), 3, 4200, 3072, 3072, 32)
+    held = [(_held(c, 96), s, d, u) for c, s, d, u in layers]
+    kept = torch.zeros((3072, 3 * 3072 + 96), dtype=torch.uint8, device=DEVICE)
+    kept[:, :3 * 3072] = tq.transposed_codes([c for c, _, _, _ in layers]).view(torch.uint8)
+    kept = kept.view(torch.float8_e4m3fn)
+    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    leaves = [x, *(t for _, _, d, u in layers for t in (d, u))]
+    dy = [torch.randn(4200, 3072, generator=torch.Generator().manual_seed(i)).to(DEVICE, torch.bfloat16)
+          for i in range(3)]
+    runs = []
+    for ls, held_t in ((layers, None), (held, kept), (held, kept)):
+        ys = fn(x, ls, True, held_t=held_t)
+        runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
+    for a, b, c in zip(*runs):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 # ---- the interpreted suite on a CPU machine ------------------------------------------------

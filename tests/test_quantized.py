@@ -6,6 +6,8 @@ at the published size, and a tiny run that trains the unquantized run's curve.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import yaml
@@ -18,6 +20,7 @@ from kohakumoss.formats.model_files import save_comfy, stored_weights
 from kohakumoss.model import FLAVORS
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.params import load_params
+from kohakumoss.memory.profiles import PROFILE_ENGINES
 from kohakumoss.memory.quantized import (QuantizedLinear, quantizable, quantize_base, quantize_rows,
                                          stored_rows)
 from kohakumoss.precision.quant import QuantizedWeight
@@ -173,6 +176,39 @@ def test_full_holds_each_nodes_codes_beside_their_slot():
     assert block["q"].codes.dtype == torch.float8_e4m3fn and block["q"].codes.stride()[0] == block["q"].in_features + 32
 
 
+def test_kept_transposes_are_each_nodes_codes_transposed_once(monkeypatch):
+    """``memory.fp8_transposes`` (``keep_fp8_transposes``): the first forward of each LoRA node
+    makes its codes' transposes side by side with its slot columns (q, k and v: one buffer,
+    held by q), the node's op receives them, a second step reuses them, and moved codes get
+    new ones."""
+    from kohakumoss.memory.quantized import keep_fp8_transposes
+
+    model = tiny_transformer()
+    quantize_base(model, "fp8", fp8_compute=True, fp8_grad=True)
+    assert keep_fp8_transposes(model) == 6 * len(model.layers)  # q, k, v, o, up|gate, down
+    got = []
+    inner = model.ops.fp8_lora_linears
+    model.ops.override("fp8_lora_linears",
+                       lambda x, layers, *rest: got.append(rest[2]) or inner(x, layers, *rest))
+    out, _ = _forward_and_grads(model)
+    block = model.layers[0].proj
+    held = block["q"]._held_t[2]
+    assert got[0] is held and len(got) == 4 * len(model.layers)
+    q, k, v = (block[n].codes.view(torch.uint8) for n in ("q", "k", "v"))
+    assert held.shape == (64, 3 * 64 + 16) and held.dtype == torch.float8_e4m3fn
+    assert torch.equal(held.view(torch.uint8)[:, :192], torch.cat([q.t(), k.t(), v.t()], 1))
+    assert block["k"]._held_t is None and block["o"]._held_t is not None
+    model(*_inputs())
+    assert block["q"]._held_t[2] is held  # kept between steps
+    block["q"].hold_slots(48)  # other codes (a node of another width): made again
+    model(*_inputs())
+    assert block["q"]._held_t[2] is not held
+    plain = tiny_transformer()
+    quantize_base(plain, "fp8", fp8_compute=True, fp8_grad=True)
+    want, _ = _forward_and_grads(plain)
+    assert torch.equal(out, want)
+
+
 def test_codes_and_scales_keep_their_dtypes_and_the_weight_is_read_only():
     qm = tiny_transformer()
     quantize_base(qm, "fp8")
@@ -244,6 +280,11 @@ def test_the_knobs_are_refused_where_they_cannot_work(tmp_path):
     p = load_params(params(precision={"base": "fp8", "fp8_compute": "on"}, train={"dtype": "bf16"}))
     with pytest.raises(ConfigError, match="capability 8.9"):
         engine_plan(p, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="fp8_transposes.*set precision.fp8_compute: full"):
+        load_params(params("manual", precision={"base": "fp8", "fp8_compute": "on"}, train={"dtype": "bf16"},
+                           memory={"fp8_transposes": True}))
+    load_params(params("manual", precision={"base": "fp8", "fp8_compute": "full"}, train={"dtype": "bf16"},
+                       memory={"fp8_transposes": True}))
 
 
 def test_the_estimate_holds_the_published_base_in_under_5_5_gib(tmp_path):
@@ -261,6 +302,14 @@ def test_the_estimate_holds_the_published_base_in_under_5_5_gib(tmp_path):
     for base in ("int8", "fp8"):
         assert frozen[base] <= 5.5 * 2**30, frozen
         assert frozen[base] < 0.55 * frozen["keep"], frozen
+    # fp8 compute full under speed keeps the codes' transposes: their bytes again (the joint
+    # blocks' LoRA nodes; the text refiner's linears have biases and run apart)
+    path = _write_params(tmp_path, tmp_path, precision={"base": "fp8", "fp8_compute": "full"},
+                         train={"dtype": "bf16"}, adapter={"algo": "lora", "dim": 32, "alpha": 32})
+    p = load_params(path)
+    kept, made = (estimate(p, batch, dataclasses.replace(PROFILE_ENGINES["speed"], fp8_transposes=on),
+                           config=FLAVORS["base"]).weights for on in (True, False))
+    assert made == frozen["fp8"] and 4.4 * 2**30 < kept - made < 4.8 * 2**30
 
 
 def test_a_tiny_int8_run_trains_the_unquantized_curve(data):  # noqa: F811

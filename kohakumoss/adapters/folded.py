@@ -210,10 +210,12 @@ def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor,
     """The fp8 linears ``parts`` (``fp8_fold_parts``, one input ``x``) with their LoRAs as one
     node: the base's op table's ``fp8_lora_linears``, its narrow products through ``narrow``
     (the model's ``ops.narrow_mm``; None: the reference)."""
-    base = parts[0][0]
+    base, held_t = parts[0][0], None
     if base.fp8_grad and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
         width = slot_width(sum(down.shape[0] for _, down, _ in parts))
         for b, _, _ in parts:  # once: the codes held beside their slot (no copy a forward)
             b.hold_slots(width)
+        if base.keep_transposes:  # memory.fp8_transposes: made once, kept between steps
+            held_t = base.node_transposes([b for b, _, _ in parts], width)
     return base.lora_op()(x, [(b.codes, b.scale, down, up) for b, down, up in parts], base.fp8_grad,
-                          narrow or ref_narrow_mm)
+                          narrow or ref_narrow_mm, held_t)

@@ -126,11 +126,11 @@ class _Fp8Loras(torch.autograd.Function):
     ``A^T / g'`` beside them (``transposed_codes`` with a slot)."""
 
     @staticmethod
-    def forward(ctx, x2, ranks, full, narrow, down, *tensors):
+    def forward(ctx, x2, ranks, full, narrow, held_t, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         t8 = triton_module("triton_fp8")
-        ctx.narrow = narrow
+        ctx.narrow, ctx.held_t = narrow, held_t
         outs = []
         if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
             width, c0 = t8.slot_width(sum(ranks)), 0
@@ -164,8 +164,8 @@ class _Fp8Loras(torch.autograd.Function):
         x2, h, down, *rest = ctx.saved_tensors
         n = len(ctx.ranks)
         codes, scales, ups = rest[:n], rest[n:2 * n], rest[2 * n:]
-        need_x, _, _, _, need_down = ctx.needs_input_grad[:5]
-        need_up = ctx.needs_input_grad[5 + 2 * n:]
+        need_x, need_down = ctx.needs_input_grad[0], ctx.needs_input_grad[5]
+        need_up = ctx.needs_input_grad[6 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
         dx = t = None
@@ -180,7 +180,7 @@ class _Fp8Loras(torch.autograd.Function):
             else:
                 t = _narrow_t(ctx.narrow, dys, ups)
                 gq, gs = t8.fp8_rows_joined(dys, cols, (t, amax))
-            ct = t8.transposed_codes(list(codes), (down, amax))
+            ct = t8.transposed_codes(list(codes), (down, amax), ctx.held_t)
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], x2.device),
                                   out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_GRAD)
         if t is None:
@@ -192,7 +192,7 @@ class _Fp8Loras(torch.autograd.Function):
         d_down = torch.mm(t.t(), x2) if need_down else None
         d_up = [torch.mm(dy.t(), hi) if need else None
                 for dy, hi, need in zip(dys, h.split(ctx.ranks, dim=1), need_up)]
-        return (dx, None, None, None, d_down, *([None] * 2 * n), *d_up)
+        return (dx, None, None, None, None, d_down, *([None] * 2 * n), *d_up)
 
 
 def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
@@ -201,10 +201,13 @@ def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
 
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                     full: bool = False, narrow=torch.mm) -> list[torch.Tensor]:
+                     full: bool = False, narrow=torch.mm, held_t: torch.Tensor | None = None
+                     ) -> list[torch.Tensor]:
     """``ops.fp8_lora_linears`` as one node (``_Fp8Loras``): fp8 GEMMs, the LoRAs' products in
     bf16 accumulated in place, or with ``full`` inside the GEMMs; the narrow products
-    (``x A^T``, ``dy B``) through ``narrow`` (the model's ``ops.narrow_mm``)."""
+    (``x A^T``, ``dy B``) through ``narrow`` (the model's ``ops.narrow_mm``). ``held_t``
+    (``full``): the codes' transposes side by side, kept between steps
+    (``transposed_codes``' ``held``), so that backward writes only their slot."""
     if not 1 <= len(layers) <= 3 or len({c.shape[0] for c, _, _, _ in layers}) != 1:
         raise ValueError(f"fp8_lora_linears (scaled_mm): one to three linears of one width, got "
                          f"{[tuple(c.shape) for c, _, _, _ in layers]}")
@@ -217,7 +220,7 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers]) if len(layers) > 1 else layers[0][2]
-    ys = _Fp8Loras.apply(x2, ranks, full, narrow, down, *(c for c, _, _, _ in layers),
+    ys = _Fp8Loras.apply(x2, ranks, full, narrow, held_t if full else None, down, *(c for c, _, _, _ in layers),
                          *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
     return [y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1]) for y in ys]
 

@@ -334,19 +334,26 @@ def filled_slots(wide: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, amax
     return _slots(wide, None, up, scale, amax, c0, wide.shape[1] - width, width)
 
 
-def transposed_codes(codes: list[torch.Tensor], slot: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+def transposed_codes(codes: list[torch.Tensor], slot: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     held: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.cat([c.t() for c in codes], 1).contiguous()``: [K, sum of N], each [N, K]
     code matrix's transpose side by side, by a tiled kernel on the bytes (torch's own copy
     of a one-byte transpose runs at a fraction of the memory's speed). ``slot = (down,
     amax)``: ``slot_width(R)`` more columns, ``ops.fp8_lora_slots(down^T, ones)[1]`` and
     zeros (down [R, K]; amax its rows' maxima of |down|): the LoRAs' ``t down``
-    inside the input-gradient GEMM."""
+    inside the input-gradient GEMM. ``held``: a [K, sum of N + slot] buffer that holds these
+    transposes already (kept between steps, ``QuantizedLinear.node_transposes``): only its
+    slot is written, and it is returned."""
     K = codes[0].shape[1]
     if any(c.dim() != 2 or c.shape[1] != K or c.dtype != codes[0].dtype for c in codes):
         raise ValueError("transposed_codes: [N, K] codes of one K and dtype")
     total = sum(c.shape[0] for c in codes)
     width = 0 if slot is None else slot_width(slot[0].shape[0])
+    if held is not None:
+        if held.shape != (K, total + width) or held.dtype != codes[0].dtype or not held.is_contiguous():
+            raise ValueError(f"transposed_codes: held {tuple(held.shape)} {held.dtype}, want "
+                             f"({K}, {total + width}) {codes[0].dtype}, contiguous")
+        return held if slot is None else _slots(held, None, slot[0].t(), None, slot[1], 0, total, width)
     out = torch.empty((K, total + width), dtype=codes[0].dtype, device=codes[0].device)
     bn, bk = (16, 16) if INTERPRETED else (64, 64)
     col = 0

@@ -7,7 +7,8 @@ engines whose predicted peak fits the memory the device has free. Reading the pa
 What each profile runs:
 
 =========  ==============================================================================
-speed      nothing checkpointed (every activation kept: fastest, most memory)
+speed      nothing checkpointed (every activation kept: fastest, most memory); with
+           ``precision.fp8_compute: full`` the weight codes' transposes kept between steps
 balanced   nothing checkpointed, but the norms', RoPE's and SiTU's outputs are not kept:
            backward runs those ops again on their kept inputs (``rebuild``; no matmul runs
            twice)
@@ -43,6 +44,7 @@ class MemoryEngines:
     offload: bool = False  # block checkpointing's kept inputs in host memory (activation offload)
     rebuild: bool = False  # the norms', RoPE's and SiTU's outputs rebuilt in backward, not kept
     resident_blocks: int = 0  # streaming: the first blocks' weights stay on the device (auto fills it)
+    fp8_transposes: bool = False  # precision.fp8_compute full: the codes' transposes kept between steps
 
     def describe(self) -> str:
         what = self.checkpointing + (f" {self.checkpoint_blocks}" if self.checkpointing == "partial" else "")
@@ -53,12 +55,13 @@ class MemoryEngines:
                 "streamed": ", optimizer states streamed from the host"}.get(self.optimizer, "")
         offload = ", inputs offloaded to the host" if self.offload else ""
         rebuild = ", elementwise outputs rebuilt" if self.rebuild else ""
+        kept = ", fp8 transposes kept" if self.fp8_transposes else ""
         return (f"checkpointing {what}{offload}, recompute {'on' if self.recompute else 'off'}"
-                f"{rebuild}{streamed}{host}")
+                f"{rebuild}{streamed}{host}{kept}")
 
 
 PROFILE_ENGINES: dict[str, MemoryEngines] = {
-    "speed": MemoryEngines("none"),
+    "speed": MemoryEngines("none", fp8_transposes=True),
     "balanced": MemoryEngines("none", rebuild=True),
     "low": MemoryEngines("block", stream_slots=4, optimizer="host", offload=True),
     "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),
@@ -73,7 +76,10 @@ PROFILES_BY_MEMORY = ("speed", "balanced", "low", "minimal")  # the distinct pro
 # the tails (2026-12-03), selective checkpointing +22%, rebuilding the elementwise outputs
 # +6% (2026-12-02); streaming, the host update and activation offload's copies a little
 # more on top. Only the order matters: ``profile: auto`` tries the engines fastest first.
+# The fp8 codes' transposes made each backward instead of kept: ~0.5% of an fp8 `full` step
+# (3.3 ms of 675, the twelfth pass's profile; 2026-12-04).
 RECOMPUTE_ALL, RECOMPUTE_ELEMENTWISE, REBUILD, PER_HOST_ENGINE = 0.40, 0.22, 0.06, 0.01
+TRANSPOSED_EACH_STEP = 0.005
 RECOMPUTE_REPLAYED = {"block": 0.29, "sub-block": 0.26}
 
 
@@ -90,4 +96,5 @@ def slowdown(engines: MemoryEngines, depth: int) -> float:
     host = (engines.stream_slots > 0) + (engines.optimizer == "host") + engines.offload
     # fewer slots wait more often for a block's copy
     return cost + PER_HOST_ENGINE * host + (PER_HOST_ENGINE / engines.stream_slots
-                                            if engines.stream_slots else 0)
+                                            if engines.stream_slots else 0) \
+        + TRANSPOSED_EACH_STEP * (not engines.fp8_transposes)

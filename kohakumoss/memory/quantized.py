@@ -60,6 +60,8 @@ class QuantizedLinear(nn.Linear):
         self.weight_dtype, self.group, self.fp8_compute = dtype, group, fp8_compute
         self.fp8_grad = fp8_compute and fp8_grad  # the input gradient as an fp8 GEMM too
         self._owner = weakref.ref(owner) if owner is not None else None
+        self.keep_transposes = False  # memory.fp8_transposes: node_transposes kept between steps
+        self._held_t: tuple[tuple[torch.Tensor, ...], int, torch.Tensor] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -104,6 +106,27 @@ class QuantizedLinear(nn.Linear):
                            device=c.device)
         wide[:, :self.in_features].copy_(c.view(torch.uint8))
         self._buffers["codes"] = wide.view(c.dtype)[:, :self.in_features]
+
+    @torch.no_grad()
+    def node_transposes(self, layers: list["QuantizedLinear"], width: int) -> torch.Tensor:
+        """The codes' transposes of ``layers`` (this one first: the linears of one LoRA node)
+        side by side, then ``width`` slot columns: [in, sum of out + width], the layout fp8
+        compute's input-gradient GEMM reads (``kernels/triton_fp8.py``: ``transposed_codes``).
+        Made once and held by this layer (``memory.fp8_transposes``: the bytes of the codes
+        again), so that each backward writes only the slot instead of transposing the codes."""
+        codes = [m.codes for m in layers]
+        held = self._held_t
+        if held is None or held[1] != width or len(held[0]) != len(codes) or \
+                any(a is not b for a, b in zip(held[0], codes)):  # other codes (moved, re-held)
+            self._held_t = None  # the old one freed before the new one is made
+            total = sum(m.out_features for m in layers)
+            out = torch.zeros((self.in_features, total + width), dtype=torch.uint8, device=self.codes.device)
+            col = 0
+            for m in layers:
+                out[:, col:col + m.out_features].copy_(m.codes.view(torch.uint8).t())
+                col += m.out_features
+            self._held_t = tuple(codes), width, out.view(self.codes.dtype)
+        return self._held_t[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group:
@@ -204,3 +227,22 @@ def quantize_base(model: nn.Module, base: str, fp8_compute: bool = False,
     src = f", {kept} taken from the checkpoint as stored" if kept else ""
     return (f"{how}: {len(layers)} block linears in {after / 2**30:.2f} GiB "
             f"(was {before / 2**30:.2f} GiB){src}")
+
+
+def node_codes_bytes(model: nn.Module) -> int:
+    """Bytes of the codes of every linear that runs its LoRA as one fp8 node (``lora_op``):
+    what ``keep_fp8_transposes`` holds again."""
+    return sum(m.codes.numel() * m.codes.element_size() for m in model.modules()
+               if isinstance(m, QuantizedLinear) and m.lora_op() is not None)
+
+
+def keep_fp8_transposes(model: nn.Module) -> int:
+    """``memory.fp8_transposes``: every fp8-compute linear of ``model`` whose LoRA runs with it
+    as one node (``lora_op``: no bias, no rotation) keeps that node's codes' transposes between
+    steps (``QuantizedLinear.node_transposes``, made on the first forward); returns how many
+    linears were set."""
+    layers = [m for m in model.modules()
+              if isinstance(m, QuantizedLinear) and m.fp8_grad and m.lora_op() is not None]
+    for m in layers:
+        m.keep_transposes = True
+    return len(layers)

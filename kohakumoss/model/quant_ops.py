@@ -138,7 +138,8 @@ class _Fp8Loras(torch.autograd.Function):
 
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                     full: bool = False, narrow: Callable | None = None) -> list[torch.Tensor]:
+                     full: bool = False, narrow: Callable | None = None,
+                     held_t: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Bias-free ``fp8_linear``s reading one input, each with a LoRA, as one node: per
     ``(codes, scale, down, up)`` (``down`` [r, in] and ``up`` [out, r] in x's dtype, the
     LoRA's scale already in ``up``) ``fp8_linear(x, codes, scale) + (x down^T) up^T``, the
@@ -156,7 +157,9 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     ``dy_i`` times its dequantized weight, plus ``t down``. The LoRAs' own gradients are
     those of ``h up^T`` unrounded (straight through). ``narrow``: the table's ``narrow_mm``,
     which a backend's node makes h and t with; the reference makes them in fp32, rounded
-    once."""
+    once. ``held_t``: the codes' transposes a backend's backward may read instead of making
+    them (kept between steps, ``QuantizedLinear.node_transposes``); the reference does not
+    need them."""
     x2 = x.reshape(-1, x.shape[-1])
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers])

@@ -81,6 +81,8 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
     depth = built[0].config.depth
     candidates = [("speed", PROFILE_ENGINES["speed"]), ("auto", MemoryEngines("block"))]
+    if params.precision.fp8_compute == "full" and not params.adapter.full:  # speed less its transposes
+        candidates.append(("auto", dataclasses.replace(PROFILE_ENGINES["speed"], fp8_transposes=False)))
     candidates += [("auto", MemoryEngines("partial", k, rebuild=True)) for k in range(1, depth)]
     seen = {MemoryEngines("block")}
     # the named profiles, then checkpointing with activation offload and resident weights

@@ -61,7 +61,7 @@ from kohakumoss.model.dit import HALVES, MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
 from kohakumoss.precision.quant import QuantizedWeight
 from kohakumoss.memory.host_copies import NodeCopies
-from kohakumoss.memory.quantized import quantize_base
+from kohakumoss.memory.quantized import keep_fp8_transposes, quantize_base
 
 # the backends a quantized base's linears take when no choice names them, each where it
 # fits (they are not tuned: both keep only the codes, which the reference does not)
@@ -126,6 +126,8 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan,
     model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
     # after the table: the quantized linears run its ops
     quantized = hold_quantized(model, plan.precision, plan.device, stored, plan.kernels)
+    if plan.memory.fp8_transposes and plan.precision.fp8_grad:
+        keep_fp8_transposes(model)
     recomputed = apply_recompute(model) if plan.memory.recompute else []
     if plan.memory.offload:  # block or sub-block checkpointing with the kept inputs on the host
         halves = plan.memory.checkpointing == "sub-block"

@@ -100,7 +100,7 @@ def profile_engines(params: Params) -> MemoryEngines:
     if params.profile == "manual":
         m = params.memory
         return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute, m.stream_slots,
-                             m.optimizer, m.offload, m.rebuild)
+                             m.optimizer, m.offload, m.rebuild, fp8_transposes=m.fp8_transposes)
     if params.profile == "auto":
         raise ValueError("profile auto is resolved against the device's free memory "
                          "(resolve_profile)")
@@ -183,7 +183,7 @@ class _Fp8LorasLike(torch.autograd.Function):
         return (torch.empty_like(x2), None, *([None] * len(ctx.widths)))
 
 
-def _fp8_loras_like(x: torch.Tensor, layers, full: bool = False, narrow=None) -> list[torch.Tensor]:
+def _fp8_loras_like(x: torch.Tensor, layers, full: bool = False, narrow=None, held_t=None) -> list[torch.Tensor]:
     down = torch.cat([d for _, _, d, _ in layers])
     ys = _Fp8LorasLike.apply(x.reshape(-1, x.shape[-1]), down, *(c for c, _, _, _ in layers))
     return [y.view(*x.shape[:-1], y.shape[1]) for y in ys]
@@ -283,6 +283,9 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     """The predicted peak of one training step on ``batch`` (each sample's ``(image tokens,
     text tokens)``) under ``engines``, for the params' transformer (or ``config``'s shape)."""
     model, frozen, trained_count, adapter = _model or _meta_model(params, engines, config)
+    if engines.fp8_transposes and params.precision.fp8_compute == "full" and not params.adapter.full:
+        from kohakumoss.memory.quantized import node_codes_bytes
+        frozen += node_codes_bytes(model)  # memory.fp8_transposes: the codes' transposes kept
     c = model.config
     policy = precision_policy(params.train.dtype, full=params.adapter.full)
     cd = policy.compute
