@@ -179,8 +179,8 @@ def test_full_holds_each_nodes_codes_beside_their_slot():
 def test_kept_transposes_are_each_nodes_codes_transposed_once(monkeypatch):
     """``memory.fp8_transposes`` (``keep_fp8_transposes``): the first forward of each LoRA node
     makes its codes' transposes side by side with its slot columns (q, k and v: one buffer,
-    held by q), the node's op receives them, a second step reuses them, and moved codes get
-    new ones."""
+    held by q), the node's op receives them, a second step reuses them, other codes get new
+    ones, and a forward without gradients makes none."""
     from kohakumoss.memory.quantized import keep_fp8_transposes
 
     model = tiny_transformer()
@@ -207,6 +207,13 @@ def test_kept_transposes_are_each_nodes_codes_transposed_once(monkeypatch):
     quantize_base(plain, "fp8", fp8_compute=True, fp8_grad=True)
     want, _ = _forward_and_grads(plain)
     assert torch.equal(out, want)
+    preview = tiny_transformer()  # a forward without gradients (a preview) has no backward
+    quantize_base(preview, "fp8", fp8_compute=True, fp8_grad=True)
+    keep_fp8_transposes(preview)
+    apply_adapters(preview, AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
+    with torch.no_grad():
+        preview(*_inputs())
+    assert all(m._held_t is None for m in preview.modules() if isinstance(m, QuantizedLinear))
 
 
 def test_codes_and_scales_keep_their_dtypes_and_the_weight_is_read_only():

@@ -215,7 +215,7 @@ def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor,
         width = slot_width(sum(down.shape[0] for _, down, _ in parts))
         for b, _, _ in parts:  # once: the codes held beside their slot (no copy a forward)
             b.hold_slots(width)
-        if base.keep_transposes:  # memory.fp8_transposes: made once, kept between steps
+        if base.keep_transposes and torch.is_grad_enabled():  # memory.fp8_transposes: made once, kept
             held_t = base.node_transposes([b for b, _, _ in parts], width)
     return base.lora_op()(x, [(b.codes, b.scale, down, up) for b, down, up in parts], base.fp8_grad,
                           narrow or ref_narrow_mm, held_t)
