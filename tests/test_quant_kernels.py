@@ -304,6 +304,12 @@ def test_fp8_lora_linears_over_held_codes_are_bit_identical(n):
                        torch.cat([c.view(torch.uint8).t() for c, _, _, _ in layers], 1))
     with pytest.raises(ValueError, match="held"):
         tq.transposed_codes([c for c, _, _, _ in layers], None, kept)
+    # a held layer run without its LoRA (fp8_linear: the codes' rows K + width apart)
+    lin = KERNELS.backend("fp8_linear", "scaled_mm").fn
+    for grad_fp8 in (False, True):
+        got = [lin(x, c, s, None, grad_fp8) for c, s in ((layers[0][0], layers[0][1]), (held[0][0], held[0][1]))]
+        assert torch.equal(got[0], got[1])
+        assert torch.equal(*(torch.autograd.grad(y, x, dy[0])[0] for y in got))
 
 
 @triton_test
@@ -639,6 +645,11 @@ def test_held_codes_and_kept_transposes_at_the_real_sizes():
         runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
     for a, b, c in zip(*runs):
         assert torch.equal(a, b) and torch.equal(a, c)
+    lin = KERNELS.backend("fp8_linear", "scaled_mm").fn  # a held layer without its LoRA
+    for grad_fp8 in (False, True):
+        got = [lin(x, c, s, None, grad_fp8) for c, s in ((layers[0][0], layers[0][1]), (held[0][0], held[0][1]))]
+        assert torch.equal(got[0], got[1])
+        assert torch.equal(*(torch.autograd.grad(y, x, dy[0])[0] for y in got))
 
 
 # ---- the interpreted suite on a CPU machine ------------------------------------------------

@@ -85,9 +85,10 @@ def _rows_narrow(X0, X1, X2, F0, F1, F2, CS, A, H, Q, S, M, K, R, QW, sx0, sx1, 
     tl.store(S + rm, s, mask=mm)
 
 
-def narrow_launch(K: int, R: int) -> tuple[int, int, int]:
-    """``_rows_narrow``'s launch: (rows a program takes, columns a step, warps); interpreted,
-    small blocks. Not yet swept on a GPU (``bench/bench_fp8_rows.py --narrow``)."""
+def narrow_launch(R: int) -> tuple[int, int, int]:
+    """``_rows_narrow``'s launch for R narrow columns: (rows a program takes, columns a step,
+    warps); interpreted, small blocks. Not yet swept on a GPU (``bench/bench_fp8_rows.py
+    --narrow``)."""
     if INTERPRETED:
         return 16, 16, 4
     return 64, 64, 4 if R <= 64 else 8
@@ -96,8 +97,8 @@ def narrow_launch(K: int, R: int) -> tuple[int, int, int]:
 def rows_narrow(xs: list[torch.Tensor], factors: list[torch.Tensor], amax: torch.Tensor,
                 col_scale: torch.Tensor | None = None, launch: tuple[int, int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``h = sum_j xs[j] @ factors[j]`` laid side by side (``factors[j]`` [K, r_j], any strides:
-    ``down.t()`` forward, each ``up`` in backward), rounded to xs' dtype, and
+    """``h = [xs[0] @ factors[0] | xs[1] @ factors[1] | ..]`` (``factors[j]`` [K, r_j], any
+    strides: ``down.t()`` forward, each ``up`` in backward), rounded to xs' dtype, and
     ``fp8_rows_joined(xs, col_scale, (h, amax))``: returns ``(h [M, R], codes [M, n K +
     slot_width(R)], scales [M])``. One to three [M, K] sources (rows contiguous, any row
     stride), bf16 or fp16; ``amax`` [R] float32 (``lora_amax``'s or A's row maxima)."""
@@ -121,7 +122,7 @@ def rows_narrow(xs: list[torch.Tensor], factors: list[torch.Tensor], amax: torch
     q = torch.empty((M, qw), dtype=torch.float8_e4m3fn, device=xs[0].device)
     s = torch.empty((M,), dtype=torch.float32, device=xs[0].device)
     if M:
-        bm, bk, warps = launch or narrow_launch(K, R)
+        bm, bk, warps = launch or narrow_launch(R)
         cs = xs[0] if col_scale is None else col_scale.float().contiguous()
         pad = 3 - n
         strides = [v for f in factors for v in f.stride()]

@@ -165,7 +165,10 @@ def _meta() -> dict:
 
 
 def _as_loaded(codes: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(the codes as the kernels load them, whether as e4m3 bytes): ``E4M3_BYTES``."""
+    """(the codes as the kernels load them, whether as e4m3 bytes): ``E4M3_BYTES``. The kernels
+    read rows ``K`` apart: codes held otherwise (beside fp8 compute's slot columns,
+    ``QuantizedLinear.hold_slots``) are copied first."""
+    codes = codes if codes.is_contiguous() else codes.contiguous()
     if codes.dtype != torch.float8_e4m3fn:
         return codes, False
     as_bytes = E4M3_BYTES
