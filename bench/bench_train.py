@@ -118,7 +118,7 @@ _BASES = {"keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"
           "fp8-full-rows": ("fp8", "full"), "fp8-full-kept": ("fp8", "full")}
 # fp8-full-fast: full with fast accumulation in the input-gradient GEMMs too
 # (kernels.fp8_compute.FAST_ACCUM_GRAD, set for that run alone); fp8-full-rows: full with the
-# LoRA's narrow products made inside the row quantization (fp8_compute.NARROW_IN_ROWS);
+# LoRA's narrow products made inside the row quantization (fp8_lora_linears' scaled_mm_rows);
 # fp8-full-kept: full with the codes' transposes kept between steps (memory.fp8_transposes,
 # which profile speed sets)
 
@@ -582,7 +582,9 @@ def main() -> None:
             CAP[0] = cap
             for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
                 fp8_compute.FAST_ACCUM_GRAD = base == "fp8-full-fast"
-                fp8_compute.NARROW_IN_ROWS = base == "fp8-full-rows"
+                KERNEL_CHOICES.pop("fp8_lora_linears", None)
+                if base == "fp8-full-rows":  # the node's backend with the narrow products in the rows
+                    KERNEL_CHOICES["fp8_lora_linears"] = ["scaled_mm_rows", "scaled_mm"]
                 for how, chain in [(h, c) for h in a.narrow for c in a.chain or ["on"]]:
                     CHAIN[0] = chain == "on"  # each way asked; cublas: the reference
                     KERNEL_CHOICES.pop("narrow_mm", None)

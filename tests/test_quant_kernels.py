@@ -427,15 +427,13 @@ def _on_grid(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 @triton_test
 @pytest.mark.parametrize("n", [1, 3])
-def test_fp8_lora_linears_with_the_narrow_products_in_the_rows(n, monkeypatch):
-    """``full`` with ``NARROW_IN_ROWS`` (``h`` and ``t`` made inside the row quantization,
-    ``rows_narrow``), never through the table's narrow product: against the reference within
-    e4m3's rounding (a last-bit difference of ``h`` may move a row's scale), and where the
-    narrow products are exact in any order, bit for bit the node without it, output and every
-    gradient."""
+def test_fp8_lora_linears_with_the_narrow_products_in_the_rows(n):
+    """``full`` by the ``scaled_mm_rows`` backend (``h`` and ``t`` made inside the row
+    quantization, ``rows_narrow``), never through the table's narrow product: against the
+    reference within e4m3's rounding (a last-bit difference of ``h`` may move a row's scale),
+    and where the narrow products are exact in any order, bit for bit ``scaled_mm``, output
+    and every gradient; without ``full`` it is ``scaled_mm`` itself."""
     needs_triton()
-    from kohakumoss.kernels import fp8_compute
-
     g = torch.Generator().manual_seed(18)
     x, layers = fp8_loras(g, n, 37, 48, 32, 4)
     leaves = {"x": x, **{f"{w}{i}": t for i, (_, _, d, u) in enumerate(layers)
@@ -446,22 +444,22 @@ def test_fp8_lora_linears_with_the_narrow_products_in_the_rows(n, monkeypatch):
         narrowed.append(tuple(b.shape))
         return torch.mm(a, b)
 
-    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
-    monkeypatch.setattr(fp8_compute, "NARROW_IN_ROWS", True)
-    compare(_joined(lambda *a: fn(*a, narrow=narrow)), _joined(ops.fp8_lora_linears), (x, layers, True),
+    rows = KERNELS.backend("fp8_lora_linears", "scaled_mm_rows").fn
+    plain = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    compare(_joined(lambda *a: rows(*a, narrow=narrow)), _joined(ops.fp8_lora_linears), (x, layers, True),
             leaves, 3e-2)
     assert narrowed == []
     x = _on_grid(x, g)
     layers = [(c, s, _on_grid(d, g), _on_grid(u, g)) for c, s, d, u in layers]
     leaves = [x, *(t for _, _, d, u in layers for t in (d, u))]
     dy = [_on_grid(torch.empty(37, 32, dtype=torch.bfloat16), g) for _ in range(n)]
-    runs = []
-    for rows in (True, False):
-        monkeypatch.setattr(fp8_compute, "NARROW_IN_ROWS", rows)
-        ys = fn(x, layers, True)
-        runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    for full in (True, False):
+        runs = []
+        for fn in (rows, plain):
+            ys = fn(x, layers, full)
+            runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
 
 
 def test_fp8_lora_linears_reference_is_the_separate_ops():
@@ -593,12 +591,12 @@ def test_fp8_rows_at_the_real_widths(K):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,K,rank", [(1, 3072, 96), (1, 8192, 32), (3, 3072, 32), (1, 16384, 32)], ids=str)
-def test_rows_narrow_at_the_real_sizes(n, K, rank, monkeypatch):
+def test_rows_narrow_at_the_real_sizes(n, K, rank):
     """The rows with their narrow product at the widths and ranks of the model's nodes
     (forward: q|k|v's input with three rank-32 down matrices, ffn_down's; backward: q|k|v's
     three gradients, up|gate's), compiled: ``h`` within a rounding of the float32 product,
-    the codes ``fp8_rows_joined``'s given it; then a rank-32 q, k, v node with
-    ``NARROW_IN_ROWS`` against the reference."""
+    the codes ``fp8_rows_joined``'s given it; then a rank-32 q, k, v node by the
+    ``scaled_mm_rows`` backend against the reference."""
     if not CUDA or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs CUDA sm89+")
     tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
@@ -614,11 +612,8 @@ def test_rows_narrow_at_the_real_sizes(n, K, rank, monkeypatch):
     want_q, want_s = tq.fp8_rows_joined(xs, cols, (h, amax))
     assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     if n == 3:
-        from kohakumoss.kernels import fp8_compute
-
-        monkeypatch.setattr(fp8_compute, "NARROW_IN_ROWS", True)
         x, layers = fp8_loras(torch.Generator().manual_seed(20), 3, 1000, K, K, rank)
-        fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+        fn = KERNELS.backend("fp8_lora_linears", "scaled_mm_rows").fn
         compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, True),
                 {"x": x, "down0": layers[0][2], "up0": layers[0][3]}, 3e-2)
 

@@ -16,6 +16,8 @@ would make autograd copy the whole gradient in backward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
@@ -37,14 +39,6 @@ FAST_ACCUM_GRAD = False
 ``use_fast_accum``; Transformer Engine's split accumulation for the gradients). True trades
 that for speed: ``bench/bench_train.py --bases fp8-full-fast`` and ``bench/bench_precision.py
 --grads`` measure the step and the LoRA gradients' error with it."""
-
-
-NARROW_IN_ROWS = False
-"""``full``'s nodes make their LoRA's narrow products (``h = x A^T``, ``t = [dy_1 B_1 | ...]``)
-inside the row quantization of the same rows (``triton_fp8_narrow.rows_narrow``: one read of
-each activation row for both, not one for the narrow product and one for the codes) instead
-of by the table's ``narrow_mm`` first. Off until a step measures it on a GPU
-(``bench/bench_train.py --bases fp8-full-rows``)."""
 
 
 _ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -126,16 +120,16 @@ class _Fp8Loras(torch.autograd.Function):
     ``A^T / g'`` beside them (``transposed_codes`` with a slot)."""
 
     @staticmethod
-    def forward(ctx, x2, ranks, full, narrow, held_t, down, *tensors):
+    def forward(ctx, x2, ranks, full, narrow, held_t, in_rows, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         t8 = triton_module("triton_fp8")
-        ctx.narrow, ctx.held_t = narrow, held_t
+        ctx.narrow, ctx.held_t, ctx.in_rows = narrow, held_t, in_rows
         outs = []
         if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
             width, c0 = t8.slot_width(sum(ranks)), 0
             amax = t8.lora_amax(ups, scales)
-            if NARROW_IN_ROWS:
+            if in_rows:
                 h, xq, xs = triton_module("triton_fp8_narrow").rows_narrow([x2], [down.t()], amax)
             else:
                 h = narrow(x2, down.t())
@@ -164,8 +158,8 @@ class _Fp8Loras(torch.autograd.Function):
         x2, h, down, *rest = ctx.saved_tensors
         n = len(ctx.ranks)
         codes, scales, ups = rest[:n], rest[n:2 * n], rest[2 * n:]
-        need_x, need_down = ctx.needs_input_grad[0], ctx.needs_input_grad[5]
-        need_up = ctx.needs_input_grad[6 + 2 * n:]
+        need_x, need_down = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
+        need_up = ctx.needs_input_grad[7 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
         dx = t = None
@@ -175,7 +169,7 @@ class _Fp8Loras(torch.autograd.Function):
             # Triton launch: this backward is bound by its host (ops.fp8_lora_linears)
             amax = torch.linalg.vector_norm(down, float("inf"), dim=1, dtype=torch.float32)
             cols = torch.cat(scales) if n > 1 else scales[0]
-            if NARROW_IN_ROWS:
+            if ctx.in_rows:
                 t, gq, gs = triton_module("triton_fp8_narrow").rows_narrow(dys, list(ups), amax, cols)
             else:
                 t = _narrow_t(ctx.narrow, dys, ups)
@@ -192,7 +186,7 @@ class _Fp8Loras(torch.autograd.Function):
         d_down = torch.mm(t.t(), x2) if need_down else None
         d_up = [torch.mm(dy.t(), hi) if need else None
                 for dy, hi, need in zip(dys, h.split(ctx.ranks, dim=1), need_up)]
-        return (dx, None, None, None, None, d_down, *([None] * 2 * n), *d_up)
+        return (dx, None, None, None, None, None, d_down, *([None] * 2 * n), *d_up)
 
 
 def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
@@ -201,13 +195,16 @@ def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
 
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                     full: bool = False, narrow=torch.mm, held_t: torch.Tensor | None = None
-                     ) -> list[torch.Tensor]:
+                     full: bool = False, narrow=torch.mm, held_t: torch.Tensor | None = None,
+                     in_rows: bool = False) -> list[torch.Tensor]:
     """``ops.fp8_lora_linears`` as one node (``_Fp8Loras``): fp8 GEMMs, the LoRAs' products in
     bf16 accumulated in place, or with ``full`` inside the GEMMs; the narrow products
     (``x A^T``, ``dy B``) through ``narrow`` (the model's ``ops.narrow_mm``). ``held_t``
     (``full``): the codes' transposes side by side, kept between steps
-    (``transposed_codes``' ``held``), so that backward writes only their slot."""
+    (``transposed_codes``' ``held``), so that backward writes only their slot. ``in_rows``
+    (``full``; the ``scaled_mm_rows`` backend): the narrow products ``h`` and ``t`` made inside
+    the row quantization of the same rows (``triton_fp8_narrow.rows_narrow``: one read of each
+    activation or gradient row for both) instead of by ``narrow`` first."""
     if not 1 <= len(layers) <= 3 or len({c.shape[0] for c, _, _, _ in layers}) != 1:
         raise ValueError(f"fp8_lora_linears (scaled_mm): one to three linears of one width, got "
                          f"{[tuple(c.shape) for c, _, _, _ in layers]}")
@@ -220,10 +217,15 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers]) if len(layers) > 1 else layers[0][2]
-    ys = _Fp8Loras.apply(x2, ranks, full, narrow, held_t if full else None, down, *(c for c, _, _, _ in layers),
+    ys = _Fp8Loras.apply(x2, ranks, full, narrow, held_t if full else None, in_rows and full, down,
+                         *(c for c, _, _, _ in layers),
                          *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
     return [y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1]) for y in ys]
 
 
 register_backend("fp8_linear", "scaled_mm", fp8_linear, available, keeps_inputs_only=True)
 register_backend("fp8_lora_linears", "scaled_mm", fp8_lora_linears, available)
+# the same node with its narrow products inside the row quantization: chosen by name
+# (``bench/bench_train.py --bases fp8-full-rows``) until a step measures it on a GPU
+register_backend("fp8_lora_linears", "scaled_mm_rows", functools.partial(fp8_lora_linears, in_rows=True),
+                 lambda device, dtype: available(device, dtype) and triton_module("triton_fp8_narrow") is not None)
