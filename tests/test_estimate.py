@@ -40,8 +40,10 @@ def test_auto_drops_the_kept_fp8_transposes_before_checkpointing():
     assert (name, engines) == ("speed", PROFILE_ENGINES["speed"])
     name, engines, est, why = A.resolve_profile(p, BATCH, cpu, free=int((kept_peak + made_peak) / 2 / A.HEADROOM))
     assert engines == made and est.peak == made_peak and "fits" in why
-    plain = _lora()  # no fp8 compute: speed as ever, the flag moot
-    assert A.resolve_profile(plain, BATCH, cpu, free=10**12)[1] == PROFILE_ENGINES["speed"]
+    plain = _lora()  # no fp8 compute: speed with nothing to keep (the log does not say it)
+    assert A.resolve_profile(plain, BATCH, cpu, free=10**12)[1] == MemoryEngines("none")
+    assert "fp8 transposes kept" in PROFILE_ENGINES["speed"].describe()
+    assert "fp8" not in MemoryEngines("none").describe()
 
 
 def test_the_estimate_counts_what_a_real_forward_keeps():
@@ -126,7 +128,7 @@ def test_auto_picks_the_fastest_engines_that_fit():
     balanced = E.estimate(p, BATCH, PROFILE_ENGINES["balanced"]).peak
     assert block < balanced < speed  # selective keeps the matmul outputs, block only inputs
     name, engines, est, why = A.resolve_profile(p, BATCH, cpu, free=10 * speed)
-    assert (name, engines) == ("speed", PROFILE_ENGINES["speed"]) and "fits" in why
+    assert (name, engines) == ("speed", MemoryEngines("none")) and "fits" in why
     # the order auto tries: partial of a few blocks is faster than balanced's selective
     # recomputation, partial of many slower
     depth = 2
@@ -247,7 +249,7 @@ def test_train_resolves_the_profile_from_the_plan_and_says_why(tmp_path, caplog)
         c = build_components(load_params(params), paths)
     assert "profile auto: speed is the fastest whose" in caplog.text
     assert "memory: " in caplog.text and "predicted peak" in caplog.text
-    assert c.engines.memory == PROFILE_ENGINES["speed"] and not c.applied.checkpointed
+    assert c.engines.memory == MemoryEngines("none") and not c.applied.checkpointed
     import yaml
 
     raw = yaml.safe_load(params.read_text())

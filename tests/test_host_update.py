@@ -140,7 +140,7 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
 
 
 PROFILES_ON_CUDA = {  # what each profile runs on a CUDA device, forced here on the CPU
-    "speed": MemoryEngines("none"),
+    "speed": MemoryEngines("none", fp8_transposes=True),  # the transposes: fp8 compute full only
     "balanced": MemoryEngines("none", rebuild=True),
     "low": MemoryEngines("block", stream_slots=4, optimizer="host", offload=True),
     "minimal": MemoryEngines("sub-block", stream_slots=2, optimizer="host", offload=True),

@@ -80,9 +80,10 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
     budget = int(free * HEADROOM)
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
     depth = built[0].config.depth
-    candidates = [("speed", PROFILE_ENGINES["speed"]), ("auto", MemoryEngines("block"))]
-    if params.precision.fp8_compute == "full" and not params.adapter.full:  # speed less its transposes
-        candidates.append(("auto", dataclasses.replace(PROFILE_ENGINES["speed"], fp8_transposes=False)))
+    speed = placed(PROFILE_ENGINES["speed"], params, device)[0]
+    candidates = [("speed", speed), ("auto", MemoryEngines("block"))]
+    if speed.fp8_transposes:  # fp8 compute full: speed less its kept transposes
+        candidates.append(("auto", dataclasses.replace(speed, fp8_transposes=False)))
     candidates += [("auto", MemoryEngines("partial", k, rebuild=True)) for k in range(1, depth)]
     seen = {MemoryEngines("block")}
     # the named profiles, then checkpointing with activation offload and resident weights

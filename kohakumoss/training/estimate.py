@@ -110,8 +110,11 @@ def profile_engines(params: Params) -> MemoryEngines:
 def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tuple[MemoryEngines, str]:
     """``engines`` as this run can place the weights and the optimizer, and a note when that
     differs: weight streaming, the host update and activation offload need a CUDA device
-    (elsewhere host and device memory are one)."""
+    (elsewhere host and device memory are one). Kept fp8 transposes are dropped, silently,
+    where the run has none (no ``precision.fp8_compute: full`` on a frozen base)."""
     notes = []
+    if engines.fp8_transposes and (params.precision.fp8_compute != "full" or params.adapter.full):
+        engines = dataclasses.replace(engines, fp8_transposes=False)  # nothing to keep: no note
     if engines.stream_slots and device.type != "cuda":
         why = f"it needs a CUDA device: on {device.type} the weights are in host memory already"
         engines = dataclasses.replace(engines, stream_slots=0, resident_blocks=0)
