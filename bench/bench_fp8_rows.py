@@ -47,7 +47,10 @@ def configs(K: int, n: int):
             yield block, rows, stages, warps
 
 
-NARROW_CONFIGS = list(itertools.product((32, 64, 128), (32, 64, 128), (4, 8)))  # rows, columns a step, warps
+# --narrow: rows a block, columns a step, warps; each with one program a block and with 1 or 2
+# programs an SM walking the blocks (the rows a program just read then fit L2 for its second read)
+NARROW_CONFIGS = list(itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8)))
+NARROW_PROGRAMS_PER_SM = (0, 1, 2)
 
 
 def narrow_inputs(name: str, tokens: int, rank: int, g: torch.Generator, device: torch.device):
@@ -78,16 +81,18 @@ def narrow_rows(name: str, tokens: int, rank: int, g: torch.Generator) -> dict:
 
     fns = {"apart": apart}
     rows = []
-    for bm, bk, warps in NARROW_CONFIGS:
-        fn = (lambda cfg=(bm, bk, warps): triton_fp8_narrow.rows_narrow(xs, factors, amax, cs, launch=cfg))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (bm, bk, warps), per_sm in itertools.product(NARROW_CONFIGS, NARROW_PROGRAMS_PER_SM):
+        cfg = (bm, bk, warps, per_sm * sms)
+        fn = (lambda cfg=cfg: triton_fp8_narrow.rows_narrow(xs, factors, amax, cs, launch=cfg))
         try:
             h, q, s = fn()
             same = torch.equal(q.view(torch.uint8), triton_fp8.fp8_rows_joined(xs, cs, (h, amax))[0].view(torch.uint8))
         except Exception as e:  # a config that does not build (registers, shared memory)
-            rows.append({"config": (bm, bk, warps), "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
-        fns[(bm, bk, warps)] = fn
-        rows.append({"config": (bm, bk, warps), "same_codes_given_h": same})
+        fns[cfg] = fn
+        rows.append({"config": cfg, "same_codes_given_h": same})
     ms = rounds_ms(fns, reps=10)
     for x in rows:
         if "error" not in x:

@@ -230,9 +230,12 @@ def sweeps() -> None:
         tail = (torch.randn(rows, r * 32, generator=g).to(bf16), torch.rand(r * 32, generator=g))
         for config in bench_fp8_rows.configs(K, n):
             triton_fp8.fp8_rows_joined(xs, cs, tail, launch=config)
-        xs, factors, cs, amax = bench_fp8_rows.narrow_inputs(name, rows, 32, g, torch.device("cpu"))
-        for config in bench_fp8_rows.NARROW_CONFIGS:  # --narrow: the rows with their narrow product
-            triton_fp8_narrow.rows_narrow(xs, factors, amax, cs, launch=config)
+        # --narrow: the rows with their narrow product, one program a block and the walk (300
+        # rows: more blocks than the one program walking them, at every block height)
+        xs, factors, cs, amax = bench_fp8_rows.narrow_inputs(name, 300, 32, g, torch.device("cpu"))
+        for config in bench_fp8_rows.NARROW_CONFIGS:
+            for programs in (0, 1):
+                triton_fp8_narrow.rows_narrow(xs, factors, amax, cs, launch=(*config, programs))
     D = bench_norm_launch.D
     x, y, go, res = (torch.randn(rows, D, generator=g).to(bf16) for _ in range(4))
     w, mod = torch.randn(D, generator=g).to(bf16), torch.randn(2, 6, D, generator=g)

@@ -347,7 +347,8 @@ def test_rows_with_their_narrow_product(n):
     assert q.shape == want_q.shape == (M, n * K + tq.slot_width(R))
     assert torch.equal(s, want_s) and s[7] == 1.0 and not q[7].float().any()
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    for launch in ((32, 64, 8), (64, 16, 4)):  # the bench's sweep: rows a program, columns a step
+    # the bench's sweep: rows a block, columns a step, warps, programs (2: walking 3 blocks)
+    for launch in ((32, 64, 8, 0), (64, 16, 4, 0), (16, 16, 4, 2)):
         h2, q2, s2 = tn.rows_narrow(xs, factors, amax, cols, launch=launch)
         assert (h2.float() - want_h).abs().max() <= 2 ** -7 * want_h.abs().max()
         want_q, want_s = tq.fp8_rows_joined(xs, cols, (h2, amax))

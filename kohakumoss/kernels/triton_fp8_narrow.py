@@ -7,7 +7,9 @@ whose row ``[x | h g]`` needs ``h`` first (``triton_fp8.fp8_rows_joined`` with a
 one program takes a block of rows: the first walk over their columns sums the narrow product
 on the tensor cores (``tl.dot``, float32, rounded once to the activations' dtype as the
 narrow product rounds) and the rows' largest magnitudes; the second walk, over the same rows
-just read (from L2 where they stay there), writes the codes under each row's scale. The
+just read, writes the codes under each row's scale. That second read comes from L2 only if
+the rows in flight fit it (~50 MB on an H100/H200): a launch of a few programs an SM, each
+walking many blocks, keeps them few. The
 narrow product's sums run in another order than cuBLAS's, so ``h`` may differ from it by a
 rounding; everything after ``h`` is ``fp8_rows_joined``'s, code for code
 (``tests/test_quant_kernels.py``).
@@ -32,15 +34,11 @@ def _row_codes(v, s):
 
 
 @jit
-def _rows_narrow(X0, X1, X2, F0, F1, F2, CS, A, H, Q, S, M, K, R, QW, sx0, sx1, sx2,
-                 fk0, fr0, fk1, fr1, fk2, fr2, w0, w1, NSRC: tl.constexpr, COLS: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
-    """Rows ``pid * BM ..`` of ``[X0 | X1 | X2][:, :NSRC * K] (times CS where COLS)``, followed by
-    ``h * A / 448`` (R wide, zeros to QW), as e4m3 codes under one scale a row, into Q (QW
-    wide); ``h = [X_0 F_0 | X_1 F_1 | X_2 F_2]`` (F_j [K, w_j], w_2 = R - w_0 - w_1; its
-    element (k, c) at ``F_j + k fk_j + c fr_j``) into H [M, R], rounded to H's dtype. Each
-    source row is read twice: for ``h`` and the amax, then for the codes."""
-    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+def _rows_block(blk, X0, X1, X2, F0, F1, F2, CS, A, H, Q, S, M, K, R, QW, sx0, sx1, sx2,
+                fk0, fr0, fk1, fr1, fk2, fr2, w0, w1, NSRC: tl.constexpr, COLS: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
+    """Rows ``blk * BM ..`` of ``_rows_narrow``."""
+    rm = (blk * BM + tl.arange(0, BM)).to(tl.int64)
     mm = rm < M
     rc = tl.arange(0, RP)
     rk0 = tl.arange(0, BK)
@@ -85,17 +83,38 @@ def _rows_narrow(X0, X1, X2, F0, F1, F2, CS, A, H, Q, S, M, K, R, QW, sx0, sx1, 
     tl.store(S + rm, s, mask=mm)
 
 
-def narrow_launch(R: int) -> tuple[int, int, int]:
-    """``_rows_narrow``'s launch for R narrow columns: (rows a program takes, columns a step,
-    warps); interpreted, small blocks. Not yet swept on a GPU (``bench/bench_fp8_rows.py
-    --narrow``)."""
+@jit
+def _rows_narrow(X0, X1, X2, F0, F1, F2, CS, A, H, Q, S, M, K, R, QW, sx0, sx1, sx2,
+                 fk0, fr0, fk1, fr1, fk2, fr2, w0, w1, NSRC: tl.constexpr, COLS: tl.constexpr,
+                 BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, WALK: tl.constexpr):
+    """Blocks of BM rows of ``[X0 | X1 | X2][:, :NSRC * K] (times CS where COLS)``, each row
+    followed by ``h * A / 448`` (R wide, zeros to QW), as e4m3 codes under one scale a row,
+    into Q (QW wide); ``h = [X_0 F_0 | X_1 F_1 | X_2 F_2]`` (F_j [K, w_j], w_2 = R - w_0 - w_1;
+    its element (k, c) at ``F_j + k fk_j + c fr_j``) into H [M, R], rounded to H's dtype. Each
+    source row is read twice: for ``h`` and the amax, then for the codes. One program a block,
+    or with ``WALK`` program p takes the blocks p, p + programs, ..: a grid of a few programs
+    an SM, so that the rows a program just read are few enough to be read again from L2 (a
+    variant of its own: the walk costs registers)."""
+    if WALK:
+        for blk in range(tl.program_id(0), tl.cdiv(M, BM), tl.num_programs(0)):
+            _rows_block(blk, X0, X1, X2, F0, F1, F2, CS, A, H, Q, S, M, K, R, QW, sx0, sx1, sx2,
+                        fk0, fr0, fk1, fr1, fk2, fr2, w0, w1, NSRC, COLS, BM, BK, RP)
+    else:
+        _rows_block(tl.program_id(0), X0, X1, X2, F0, F1, F2, CS, A, H, Q, S, M, K, R, QW, sx0, sx1,
+                    sx2, fk0, fr0, fk1, fr1, fk2, fr2, w0, w1, NSRC, COLS, BM, BK, RP)
+
+
+def narrow_launch(R: int) -> tuple[int, int, int, int]:
+    """``_rows_narrow``'s launch for R narrow columns: (rows a block, columns a step, warps,
+    programs: 0 for one a block, else that many walking the blocks); interpreted, small
+    blocks. Not yet swept on a GPU (``bench/bench_fp8_rows.py --narrow``)."""
     if INTERPRETED:
-        return 16, 16, 4
-    return 64, 64, 4 if R <= 64 else 8
+        return 16, 16, 4, 0
+    return 64, 64, 4 if R <= 64 else 8, 0
 
 
 def rows_narrow(xs: list[torch.Tensor], factors: list[torch.Tensor], amax: torch.Tensor,
-                col_scale: torch.Tensor | None = None, launch: tuple[int, int, int] | None = None
+                col_scale: torch.Tensor | None = None, launch: tuple[int, int, int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``h = [xs[0] @ factors[0] | xs[1] @ factors[1] | ..]`` (``factors[j]`` [K, r_j], any
     strides: ``down.t()`` forward, each ``up`` in backward), rounded to xs' dtype, and
@@ -122,13 +141,15 @@ def rows_narrow(xs: list[torch.Tensor], factors: list[torch.Tensor], amax: torch
     q = torch.empty((M, qw), dtype=torch.float8_e4m3fn, device=xs[0].device)
     s = torch.empty((M,), dtype=torch.float32, device=xs[0].device)
     if M:
-        bm, bk, warps = launch or narrow_launch(R)
+        bm, bk, warps, programs = launch or narrow_launch(R)
         cs = xs[0] if col_scale is None else col_scale.float().contiguous()
         pad = 3 - n
         strides = [v for f in factors for v in f.stride()]
-        _rows_narrow[(triton.cdiv(M, bm),)](
+        blocks = triton.cdiv(M, bm)
+        walk = 0 < programs < blocks
+        _rows_narrow[(programs if walk else blocks,)](
             *xs, *xs[:1] * pad, *factors, *factors[:1] * pad, cs, amax, h, q, s, M, K, R, qw,
             *(x.stride(0) for x in xs), *[0] * pad, *strides, *[0, 0] * pad,
             rs[0], rs[1] if n > 1 else 0, NSRC=n, COLS=col_scale is not None,
-            BM=bm, BK=bk, RP=max(16, triton.next_power_of_2(R)), num_warps=warps)
+            BM=bm, BK=bk, RP=max(16, triton.next_power_of_2(R)), WALK=walk, num_warps=warps)
     return h, q, s
