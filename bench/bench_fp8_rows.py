@@ -49,7 +49,7 @@ def configs(K: int, n: int):
 
 # --narrow: rows a block, columns a step, warps; each with one program a block and with 1 or 2
 # programs an SM walking the blocks (the rows a program just read then fit L2 for its second read)
-NARROW_CONFIGS = list(itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8)))
+NARROW_CONFIGS = list(itertools.product((16, 32, 64), (64, 128), (4, 8)))  # 24 builds a shape
 NARROW_PROGRAMS_PER_SM = (0, 1, 2)
 
 
