@@ -216,6 +216,24 @@ def test_kept_transposes_are_each_nodes_codes_transposed_once(monkeypatch):
     assert all(m._held_t is None for m in preview.modules() if isinstance(m, QuantizedLinear))
 
 
+def test_the_engines_set_the_kept_transposes_where_fp8_full_runs():
+    """``apply_engines`` marks the fp8 LoRA linears under engines with ``fp8_transposes`` and
+    fp8 compute ``full``; not with ``on``, nor under engines without it."""
+    from kohakumoss.memory.profiles import MemoryEngines
+    from kohakumoss.precision import precision_policy
+    from kohakumoss.training.engines import EnginePlan, apply_engines
+
+    def marked(memory, grad: bool) -> list[bool]:
+        model = tiny_transformer()
+        policy = precision_policy("bf16", full=False, base="fp8", fp8_compute=True, fp8_grad=grad)
+        apply_engines(model, EnginePlan(torch.device("cpu"), policy, memory=memory))
+        return [m.keep_transposes for m in model.modules() if isinstance(m, QuantizedLinear) and m.bias is None]
+
+    assert all(marked(PROFILE_ENGINES["speed"], True)) and len(marked(PROFILE_ENGINES["speed"], True)) == 18
+    assert not any(marked(PROFILE_ENGINES["speed"], False))
+    assert not any(marked(MemoryEngines("none"), True))
+
+
 def test_codes_and_scales_keep_their_dtypes_and_the_weight_is_read_only():
     qm = tiny_transformer()
     quantize_base(qm, "fp8")
