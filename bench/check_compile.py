@@ -216,8 +216,8 @@ def step(run: str, blocks: int = 2, image: int = 64, text: int = 24) -> None:
 def sweeps() -> None:
     """The launches the GPU sweeps time, each made once on a few rows (the launches depend on
     the widths): ``bench_fp8_rows.py``'s configs at its five shapes (with ``--narrow`` too),
-    ``bench_norm_launch.py``'s
-    for each row kernel of the norm, and ``bench_lora_products.py``'s for the narrow kernel."""
+    ``bench_norm_launch.py``'s for each row kernel of the norm, and ``bench_lora_products.py``'s
+    for the narrow kernel."""
     import bench_fp8_rows
     import bench_lora_products
     import bench_norm_launch
