@@ -1,8 +1,8 @@
 """The benchmarks' one way to report: the results as JSON on stdout, and in ``$OUT/<name>.json``
 when ``$OUT`` is set (the device machine sends that folder back); their one CUDA-event
-timer, ``cuda_ms``, and ``rounds_ms`` for sweeps (every config timed once a round); and ``CardLog``, the card's clock, power and temperature while a run
-goes (an H200 at its 700 W limit runs its SMs ~20% below their top clock, and a figure
-means little without it)."""
+timer, ``cuda_ms``, and ``rounds_ms`` for sweeps (every config timed once a round); and
+``CardLog``, the card's clock, power and temperature while a run goes (an H200 at its 700 W
+limit runs its SMs ~20% below their top clock, and a figure means little without it)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ not. Each reads and writes whole [tokens, 3,072] bf16 rows, with the sample's fp
 scale and gate beside them. Per kind and token count, every launch (rows a program: 1, 2, 4;
 warps: 2, 4, 8, 16) and the default, timed in rounds so a drifting clock favours none
 (``_report.rounds_ms``): the median time, the bytes of the bf16 rows moved over the time,
-whether the results equal the default launch's, and the fastest against the default. A winner goes to ``triton_norm.LAUNCH``. Prints one JSON
-object (``$OUT/bench_norm_launch.json`` on the device machine).
+whether the results equal the default launch's, and the fastest against the default. A
+winner goes to ``triton_norm.LAUNCH``. Prints one JSON object
+(``$OUT/bench_norm_launch.json`` on the device machine).
 """
 
 from __future__ import annotations

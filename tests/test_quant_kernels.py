@@ -274,6 +274,29 @@ def test_codes_held_beside_their_slot_are_filled_in_place():
                        tq.transposed_codes([codes, codes], (down, damax)).view(torch.uint8))
 
 
+def _held_matches_plain(x, layers, held, kept) -> None:
+    """The ``full`` node over ``held`` codes with ``kept`` transposes (twice: the second forward
+    and backward overwrite their own slots) against the node over plain ``layers``, outputs
+    and every gradient bit for bit; then the first linear alone (``fp8_linear``, a held layer
+    without its LoRA: the codes' rows K + slot apart), both input-gradient paths."""
+    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    leaves = [x, *(t for _, _, d, u in layers for t in (d, u))]
+    M, N = x.shape[0], layers[0][0].shape[0]
+    dy = [torch.randn(M, N, generator=torch.Generator().manual_seed(i)).to(DEVICE, torch.bfloat16)
+          for i in range(len(layers))]
+    runs = []
+    for ls, held_t in ((layers, None), (held, kept), (held, kept)):
+        ys = fn(x, ls, True, held_t=held_t)
+        runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
+    for a, b, c in zip(*runs):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    lin = KERNELS.backend("fp8_linear", "scaled_mm").fn
+    for grad_fp8 in (False, True):
+        got = [lin(x, c, s, None, grad_fp8) for c, s in ((layers[0][0], layers[0][1]), (held[0][0], held[0][1]))]
+        assert torch.equal(got[0], got[1])
+        assert torch.equal(*(torch.autograd.grad(y, x, dy[0])[0] for y in got))
+
+
 @triton_test
 @pytest.mark.parametrize("n", [1, 3])
 def test_fp8_lora_linears_over_held_codes_are_bit_identical(n):
@@ -289,27 +312,11 @@ def test_fp8_lora_linears_over_held_codes_are_bit_identical(n):
     kept = torch.full((48, 32 * n + width), 0x5A, dtype=torch.uint8, device=DEVICE)  # a stale slot
     kept[:, :32 * n] = torch.cat([c.view(torch.uint8).t() for c, _, _, _ in layers], 1)
     kept = kept.view(torch.float8_e4m3fn)
-    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
-    leaves = [x, *(t for _, _, d, u in layers for t in (d, u))]
-    dy = [torch.randn(37, 32, generator=torch.Generator().manual_seed(i)).to(DEVICE, torch.bfloat16)
-          for i in range(n)]
-    runs = []
-    # held twice: the second forward and backward overwrite their own slots
-    for ls, held_t in ((layers, None), (held, kept), (held, kept)):
-        ys = fn(x, ls, True, held_t=held_t)
-        runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
-    for a, b, c in zip(*runs):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    _held_matches_plain(x, layers, held, kept)
     assert torch.equal(kept.view(torch.uint8)[:, :32 * n],
                        torch.cat([c.view(torch.uint8).t() for c, _, _, _ in layers], 1))
     with pytest.raises(ValueError, match="held"):
         tq.transposed_codes([c for c, _, _, _ in layers], None, kept)
-    # a held layer run without its LoRA (fp8_linear: the codes' rows K + width apart)
-    lin = KERNELS.backend("fp8_linear", "scaled_mm").fn
-    for grad_fp8 in (False, True):
-        got = [lin(x, c, s, None, grad_fp8) for c, s in ((layers[0][0], layers[0][1]), (held[0][0], held[0][1]))]
-        assert torch.equal(got[0], got[1])
-        assert torch.equal(*(torch.autograd.grad(y, x, dy[0])[0] for y in got))
 
 
 @triton_test
@@ -631,21 +638,7 @@ def test_held_codes_and_kept_transposes_at_the_real_sizes():
     kept = torch.zeros((3072, 3 * 3072 + 96), dtype=torch.uint8, device=DEVICE)
     kept[:, :3 * 3072] = tq.transposed_codes([c for c, _, _, _ in layers]).view(torch.uint8)
     kept = kept.view(torch.float8_e4m3fn)
-    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
-    leaves = [x, *(t for _, _, d, u in layers for t in (d, u))]
-    dy = [torch.randn(4200, 3072, generator=torch.Generator().manual_seed(i)).to(DEVICE, torch.bfloat16)
-          for i in range(3)]
-    runs = []
-    for ls, held_t in ((layers, None), (held, kept), (held, kept)):
-        ys = fn(x, ls, True, held_t=held_t)
-        runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
-    for a, b, c in zip(*runs):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    lin = KERNELS.backend("fp8_linear", "scaled_mm").fn  # a held layer without its LoRA
-    for grad_fp8 in (False, True):
-        got = [lin(x, c, s, None, grad_fp8) for c, s in ((layers[0][0], layers[0][1]), (held[0][0], held[0][1]))]
-        assert torch.equal(got[0], got[1])
-        assert torch.equal(*(torch.autograd.grad(y, x, dy[0])[0] for y in got))
+    _held_matches_plain(x, layers, held, kept)
 
 
 # ---- the interpreted suite on a CPU machine ------------------------------------------------
