@@ -2,13 +2,13 @@
 # The wheels the GPU machine lacks, packed for it (its runs carry at most 64 MiB of ignored
 # files a call, and nothing can be installed there from the network):
 #
-#   bash bench/device_kit.sh build      # here: .kit/fa4a, fa4b, fa4c (flash-attn-4 with
-#                                       # NVIDIA's CuTe DSL, the cu13 libraries split in three),
+#   bash bench/device_kit.sh build      # here: .kit/fa4a and .kit/fa4b (flash-attn-4 with
+#                                       # NVIDIA's CuTe DSL, the cu13 libraries split in two),
 #                                       # .kit/whl (diffusers, for the VAE of bench_sample.py),
 #                                       # .kit/lyc (lycoris-lora, einops, toml: the machine lacks them)
 #   bash bench/device_kit.sh keep DIR   # there, in each call that carried one part: copy it
 #                                       # to /tmp/kit (kept while the machine stays warm)
-#   bash bench/device_kit.sh install    # there, once all three are kept: reassemble and
+#   bash bench/device_kit.sh install    # there, once both halves are kept: reassemble and
 #                                       # install into /tmp/fa4site
 #   bash bench/device_kit.sh site       # there, in a call that carried .kit/lyc (and .kit/whl):
 #                                       # install them into /tmp/site
@@ -23,12 +23,10 @@ set -euo pipefail
 
 FA4=("flash-attn-4==4.0.0b40" "nvidia-cutlass-dsl==4.8.1" "nvidia-cutlass-dsl-libs-base==4.8.1"
      "nvidia-cutlass-dsl-libs-core==4.8.1" "nvidia-cutlass-dsl-libs-cu13==4.8.1"
-     "apache-tvm-ffi>=0.1.11,<0.2" "torch-c-dlpack-ext" "quack-kernels==0.6.5" "einops"
-     "cuda-bindings>=13,<14" "cuda-pathfinder" "protobuf")
-# installed only where the machine's Python lacks them (its torch may bring its own)
-OPTIONAL=(cuda_bindings:cuda.bindings cuda_pathfinder:cuda.pathfinder protobuf:google.protobuf)
-PARTS=(fa4a fa4b fa4c)
-PART=37m  # a third each: with the tree and .kit/whl well under the 64 MiB a call carries
+     "apache-tvm-ffi>=0.1.11,<0.2" "torch-c-dlpack-ext" "quack-kernels==0.6.5" "einops")
+# (the CuTe DSL's cuda-bindings and protobuf are in the machine's image)
+PARTS=(fa4a fa4b)
+PART=50m  # a half each: with the tree and .kit/lyc under the 64 MiB a call carries
 
 build() {
     local root tmp
@@ -54,16 +52,13 @@ keep() {
 }
 
 install() {
-    local parts=(/tmp/kit/fa4-part.*) pair
+    local parts=(/tmp/kit/fa4-part.*)
     if (( ${#parts[@]} != ${#PARTS[@]} )); then
-        echo "/tmp/kit holds ${#parts[@]} of the ${#PARTS[@]} parts: carry .kit/fa4a, fa4b and fa4c (keep)" >&2
+        echo "/tmp/kit holds ${#parts[@]} of the ${#PARTS[@]} parts: carry .kit/fa4a and .kit/fa4b (keep)" >&2
         exit 1
     fi
     rm -rf /tmp/kit/wheels && mkdir -p /tmp/kit/wheels /tmp/fa4site
     cat "${parts[@]}" | tar xf - -C /tmp/kit/wheels
-    for pair in "${OPTIONAL[@]}"; do
-        if python3 -c "import ${pair#*:}" 2>/dev/null; then rm -f /tmp/kit/wheels/"${pair%%:*}"-*.whl; fi
-    done
     python3 -m pip install -q --no-deps --upgrade --target /tmp/fa4site /tmp/kit/wheels/*.whl
     PYTHONPATH=$(path) python3 -c "import flash_attn.cute, cutlass; print('fa4 ok')"
 }
