@@ -62,10 +62,11 @@ def stream_hooks(model, massive: float) -> list[float]:
 def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
     """``--grads``: a rank-32 LoRA's gradients (of ``<v, r>`` for a fixed random r) under
     bf16, fp8 compute (``on``: bf16 input gradients) and ``full`` (fp8 input gradients;
-    and with those GEMMs' fast accumulation, ``fp8_compute.FAST_ACCUM_GRAD``), against the fp32 model's: ``||g - g_fp32|| / ||g_fp32||`` over all LoRA parameters."""
+    with and without those GEMMs' fast accumulation: the ``scaled_mm_fast`` and ``scaled_mm``
+    backends), against the fp32 model's: ``||g - g_fp32|| / ||g_fp32||`` over all LoRA
+    parameters."""
     from kohakumoss.adapters import apply_adapters
     from kohakumoss.config import AdapterConfig
-    from kohakumoss.kernels import fp8_compute
     from kohakumoss.precision import precision_policy
     from kohakumoss.training.engines import EnginePlan, apply_engines
 
@@ -73,11 +74,11 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
 
     def grads(base: str, fp8: str, dtype: torch.dtype) -> torch.Tensor:
         m = copy.deepcopy(ref)
-        fp8_compute.FAST_ACCUM_GRAD = fp8 == "full-fast"
         if base != "keep":
             policy = precision_policy("bf16", full=False, base=base, fp8_compute=fp8 != "off",
                                       fp8_grad=fp8.startswith("full"))
-            apply_engines(m, EnginePlan(dev, policy))
+            backend = ["scaled_mm_fast" if fp8 == "full-fast" else "scaled_mm"]
+            apply_engines(m, EnginePlan(dev, policy, kernels={"fp8_linear": backend, "fp8_lora_linears": backend}))
         cast_model(m, dtype)
         aset = apply_adapters(m, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
         params = list(aset.trainable_parameters())
@@ -92,7 +93,7 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
 
     g32 = grads("keep", "off", torch.float32)
     for name, base, fp8 in [("bf16", "keep", "off"), ("fp8 compute on (bf16 input gradients)", "fp8", "on"),
-                            ("fp8 compute full (fp8 input gradients)", "fp8", "full"),
+                            ("fp8 compute full (fp8 input gradients, promoted sums)", "fp8", "full"),
                             ("fp8 compute full, its input gradients fast-accumulated", "fp8", "full-fast")]:
         err = float((grads(base, fp8, torch.bfloat16) - g32).norm() / g32.norm())
         print(json.dumps({"lora_grad_rel_error": err, "precision": name}))

@@ -32,7 +32,7 @@ import torch
 from kohakumoss.cache.store import TensorStore
 from kohakumoss.config import AdapterConfig, OptimConfig
 from kohakumoss.diffusion.objective import flow_loss, noised
-from kohakumoss.kernels import KERNELS, fp8_compute
+from kohakumoss.kernels import KERNELS
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.flops import train_flops
@@ -115,12 +115,15 @@ def held_gib() -> float:
 # --bases: (precision.base, precision.fp8_compute)
 _BASES = {"keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
           "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "full"),
-          "fp8-full-rows": ("fp8", "full"), "fp8-full-kept": ("fp8", "full")}
-# fp8-full-fast: full with fast accumulation in the input-gradient GEMMs too
-# (kernels.fp8_compute.FAST_ACCUM_GRAD, set for that run alone); fp8-full-rows: full with the
-# LoRA's narrow products made inside the row quantization (fp8_lora_linears' scaled_mm_rows);
+          "fp8-full-split": ("fp8", "full"), "fp8-full-rows": ("fp8", "full"), "fp8-full-kept": ("fp8", "full")}
+# the fp8 nodes' backends a base names (others: engines.QUANT_BACKENDS, what a run takes).
+# fp8-full-fast / -split: full with / without fast accumulation in the input-gradient GEMMs;
+# fp8-full-rows: full with the LoRA's narrow products made inside the row quantization;
 # fp8-full-kept: full with the codes' transposes kept between steps (memory.fp8_transposes,
 # which profile speed sets)
+_BASE_BACKENDS = {"fp8-full-fast": {"fp8_linear": ["scaled_mm_fast"], "fp8_lora_linears": ["scaled_mm_fast"]},
+                  "fp8-full-split": {"fp8_linear": ["scaled_mm"], "fp8_lora_linears": ["scaled_mm"]},
+                  "fp8-full-rows": {"fp8_lora_linears": ["scaled_mm_rows", "scaled_mm"]}}
 
 
 def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
@@ -507,7 +510,8 @@ def main() -> None:
                          "for the steps; several: each budget is measured under each cap")
     ap.add_argument("--bases", nargs="*", default=["keep"],
                     help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full, "
-                         "fp8-full-fast (fast accumulation in its input gradients too), "
+                         "fp8-full-fast / fp8-full-split (with / without fast accumulation in its "
+                         "input gradients), "
                          "fp8-full-rows (the narrow products inside the row quantization), "
                          "fp8-full-kept (the codes' transposes kept between steps); each "
                          "budget is measured with each, in one run")
@@ -581,10 +585,9 @@ def main() -> None:
         for cap in caps:
             CAP[0] = cap
             for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
-                fp8_compute.FAST_ACCUM_GRAD = base == "fp8-full-fast"
-                KERNEL_CHOICES.pop("fp8_lora_linears", None)
-                if base == "fp8-full-rows":  # the node's backend with the narrow products in the rows
-                    KERNEL_CHOICES["fp8_lora_linears"] = ["scaled_mm_rows", "scaled_mm"]
+                for op in ("fp8_linear", "fp8_lora_linears"):
+                    KERNEL_CHOICES.pop(op, None)
+                KERNEL_CHOICES.update(_BASE_BACKENDS.get(base, {}))
                 for how, chain in [(h, c) for h in a.narrow for c in a.chain or ["on"]]:
                     CHAIN[0] = chain == "on"  # each way asked; cublas: the reference
                     KERNEL_CHOICES.pop("narrow_mm", None)

@@ -411,19 +411,48 @@ def _joined(fn):
 @triton_test
 @pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
 @pytest.mark.parametrize("n", [1, 3])
-def test_fp8_lora_linears_match_their_reference(n, full):
+@pytest.mark.parametrize("backend", ["scaled_mm", "scaled_mm_fast"])
+def test_fp8_lora_linears_match_their_reference(backend, n, full):
     """fp8 linears with their LoRAs as one node (``scaled_mm``: ``torch._scaled_mm``, which
-    the CPU has too, and the Triton quantization) against ``ops.fp8_lora_linears``: output,
-    input gradient and every LoRA gradient; with ``full`` the joined fp8 input gradient."""
+    the CPU has too, and the Triton quantization; ``scaled_mm_fast``: its input gradient's
+    GEMM accumulating fast) against ``ops.fp8_lora_linears``: output, input gradient and
+    every LoRA gradient; with ``full`` the joined fp8 input gradient."""
     needs_triton()
     g = torch.Generator().manual_seed(9)
     x, layers = fp8_loras(g, n, 37, 48, 32, 4)
     leaves = {"x": x, **{f"{w}{i}": t for i, (_, _, d, u) in enumerate(layers)
                          for w, t in (("down", d), ("up", u))}}
-    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    fn = KERNELS.backend("fp8_lora_linears", backend).fn
     compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
     x3 = leaf(g, 2, 5, 48, dtype=torch.bfloat16)  # leading dimensions
     compare(_joined(fn), _joined(ops.fp8_lora_linears), (x3, layers, full), {"x": x3}, TOL[torch.bfloat16])
+
+
+@triton_test
+@pytest.mark.parametrize("op", ["fp8_linear", "fp8_lora_linears"])
+def test_fast_accumulation_reaches_only_the_fast_backends_gradients(op, monkeypatch):
+    """Every fp8 GEMM of a forward accumulates fast; the input gradient's GEMM (``full``)
+    does so only in the ``scaled_mm_fast`` backends, ``scaled_mm`` promotes its sums: the
+    ``use_fast_accum`` each ``torch._scaled_mm`` call is given, forward then backward."""
+    needs_triton()
+    calls: list[bool] = []
+    real = torch._scaled_mm
+
+    def scaled_mm(*args, use_fast_accum=False, **kw):
+        calls.append(use_fast_accum)
+        return real(*args, use_fast_accum=use_fast_accum, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(19)
+    x, layers = fp8_loras(g, 2, 37, 48, 32, 4)
+    for backend, fast in (("scaled_mm", False), ("scaled_mm_fast", True)):
+        calls.clear()
+        fn = KERNELS.backend(op, backend).fn
+        ys = fn(x, layers, True) if op == "fp8_lora_linears" else [fn(x, *layers[0][:2], None, True)]
+        forward = len(calls)
+        torch.autograd.grad(ys, [x], [torch.ones_like(y) for y in ys])
+        assert calls[:forward] == [True] * forward and forward == len(ys)
+        assert calls[forward:] == [fast]  # one input-gradient GEMM over every linear
 
 
 def _on_grid(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -564,15 +593,16 @@ def test_fp8_compute_matches_its_reference(shape, full):
 @pytest.mark.gpu
 @pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
 @pytest.mark.parametrize("shape", REAL, ids=str)
-def test_fp8_lora_linears_at_the_real_sizes(shape, full):
+@pytest.mark.parametrize("backend", ["scaled_mm", "scaled_mm_fast"])
+def test_fp8_lora_linears_at_the_real_sizes(backend, shape, full):
     """The one-node fp8 linears with rank-32 LoRAs at the model's sizes (q, k and v three at
-    once) against the reference."""
+    once) against the reference, with and without fast accumulation in the input gradient."""
     if not CUDA or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs CUDA sm89+")
     M, K, N = shape
     n = 3 if K == N == 3072 else 1
     x, layers = fp8_loras(torch.Generator().manual_seed(11), n, M, K, N, 32)
-    fn = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
+    fn = KERNELS.backend("fp8_lora_linears", backend).fn
     leaves = {"x": x, "down0": layers[0][2], "up0": layers[0][3]}
     compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
 

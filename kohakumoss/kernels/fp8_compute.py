@@ -27,18 +27,12 @@ from kohakumoss.kernels.registry import register_backend
 
 FAST_ACCUM_FORWARD = True
 """The forward GEMMs accumulate on the tensor cores without promoting their partial sums to
-fp32 along the way (``use_fast_accum``), the input-gradient GEMMs with it: the forward ran
+fp32 along the way (``use_fast_accum``; the input-gradient GEMMs too only in the
+``scaled_mm_fast`` backends, registered below): the forward ran
 10-15% faster at the model's sizes on the H200 (``docs/precision.md``), and its sums' error
 stays far below the e4m3 rounding of the activations. The convention of NVIDIA's
 Transformer Engine fp8 recipes (fast accumulation in fprop, split accumulation in the
 gradients)."""
-
-
-FAST_ACCUM_GRAD = False
-"""The input-gradient GEMMs of ``full`` promote their partial sums to fp32 along the way (no
-``use_fast_accum``; Transformer Engine's split accumulation for the gradients). True trades
-that for speed: ``bench/bench_train.py --bases fp8-full-fast`` and ``bench/bench_precision.py
---grads`` measure the step and the LoRA gradients' error with it."""
 
 
 _ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -63,14 +57,14 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class _ScaledMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, codes, scale, bias, grad_fp8):
+    def forward(ctx, x2, codes, scale, bias, grad_fp8, fast_grad):
         xq, xs = triton_module("triton_fp8").fp8_rows(x2)
         y = torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scale[None, :],
                              out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_FORWARD)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(codes, scale)
-        ctx.bias_grad, ctx.grad_fp8 = bias is not None and bias.requires_grad, grad_fp8
+        ctx.bias_grad, ctx.grad_fp8, ctx.fast_grad = bias is not None and bias.requires_grad, grad_fp8, fast_grad
         return y
 
     @staticmethod
@@ -85,21 +79,22 @@ class _ScaledMM(torch.autograd.Function):
             gq, gs = t8.fp8_rows(go, scale)
             ct = t8.transposed_codes([codes])
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], go.device),
-                                  out_dtype=go.dtype, use_fast_accum=FAST_ACCUM_GRAD)
+                                  out_dtype=go.dtype, use_fast_accum=ctx.fast_grad)
         elif ctx.needs_input_grad[0]:
             dx = go @ tq.dequantize(codes, scale, go.dtype)
-        return dx, None, None, go.float().sum(0) if ctx.bias_grad else None, None
+        return dx, None, None, go.float().sum(0) if ctx.bias_grad else None, None, None
 
 
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None, grad_fp8: bool = False) -> torch.Tensor:
-    """``ops.fp8_linear`` as fp8 GEMMs (``torch._scaled_mm``, row-wise scales)."""
+               bias: torch.Tensor | None, grad_fp8: bool = False, fast_grad: bool = False) -> torch.Tensor:
+    """``ops.fp8_linear`` as fp8 GEMMs (``torch._scaled_mm``, row-wise scales); ``fast_grad``:
+    the input gradient's GEMM (``grad_fp8``) accumulates fast (``scaled_mm_fast``)."""
     if codes.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16:
         raise TypeError(f"fp8_linear (scaled_mm): codes {codes.dtype}, x {x.dtype}; want "
                         f"float8_e4m3fn codes and bf16 activations")
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    y = _ScaledMM.apply(x2, codes, scale, bias, grad_fp8)
+    y = _ScaledMM.apply(x2, codes, scale, bias, grad_fp8, fast_grad)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], codes.shape[0])  # 2-D: no view (see above)
 
 
@@ -120,11 +115,11 @@ class _Fp8Loras(torch.autograd.Function):
     ``A^T / g'`` beside them (``transposed_codes`` with a slot)."""
 
     @staticmethod
-    def forward(ctx, x2, ranks, full, narrow, held_t, in_rows, down, *tensors):
+    def forward(ctx, x2, ranks, full, narrow, held_t, in_rows, fast_grad, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         t8 = triton_module("triton_fp8")
-        ctx.narrow, ctx.held_t, ctx.in_rows = narrow, held_t, in_rows
+        ctx.narrow, ctx.held_t, ctx.in_rows, ctx.fast_grad = narrow, held_t, in_rows, fast_grad
         outs = []
         if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
             width, c0 = t8.slot_width(sum(ranks)), 0
@@ -158,8 +153,8 @@ class _Fp8Loras(torch.autograd.Function):
         x2, h, down, *rest = ctx.saved_tensors
         n = len(ctx.ranks)
         codes, scales, ups = rest[:n], rest[n:2 * n], rest[2 * n:]
-        need_x, need_down = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
-        need_up = ctx.needs_input_grad[7 + 2 * n:]
+        need_x, need_down = ctx.needs_input_grad[0], ctx.needs_input_grad[7]
+        need_up = ctx.needs_input_grad[8 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
         dx = t = None
@@ -176,7 +171,7 @@ class _Fp8Loras(torch.autograd.Function):
                 gq, gs = t8.fp8_rows_joined(dys, cols, (t, amax))
             ct = t8.transposed_codes(list(codes), (down, amax), ctx.held_t)
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], x2.device),
-                                  out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_GRAD)
+                                  out_dtype=x2.dtype, use_fast_accum=ctx.fast_grad)
         if t is None:
             t = _narrow_t(ctx.narrow, dys, ups)
         if need_x and not ctx.grad_fp8:
@@ -186,7 +181,7 @@ class _Fp8Loras(torch.autograd.Function):
         d_down = torch.mm(t.t(), x2) if need_down else None
         d_up = [torch.mm(dy.t(), hi) if need else None
                 for dy, hi, need in zip(dys, h.split(ctx.ranks, dim=1), need_up)]
-        return (dx, None, None, None, None, None, d_down, *([None] * 2 * n), *d_up)
+        return (dx, None, None, None, None, None, None, d_down, *([None] * 2 * n), *d_up)
 
 
 def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
@@ -196,7 +191,7 @@ def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
                      full: bool = False, narrow=torch.mm, held_t: torch.Tensor | None = None,
-                     in_rows: bool = False) -> list[torch.Tensor]:
+                     in_rows: bool = False, fast_grad: bool = False) -> list[torch.Tensor]:
     """``ops.fp8_lora_linears`` as one node (``_Fp8Loras``): fp8 GEMMs, the LoRAs' products in
     bf16 accumulated in place, or with ``full`` inside the GEMMs; the narrow products
     (``x A^T``, ``dy B``) through ``narrow`` (the model's ``ops.narrow_mm``). ``held_t``
@@ -204,7 +199,8 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     (``transposed_codes``' ``held``), so that backward writes only their slot. ``in_rows``
     (``full``; the ``scaled_mm_rows`` backend): the narrow products ``h`` and ``t`` made inside
     the row quantization of the same rows (``triton_fp8_narrow.rows_narrow``: one read of each
-    activation or gradient row for both) instead of by ``narrow`` first."""
+    activation or gradient row for both) instead of by ``narrow`` first. ``fast_grad``
+    (``full``; the ``scaled_mm_fast`` backends): the input gradient's GEMM accumulates fast."""
     if not 1 <= len(layers) <= 3 or len({c.shape[0] for c, _, _, _ in layers}) != 1:
         raise ValueError(f"fp8_lora_linears (scaled_mm): one to three linears of one width, got "
                          f"{[tuple(c.shape) for c, _, _, _ in layers]}")
@@ -217,7 +213,7 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers]) if len(layers) > 1 else layers[0][2]
-    ys = _Fp8Loras.apply(x2, ranks, full, narrow, held_t if full else None, in_rows and full, down,
+    ys = _Fp8Loras.apply(x2, ranks, full, narrow, held_t if full else None, in_rows and full, fast_grad, down,
                          *(c for c, _, _, _ in layers),
                          *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
     return [y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1]) for y in ys]
@@ -225,6 +221,15 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
 
 register_backend("fp8_linear", "scaled_mm", fp8_linear, available, keeps_inputs_only=True)
 register_backend("fp8_lora_linears", "scaled_mm", fp8_lora_linears, available)
+# the same with fast accumulation in the input gradients' GEMMs too (fp8_compute: full). The
+# plain backends promote those GEMMs' partial sums to fp32 along the way (Transformer Engine's
+# split accumulation for the gradients); QUANT_BACKENDS (training/engines.py) says which one a
+# run takes, bench_train.py --bases fp8-full-fast / fp8-full-split and bench_precision.py
+# --grads measure the step and the LoRA gradients' error of each
+register_backend("fp8_linear", "scaled_mm_fast", functools.partial(fp8_linear, fast_grad=True), available,
+                 keeps_inputs_only=True)
+register_backend("fp8_lora_linears", "scaled_mm_fast", functools.partial(fp8_lora_linears, fast_grad=True),
+                 available)
 # the same node with its narrow products inside the row quantization: chosen by name
 # (``bench/bench_train.py --bases fp8-full-rows``) until a step measures it on a GPU
 register_backend("fp8_lora_linears", "scaled_mm_rows", functools.partial(fp8_lora_linears, in_rows=True),
