@@ -62,8 +62,7 @@ def stream_hooks(model, massive: float) -> list[float]:
 def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
     """``--grads``: a rank-32 LoRA's gradients (of ``<v, r>`` for a fixed random r) under
     bf16, fp8 compute (``on``: bf16 input gradients) and ``full`` (fp8 input gradients;
-    with and without those GEMMs' fast accumulation: the ``scaled_mm_fast`` and ``scaled_mm``
-    backends), against the fp32 model's: ``||g - g_fp32|| / ||g_fp32||`` over all LoRA
+    and ``fast``, those GEMMs accumulating fast), against the fp32 model's: ``||g - g_fp32|| / ||g_fp32||`` over all LoRA
     parameters."""
     from kohakumoss.adapters import apply_adapters
     from kohakumoss.config import AdapterConfig
@@ -76,9 +75,8 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
         m = copy.deepcopy(ref)
         if base != "keep":
             policy = precision_policy("bf16", full=False, base=base, fp8_compute=fp8 != "off",
-                                      fp8_grad=fp8.startswith("full"))
-            backend = ["scaled_mm_fast" if fp8 == "full-fast" else "scaled_mm"]
-            apply_engines(m, EnginePlan(dev, policy, kernels={"fp8_linear": backend, "fp8_lora_linears": backend}))
+                                      fp8_grad=fp8 in ("full", "fast"), fp8_fast_grad=fp8 == "fast")
+            apply_engines(m, EnginePlan(dev, policy))
         cast_model(m, dtype)
         aset = apply_adapters(m, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
         params = list(aset.trainable_parameters())
@@ -94,7 +92,7 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
     g32 = grads("keep", "off", torch.float32)
     for name, base, fp8 in [("bf16", "keep", "off"), ("fp8 compute on (bf16 input gradients)", "fp8", "on"),
                             ("fp8 compute full (fp8 input gradients, promoted sums)", "fp8", "full"),
-                            ("fp8 compute full, its input gradients fast-accumulated", "fp8", "full-fast")]:
+                            ("fp8 compute fast (full, its input gradients fast-accumulated)", "fp8", "fast")]:
         err = float((grads(base, fp8, torch.bfloat16) - g32).norm() / g32.norm())
         print(json.dumps({"lora_grad_rel_error": err, "precision": name}))
 

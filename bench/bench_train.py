@@ -114,25 +114,23 @@ def held_gib() -> float:
 
 # --bases: (precision.base, precision.fp8_compute)
 _BASES = {"keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
-          "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "full"),
-          "fp8-full-split": ("fp8", "full"), "fp8-full-rows": ("fp8", "full"), "fp8-full-kept": ("fp8", "full")}
-# the fp8 nodes' backends a base names (others: engines.QUANT_BACKENDS, what a run takes).
-# fp8-full-fast / -split: full with / without fast accumulation in the input-gradient GEMMs;
-# fp8-full-rows: full with the LoRA's narrow products made inside the row quantization;
-# fp8-full-kept: full with the codes' transposes kept between steps (memory.fp8_transposes,
-# which profile speed sets)
-_BASE_BACKENDS = {"fp8-full-fast": {"fp8_linear": ["scaled_mm_fast"], "fp8_lora_linears": ["scaled_mm_fast"]},
-                  "fp8-full-split": {"fp8_linear": ["scaled_mm"], "fp8_lora_linears": ["scaled_mm"]},
-                  "fp8-full-rows": {"fp8_lora_linears": ["scaled_mm_rows", "scaled_mm"]}}
+          "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "fast"),
+          "fp8-full-rows": ("fp8", "full"), "fp8-full-kept": ("fp8", "full")}
+# fp8-full-fast: precision.fp8_compute fast (full with fast accumulation in the input-gradient
+# GEMMs); fp8-full-rows: full with the LoRA's narrow products made inside the row quantization
+# (fp8_lora_linears' scaled_mm_rows, chosen by name); fp8-full-kept: full with the codes'
+# transposes kept between steps (memory.fp8_transposes, which profile speed sets)
+_BASE_BACKENDS = {"fp8-full-rows": {"fp8_lora_linears": ["scaled_mm_rows", "scaled_mm"]}}
 
 
 def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
     """The base flavor with random weights and a training run's engines (bf16 compute);
-    ``base``: keep, int8, fp8 (weight-only), fp8-compute or fp8-full (``precision.base``
-    and ``precision.fp8_compute`` on / full)."""
+    ``base``: keep, int8, fp8 (weight-only), fp8-compute, fp8-full or fp8-full-fast
+    (``precision.base`` and ``precision.fp8_compute`` on / full / fast), or a variant of full."""
     model = random_transformer(FLAVORS["base"], "cuda")
     policy = precision_policy("bf16", full=full, base=_BASES[base][0],
-                              fp8_compute=_BASES[base][1] != "off", fp8_grad=_BASES[base][1] == "full")
+                              fp8_compute=_BASES[base][1] != "off", fp8_grad=_BASES[base][1] in ("full", "fast"),
+                              fp8_fast_grad=_BASES[base][1] == "fast")
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy,
                                               kernels=KERNEL_CHOICES, tuned=TUNED, **ENGINES))
     if base == "fp8-full-kept":
@@ -510,8 +508,8 @@ def main() -> None:
                          "for the steps; several: each budget is measured under each cap")
     ap.add_argument("--bases", nargs="*", default=["keep"],
                     help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full, "
-                         "fp8-full-fast / fp8-full-split (with / without fast accumulation in its "
-                         "input gradients), "
+                         "fp8-full-fast (precision.fp8_compute fast: fast accumulation in its "
+                         "input gradients too), "
                          "fp8-full-rows (the narrow products inside the row quantization), "
                          "fp8-full-kept (the codes' transposes kept between steps); each "
                          "budget is measured with each, in one run")

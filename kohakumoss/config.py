@@ -323,7 +323,7 @@ class PrecisionConfig:  # fp16 training, a quantized frozen base, fp8 compute (d
         allowed="null (2^-8 with fp16, 1 otherwise) or a power of two (the joint residual stream "
                 "is carried times this, exactly undone by the norms)")
     base: Literal["keep", "int8", "fp8"] = "keep"  # the frozen base's block linears (docs/precision.md)
-    fp8_compute: Literal["off", "on", "full"] = "off"  # fp8 GEMMs (sm89+, base fp8); full: dgrad, LoRA too
+    fp8_compute: Literal["off", "on", "full", "fast"] = "off"  # fp8 GEMMs (sm89+, fp8 base); full: dgrad too
 
 
 @dataclasses.dataclass(frozen=True)

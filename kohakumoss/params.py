@@ -167,12 +167,12 @@ def check_memory(p: Params) -> None:
              f"false with checkpointing: {m.checkpointing} (rebuilding drops the elementwise "
              f"outputs a block keeps; a checkpointed block keeps none of them: use it with "
              f"checkpointing: none or partial)")
-    if m.fp8_transposes and (p.precision.fp8_compute != "full" or p.adapter.full):
+    if m.fp8_transposes and (p.precision.fp8_compute not in ("full", "fast") or p.adapter.full):
         fail(f"{where}.fp8_transposes", m.fp8_transposes,
              f"false with precision.fp8_compute: {p.precision.fp8_compute}"
              f"{' and a full finetune' if p.adapter.full else ''} (it keeps the fp8 input "
              f"gradients' transposed weight codes between steps: set precision.fp8_compute: full "
-             f"on a frozen fp8 base)")
+             f"(or fast) on a frozen fp8 base)")
     if m.checkpointing != "partial" and m.checkpoint_blocks:
         fail(f"{where}.checkpoint_blocks", m.checkpoint_blocks,
              f"0 with checkpointing: {m.checkpointing} (it counts blocks for checkpointing: "

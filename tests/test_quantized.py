@@ -310,6 +310,36 @@ def test_the_knobs_are_refused_where_they_cannot_work(tmp_path):
                            memory={"fp8_transposes": True}))
     load_params(params("manual", precision={"base": "fp8", "fp8_compute": "full"}, train={"dtype": "bf16"},
                        memory={"fp8_transposes": True}))
+    with pytest.raises(ConfigError, match="fp8_compute: fast needs fp8 tensor cores"):
+        engine_plan(load_params(params(precision={"base": "fp8", "fp8_compute": "fast"}, train={"dtype": "bf16"})),
+                    torch.device("cpu"))
+
+
+@pytest.mark.parametrize("knob", ["full", "fast"])
+def test_fp8_compute_fast_is_full_with_its_gradients_accumulating_fast(knob, tmp_path, monkeypatch):
+    """``precision.fp8_compute: fast`` is ``full`` (fp8 input gradients, the LoRA inside the
+    GEMMs, kept transposes allowed) whose input gradients' GEMMs accumulate fast: the frozen
+    base's fp8 ops are chosen from the ``scaled_mm_fast`` backends, ``full``'s from
+    ``scaled_mm``."""
+    from kohakumoss.kernels import KERNELS
+    from kohakumoss.precision.policy import PrecisionPolicy
+    from kohakumoss.training.engines import hold_quantized
+
+    path = _write_params(tmp_path, tmp_path, precision={"base": "fp8", "fp8_compute": knob},
+                         train={"dtype": "bf16"}, adapter={"algo": "lora", "dim": 4, "alpha": 4})
+    monkeypatch.setattr(PrecisionPolicy, "check_device", lambda self, device: None)  # no sm89 here
+    policy = engine_plan(load_params(path), torch.device("cpu")).precision
+    assert policy.fp8_grad and policy.fp8_fast_grad == (knob == "fast")
+    assert ("fast accumulation" in policy.describe()["base"]) == (knob == "fast")
+    named, chosen = {}, KERNELS.chosen_op
+    monkeypatch.setattr(KERNELS, "chosen_op", lambda op, device, dtype, names:
+                        named.setdefault(op, list(names)) and chosen(op, device, dtype, names))
+    model = tiny_transformer()
+    hold_quantized(model, policy, torch.device("cpu"))
+    want = ["scaled_mm_fast"] if knob == "fast" else ["scaled_mm"]
+    assert named["fp8_linear"] == want and named["fp8_lora_linears"] == want
+    assert named["quant_linear"] == ["dequant_mm", "triton"]
+    assert all(isinstance(m, QuantizedLinear) and m.fp8_grad for m in model.layers[0].proj.values())
 
 
 def test_the_estimate_holds_the_published_base_in_under_5_5_gib(tmp_path):

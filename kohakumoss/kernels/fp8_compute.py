@@ -221,10 +221,10 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
 
 register_backend("fp8_linear", "scaled_mm", fp8_linear, available, keeps_inputs_only=True)
 register_backend("fp8_lora_linears", "scaled_mm", fp8_lora_linears, available)
-# the same with fast accumulation in the input gradients' GEMMs too (fp8_compute: full). The
+# the same with fast accumulation in the input gradients' GEMMs too (fp8_compute: fast). The
 # plain backends promote those GEMMs' partial sums to fp32 along the way (Transformer Engine's
-# split accumulation for the gradients); QUANT_BACKENDS (training/engines.py) says which one a
-# run takes, bench_train.py --bases fp8-full-fast / fp8-full-split and bench_precision.py
+# split accumulation for the gradients); precision.fp8_compute fast takes these (training/engines.py:
+# FAST_GRAD_BACKENDS); bench_train.py --bases fp8-full-fast / fp8-full and bench_precision.py
 # --grads measure the step and the LoRA gradients' error of each
 register_backend("fp8_linear", "scaled_mm_fast", functools.partial(fp8_linear, fast_grad=True), available,
                  keeps_inputs_only=True)

@@ -8,7 +8,7 @@ What each profile runs:
 
 =========  ==============================================================================
 speed      nothing checkpointed (every activation kept: fastest, most memory); with
-           ``precision.fp8_compute: full`` the weight codes' transposes kept between steps
+           ``precision.fp8_compute: full`` (or fast) the weight codes' transposes kept between steps
 balanced   nothing checkpointed, but the norms', RoPE's and SiTU's outputs are not kept:
            backward runs those ops again on their kept inputs (``rebuild``; no matmul runs
            twice)

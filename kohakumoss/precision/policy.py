@@ -29,6 +29,7 @@ class PrecisionPolicy:
     base: str = "keep"  # the frozen base's block linears: keep (``weights``) | int8 | fp8
     fp8_compute: bool = False  # those linears as fp8 GEMMs (base fp8, sm89+)
     fp8_grad: bool = False  # their input gradients and LoRA products in the fp8 GEMMs too (fp8_compute: full)
+    fp8_fast_grad: bool = False  # those input gradients' GEMMs accumulating fast (fp8_compute: fast)
 
     def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager:
         """The context a training forward runs in on ``device``."""
@@ -41,8 +42,9 @@ class PrecisionPolicy:
         if self.stream_scale != 1.0:
             out["stream_scale"] = f"{self.stream_scale:g}"
         if self.base != "keep":
-            out["base"] = self.base + ((" (fp8 compute, input gradients too)" if self.fp8_grad
-                                        else " (fp8 compute)") if self.fp8_compute else " weight-only")
+            grads = ", input gradients too" + (", fast accumulation" if self.fp8_fast_grad else "")
+            out["base"] = self.base + ((f" (fp8 compute{grads if self.fp8_grad else ''})")
+                                       if self.fp8_compute else " weight-only")
         return out
 
     def check_device(self, device: torch.device) -> None:
@@ -52,7 +54,7 @@ class PrecisionPolicy:
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if cap is None or cap < (8, 9):
             where = f"{torch.cuda.get_device_name(device)} (sm{cap[0]}{cap[1]})" if cap else str(device)
-            knob = "full" if self.fp8_grad else "on"
+            knob = ("fast" if self.fp8_fast_grad else "full") if self.fp8_grad else "on"
             raise ValueError(f"precision.fp8_compute: {knob} needs fp8 tensor cores (CUDA compute "
                              f"capability 8.9+: Ada, Hopper, Blackwell); this run is on {where}. "
                              f"Set precision.fp8_compute: off (precision.base: fp8 still halves "
@@ -60,19 +62,21 @@ class PrecisionPolicy:
 
 
 def precision_policy(dtype: str, full: bool, stream_scale: float = 1.0, base: str = "keep",
-                     fp8_compute: bool = False, fp8_grad: bool = False) -> PrecisionPolicy:
+                     fp8_compute: bool = False, fp8_grad: bool = False,
+                     fp8_fast_grad: bool = False) -> PrecisionPolicy:
     """The policy for ``train.dtype`` = ``dtype`` (a plan name: bf16 / fp16 / fp32) and a
     full finetune (``full``, from ``adapter.full``) or an adapter run; ``stream_scale``:
     ``kohakumoss.precision.scaler.stream_scale``'s for the params; ``base`` and
-    ``fp8_compute`` / ``fp8_grad``: the ``precision`` section's (``fp8_compute`` on / full;
-    ``kohakumoss.memory.quantized``)."""
+    ``fp8_compute`` / ``fp8_grad`` / ``fp8_fast_grad``: the ``precision`` section's
+    (``fp8_compute`` on / full / fast; ``kohakumoss.memory.quantized``)."""
     if dtype not in DTYPES:
         raise ValueError(f"train dtype {dtype!r} is not one of {', '.join(DTYPES)}; set "
                          f"train.dtype to one of them")
     compute = DTYPES[dtype]
     return PrecisionPolicy(compute=compute, weights=torch.float32 if full else compute,
                            stream_scale=stream_scale, base=base, fp8_compute=fp8_compute,
-                           fp8_grad=fp8_compute and fp8_grad)
+                           fp8_grad=fp8_compute and fp8_grad,
+                           fp8_fast_grad=fp8_compute and fp8_grad and fp8_fast_grad)
 
 
 def sampling_policy(dtype: torch.dtype, precision) -> PrecisionPolicy:

@@ -67,6 +67,8 @@ from kohakumoss.memory.quantized import keep_fp8_transposes, quantize_base
 # fits (they are not tuned: both keep only the codes, which the reference does not)
 QUANT_BACKENDS = {"quant_linear": ["dequant_mm", "triton"], "fp8_linear": ["scaled_mm"],
                   "fp8_lora_linears": ["scaled_mm"]}
+# precision.fp8_compute: fast (policy.fp8_fast_grad): the input gradients' GEMMs accumulating fast too
+FAST_GRAD_BACKENDS = {"fp8_linear": ["scaled_mm_fast"], "fp8_lora_linears": ["scaled_mm_fast"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +110,8 @@ def engine_plan(params: Params, device: torch.device,
                               stream_scale=stream_scale(params.precision, compute),
                               base=params.precision.base,
                               fp8_compute=params.precision.fp8_compute != "off",
-                              fp8_grad=params.precision.fp8_compute == "full")
+                              fp8_grad=params.precision.fp8_compute in ("full", "fast"),
+                              fp8_fast_grad=params.precision.fp8_compute == "fast")
     try:
         policy.check_device(device)
     except ValueError as e:
@@ -155,6 +158,8 @@ def hold_quantized(model: MOSSImageTransformer, policy: PrecisionPolicy, device:
                               fp8_grad=policy.fp8_grad)
     model.to(device)
     for op, backends in QUANT_BACKENDS.items():
+        if policy.fp8_fast_grad:
+            backends = FAST_GRAD_BACKENDS.get(op, backends)
         if op not in (chosen or {}):  # no tuning: the kernel is the one that pays here
             model.ops.override(op, KERNELS.chosen_op(op, device, policy.compute, backends))
     log.info("frozen base: %s", quantized)
