@@ -564,18 +564,20 @@ def test_quant_linear_at_the_real_sizes(shape, base, backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("full", [False, True], ids=["on", "full"])
 @pytest.mark.parametrize("shape", [(37, 48, 32), *REAL], ids=str)
-def test_fp8_compute_matches_its_reference(shape, full):
+@pytest.mark.parametrize("backend", ["scaled_mm", "scaled_mm_fast"])
+def test_fp8_compute_matches_its_reference(backend, shape, full):
     """``torch._scaled_mm`` with row-wise scales against the emulated fp8 product: the same
     codes, exact products, fp32 sums in another order. ``on``: the input gradient is the
     bf16 path; ``full`` (``precision.fp8_compute: full``): a second fp8 GEMM, ``(dy *
-    scale)`` quantized per row times the transposed codes, within e4m3's rounding of it."""
+    scale)`` quantized per row times the transposed codes, within e4m3's rounding of it;
+    ``scaled_mm_fast``: that GEMM accumulating fast, within the same bound."""
     if not CUDA or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs CUDA sm89+")
     g = torch.Generator().manual_seed(5)
     M, K, N = shape
     codes, scale = weights(g, N, K, "fp8")
     x = leaf(g, M, K, dtype=torch.bfloat16)
-    fn = KERNELS.backend("fp8_linear", "scaled_mm").fn
+    fn = KERNELS.backend("fp8_linear", backend).fn
     compare(fn, ops.fp8_linear, (x, codes, scale, None, full), {"x": x}, TOL[torch.bfloat16])
     if not full:  # near the bf16 linear of the dequantized weight: ~2^-4 per activation
         want = ops.quant_linear(x.detach(), codes, scale, None)
