@@ -209,7 +209,8 @@ def step_fn(model, opt, batch, update=None, upcoming=None, stepper=None):
 
 def predicted_peak(batch: list[tuple[int, int]], full: bool, base: str = "keep") -> float:
     """The memory estimator's peak (GiB) for this bench's run: the base flavor, rank-32 LoRA
-    (or a full finetune), bf16, AdamW, the --checkpointing engines, the base held as ``base``."""
+    (or a full finetune), bf16, AdamW, the --checkpointing engines, the base held as ``base``
+    (fp8-full-kept: with the codes' transposes kept, as the run holds them)."""
     from kohakumoss.params import parse_params
     from kohakumoss.training.estimate import GiB, estimate
 
@@ -217,7 +218,10 @@ def predicted_peak(batch: list[tuple[int, int]], full: bool, base: str = "keep")
     p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "unused"}]},
                       "adapter": {"algo": "full"} if full else {"algo": "lora", "dim": 32, "alpha": 32.0},
                       "train": {"dtype": "bf16"}, "precision": precision}, "bench")
-    return estimate(p, batch, ENGINES.get("memory", MemoryEngines()), config=FLAVORS["base"]).peak / GiB
+    engines = ENGINES.get("memory", MemoryEngines())
+    if base == "fp8-full-kept":
+        engines = dataclasses.replace(engines, fp8_transposes=True)
+    return estimate(p, batch, engines, config=FLAVORS["base"]).peak / GiB
 
 
 def stream_gaps(trace: str) -> dict:
