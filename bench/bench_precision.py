@@ -1,6 +1,6 @@
 """Velocity error of each forward precision against fp32, at MOSS-Image's published size.
 
-    python bench/bench_precision.py [--side 1024] [--massive 30000] [--seed 0]
+    python bench/bench_precision.py [--side 1024] [--massive 30000] [--seed 0] [--grads | --grads-only]
 
 Random weights (the reference's init, N(0, 0.02)), one 1 MP sample with a 128-token caption,
 sigma 0.5. At that init the blocks' gates are ~0 and the blocks barely touch the output, so
@@ -72,7 +72,7 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
     r = torch.randn(img.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(7))
 
     def grads(base: str, fp8: str, dtype: torch.dtype) -> torch.Tensor:
-        m = copy.deepcopy(ref)
+        m = copy.deepcopy(ref).to(dev)  # the fp32 model may be held on the host (--ref-on-host)
         if base != "keep":
             policy = precision_policy("bf16", full=False, base=base, fp8_compute=fp8 != "off",
                                       fp8_grad=fp8 in ("full", "fast"), fp8_fast_grad=fp8 == "fast")
@@ -107,7 +107,11 @@ def main() -> None:
     ap.add_argument("--flavor", default="base", help="tiny: a quick check of the script on the CPU")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--grads", action="store_true",
-                    help="also the LoRA gradients' error of bf16, fp8 compute on and full")
+                    help="also the LoRA gradients' error of bf16, fp8 compute on, full and fast")
+    ap.add_argument("--grads-only", action="store_true", help="only the --grads rows (no forward rows)")
+    ap.add_argument("--ref-on-host", choices=["auto", "on", "off"], default="auto",
+                    help="hold the fp32 model in host memory, each variant copied to the card: "
+                         "the fp32 --grads row then fits an 80 GB card (auto: on below 100 GiB)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -118,6 +122,10 @@ def main() -> None:
     with torch.no_grad():
         for chunk in (2, 5):  # gate_a, gate_f of the [6, D] block modulation
             ref.shared_block_modulation.bias[chunk * D:(chunk + 1) * D] += a.gate
+    small = dev.type == "cuda" and torch.cuda.get_device_properties(dev).total_memory < 100 * 2**30
+    if a.ref_on_host == "on" or (a.ref_on_host == "auto" and small):
+        ref = ref.cpu()  # 20 GiB at the published size: with its copy and a fp32 backward > 80
+        torch.cuda.empty_cache()
     g = torch.Generator(device=dev).manual_seed(a.seed + 1)
     h = w = a.side // 16
     img = torch.randn(h * w, config.latent_channels, device=dev, generator=g)
@@ -132,7 +140,10 @@ def main() -> None:
             v = model(img, txt, sigma, layout).float()
         return v, peak[0] / scale
 
-    v32, peak32 = run(ref)
+    if a.grads_only:
+        grad_rows(ref, img, txt, sigma, layout, dev)
+        return
+    v32, peak32 = run(copy.deepcopy(ref).to(dev))
     rows = [{"precision": "fp32", "rel_error": 0.0, "finite": True, "stream_peak": peak32}]
     variants = [("bf16", torch.bfloat16, None, 1.0), ("fp16 + stream scale 2^-8", torch.float16, None, 2.0 ** -8),
                 ("fp16, no stream scale", torch.float16, None, 1.0),
@@ -143,7 +154,7 @@ def main() -> None:
                 ("precision.base fp8 (Triton kernel)", torch.bfloat16, "base:fp8", 1.0),
                 ("fp8 compute (torch._scaled_mm)", torch.bfloat16, "base:fp8-compute", 1.0)]
     for name, dtype, quant, scale in variants:
-        m = copy.deepcopy(ref)
+        m = copy.deepcopy(ref).to(dev)  # the fp32 model may be held on the host (--ref-on-host)
         if quant and quant.startswith("base:"):
             from kohakumoss.precision import precision_policy
             from kohakumoss.training.engines import EnginePlan, apply_engines
