@@ -21,6 +21,14 @@ from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
 from kohakumoss.data.sources import SOURCES
 
+FP8_GRAD_KNOBS = ("full", "fast")  # precision.fp8_compute values whose input gradients are fp8 GEMMs
+
+
+def fp8_flags(knob: str) -> dict[str, bool]:
+    """``precision_policy``'s fp8 arguments for ``precision.fp8_compute`` = ``knob`` (off, on,
+    full: fp8 input gradients too, fast: those accumulating fast)."""
+    return {"fp8_compute": knob != "off", "fp8_grad": knob in FP8_GRAD_KNOBS, "fp8_fast_grad": knob == "fast"}
+
 
 def parse_dataset(mapping: Any, where: str) -> DatasetEntry:
     if not isinstance(mapping, dict) or "source" not in mapping:
@@ -167,7 +175,7 @@ def check_memory(p: Params) -> None:
              f"false with checkpointing: {m.checkpointing} (rebuilding drops the elementwise "
              f"outputs a block keeps; a checkpointed block keeps none of them: use it with "
              f"checkpointing: none or partial)")
-    if m.fp8_transposes and (p.precision.fp8_compute not in ("full", "fast") or p.adapter.full):
+    if m.fp8_transposes and (p.precision.fp8_compute not in FP8_GRAD_KNOBS or p.adapter.full):
         fail(f"{where}.fp8_transposes", m.fp8_transposes,
              f"false with precision.fp8_compute: {p.precision.fp8_compute}"
              f"{' and a full finetune' if p.adapter.full else ''} (it keeps the fp8 input "

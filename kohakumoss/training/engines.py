@@ -44,6 +44,7 @@ import torch
 
 from kohakumoss.artifacts import MANIFEST
 from kohakumoss.config import Params, stage_params
+from kohakumoss.params import fp8_flags
 from kohakumoss.configlib import ConfigError
 from kohakumoss.kernels import KERNELS, build_op_table
 from kohakumoss.kernels.problems import plan_calls, plan_problems
@@ -108,10 +109,7 @@ def engine_plan(params: Params, device: torch.device,
     compute = precision_policy(params.train.dtype, full=params.adapter.full).compute
     policy = precision_policy(params.train.dtype, full=params.adapter.full,
                               stream_scale=stream_scale(params.precision, compute),
-                              base=params.precision.base,
-                              fp8_compute=params.precision.fp8_compute != "off",
-                              fp8_grad=params.precision.fp8_compute in ("full", "fast"),
-                              fp8_fast_grad=params.precision.fp8_compute == "fast")
+                              base=params.precision.base, **fp8_flags(params.precision.fp8_compute))
     try:
         policy.check_device(device)
     except ValueError as e:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from kohakumoss.config import Params
+from kohakumoss.params import FP8_GRAD_KNOBS
 from kohakumoss.memory import apply_recompute
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.memory.rebuild import apply_rebuild
@@ -113,7 +114,7 @@ def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tupl
     (elsewhere host and device memory are one). Kept fp8 transposes are dropped, silently,
     where the run has none (no ``precision.fp8_compute: full`` on a frozen base)."""
     notes = []
-    if engines.fp8_transposes and (params.precision.fp8_compute not in ("full", "fast") or params.adapter.full):
+    if engines.fp8_transposes and (params.precision.fp8_compute not in FP8_GRAD_KNOBS or params.adapter.full):
         engines = dataclasses.replace(engines, fp8_transposes=False)  # nothing to keep: no note
     if engines.stream_slots and device.type != "cuda":
         why = f"it needs a CUDA device: on {device.type} the weights are in host memory already"
@@ -286,7 +287,7 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     """The predicted peak of one training step on ``batch`` (each sample's ``(image tokens,
     text tokens)``) under ``engines``, for the params' transformer (or ``config``'s shape)."""
     model, frozen, trained_count, adapter = _model or _meta_model(params, engines, config)
-    if engines.fp8_transposes and params.precision.fp8_compute in ("full", "fast") and not params.adapter.full:
+    if engines.fp8_transposes and params.precision.fp8_compute in FP8_GRAD_KNOBS and not params.adapter.full:
         from kohakumoss.memory.quantized import node_codes_bytes
         frozen += node_codes_bytes(model)  # memory.fp8_transposes: the codes' transposes kept
     c = model.config
