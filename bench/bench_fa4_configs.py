@@ -5,8 +5,8 @@ forward. (GPU, not a test; needs the ``fa4`` extra.)
 
 The ``fa4`` backend (``kernels/fa4_attention.py``) calls ``_flash_attn_bwd`` with the config
 the package selects: for head dim 128 on sm90, C++ FA3's 80 x 128 tiles, benchmarked by its
-authors on an H100. The twelfth pass's profile put that backward at 157 ms of a 16,800-token
-step (~580 TFLOP/s). This times the selected config against variants of it (``BwdConfig``
+authors on an H100. A profile of the 16,800-token step puts that backward at 157 ms
+(~580 TFLOP/s). This times the selected config against variants of it (``BwdConfig``
 fields replaced; a variant the package's own validation refuses is listed as refused), on
 packed segments of 24 heads of 128 in bf16: the median over CUDA events
 (``_report.cuda_ms``), TFLOP/s at 2.5x the forward's 4 L^2 H Dh a segment, and dq, dk, dv's

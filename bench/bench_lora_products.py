@@ -5,8 +5,8 @@ be asked for. (GPU, not a test.)
 
 A rank-32 LoRA on every linear of a block adds narrow products to its step: ``h = x A^T``
 (forward), ``t = dy B``, ``dB = dy^T h`` and ``dA = t^T x`` (backward). Each reads one whole
-activation or gradient ([tokens, 3,072-16,384] bf16) and so is bound by memory. The
-eleventh pass's profile put them at 39.6 ms a 16,800-token step, some at about half the
+activation or gradient ([tokens, 3,072-16,384] bf16) and so is bound by memory. A profile
+of the 16,800-token step puts them at 39.6 ms, some at about half the
 memory's speed (``t`` at 3,072 wide: 49 µs for 103 MB). Asked as the transposed product
 (``(B^T dy^T)^T``) cuBLAS picks other tiles; and ``h`` and ``t`` (a narrow output, the
 long side summed in one program) by ``kernels/triton_narrow.py`` in several launches

@@ -26,6 +26,7 @@ import torch
 from kohakumoss.diffusion.sampler import Request, sample
 from kohakumoss.model import FLAVORS, MOSSImageTransformer
 from kohakumoss.model.build import random_transformer
+from kohakumoss.model.engines import Handle
 from _report import CardLog, report  # bench/_report.py (the script's folder is on sys.path)
 
 
@@ -46,9 +47,11 @@ def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False, bas
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy, kernels=kernel_choices(kernels),
                                               memory=no_recompute, tuned=tuned))
     print(json.dumps({"op_table": applied.kernels}), flush=True)
-    if compile_blocks:
-        for _, block in repeated_blocks(model):
+    if compile_blocks:  # a compiled block runs whole (its call is what is compiled)
+        blocks = [block for _, block in repeated_blocks(model)]
+        for block in blocks:
             block.compile()
+        model.engines.register(Handle("compiled blocks", blocks=tuple(blocks)))
     return model.eval()
 
 

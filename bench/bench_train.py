@@ -35,6 +35,7 @@ from kohakumoss.diffusion.objective import flow_loss, noised
 from kohakumoss.kernels import KERNELS
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
+from kohakumoss.model.engines import Handle
 from kohakumoss.model.flops import train_flops
 from kohakumoss.params import fp8_flags
 from kohakumoss.precision import precision_policy
@@ -63,8 +64,10 @@ def compile_blocks(model: MOSSImageTransformer) -> None:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
     torch._dynamo.config.accumulated_cache_size_limit = max(
         torch._dynamo.config.accumulated_cache_size_limit, 1024)
-    for _, block in repeated_blocks(model):
+    blocks = [block for _, block in repeated_blocks(model)]
+    for block in blocks:
         block.compile(dynamic=True)
+    model.engines.register(Handle("compiled blocks", blocks=tuple(blocks)))  # they run whole
 
 
 def kernel_choices(names: list[str]) -> dict[str, list[str]]:

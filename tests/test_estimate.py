@@ -11,6 +11,7 @@ import torch
 
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.model import FLAVORS, build_layout
+from kohakumoss.model.engines import Handle
 from kohakumoss.training import autoprofile as A
 from kohakumoss.training import estimate as E
 
@@ -67,14 +68,15 @@ def test_the_estimate_counts_what_a_real_forward_keeps():
         return t
 
     blocks = set()
+    counting = cpu.engines.register(Handle("counting"))
     for block in [*cpu.text_embedder.blocks, *cpu.layers]:
-        forward = block.forward
+        def counted(forward):
+            def run(*args, **kwargs):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    return forward(*args, **kwargs)
+            return run
 
-        def counted(*args, _forward=forward, **kwargs):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                return _forward(*args, **kwargs)
-
-        block.forward = counted
+        cpu.engines.wrap_part(counting, block, "forward", counted)
         blocks.add(block)
     g = torch.Generator().manual_seed(0)
     cpu(torch.randn(layout.n_img, c.latent_channels, generator=g),

@@ -134,7 +134,7 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
     resumed = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "c")
     shutil.copytree(other.checkpoints / "step-000002", resumed.checkpoints / "step-000002")
     again = Trainer(p, resumed, build_components(p, resumed, _lean(stream=1, resident=2)))
-    assert len(again.model.weight_ring.units) == len(repeated_blocks(again.model)) - 2
+    assert len(again.model.engines.state("weight streaming").units) == len(repeated_blocks(again.model)) - 2
     assert again.run(progress=False).start_step == 2
     _same_checkpoints(paths.checkpoints / "step-000004", resumed.checkpoints / "step-000004")
 
@@ -197,8 +197,8 @@ def test_a_streamed_full_finetune_is_the_resident_one_bit_for_bit(tmp_path, offl
                                                                  offload=offload))
     other = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "s")
     c = build_components(p, other, streamed_plan)
-    ring = c.model.weight_ring
-    assert ring.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in c.update.masters)
+    ring = c.model.engines.state("weight streaming")
+    assert ring.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in c.stepper.host.masters)
     streamed = Trainer(p, other, c).run(progress=False)
     assert streamed.losses == plain.losses
     _same_checkpoints(paths.checkpoints / "step-000004", other.checkpoints / "step-000004")

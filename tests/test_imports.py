@@ -17,8 +17,8 @@ PACKAGE = ROOT / "kohakumoss"
 LAYERS: list[set[str]] = [
     {"kohakumoss", "errors", "faults", "seeding", "device", "progress"},
     {"configlib", "artifacts", "precision", "images"},
-    {"config", "tokenizer", "model", "parallel"},
-    {"kernels", "memory", "diffusion", "adapters"},
+    {"config", "tokenizer", "model"},
+    {"kernels", "memory", "diffusion", "adapters", "parallel"},
     {"formats"},
     {"encoders", "data"},  # neither imports the other: tokenizer/ is below both
     {"cache"},

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kohakumoss.diffusion.sampler import skipping
 from kohakumoss.kernels import KERNELS, backends, build_op_table
 from kohakumoss.model import FLAVORS, build_layout, ops
 
@@ -255,7 +256,7 @@ def test_a_chained_forward_is_the_blockwise_forward(dtype):
         gated = model.ops.gated_residual
         model.ops.override("gated_residual", lambda *a: adds.append(1) or gated(*a))
         for skip in ((), (1,)):
-            kw = dict(skip_layers=skip, skip_samples=(False, False, True)) if skip else {}
+            kw = dict(replace=skipping(skip, (False, False, True))) if skip else {}
             with torch.no_grad():
                 model.chain_adds = False
                 assert not any(model.chained_blocks())

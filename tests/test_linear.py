@@ -36,22 +36,30 @@ def _rand(g, *shape, dtype, grad=False, scale=1.0):
 # ---- CPU --------------------------------------------------------------------------------------
 
 def test_plain_linears_go_to_the_op_and_others_to_their_own_call():
-    """``ops.linears`` hands a plain bias-free linear to the table's ``linear``; one with a
-    bias, a hook or a forward of its own (an adapter) runs its own call."""
+    """``ops.linears`` hands a plain linear (the registry's one rule: bias-free, its call
+    claimed by no engine) to the table's ``linear``; one with a bias, or one an engine
+    claims (a weight ring's loads, an adapter's forward), runs its own call."""
+    from kohakumoss.model.engines import EngineRegistry, Handle
+
     seen = []
 
     def linear(x, w, acc=None):
         seen.append(w)
         return ops.linear(x, w, acc)
 
-    plain, biased, hooked = (torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4),
-                             torch.nn.Linear(8, 4, bias=False))
-    hooked.register_forward_pre_hook(lambda m, a: None)
+    plain, biased, claimed = (torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4),
+                              torch.nn.Linear(8, 4, bias=False))
+    registry = EngineRegistry()
+    handle = registry.register(Handle("an engine", linears=(claimed,)))
     x = torch.randn(3, 8)
-    out = ops.linears(x, (plain, biased, hooked), linear)
+    out = ops.linears(x, (plain, biased, claimed), linear, plain=registry.plain_linear)
     assert seen == [plain.weight]
-    for y, m in zip(out, (plain, biased, hooked)):
+    for y, m in zip(out, (plain, biased, claimed)):
         torch.testing.assert_close(y, m(x))
+    registry.remove(handle)  # unclaimed: plain again
+    seen.clear()
+    ops.linears(x, (plain, biased, claimed), linear, plain=registry.plain_linear)
+    assert seen == [plain.weight, claimed.weight]
     acc = torch.randn(3, 4)
     torch.testing.assert_close(ops.linear(x, plain.weight, acc.clone()), plain(x) + acc)
 

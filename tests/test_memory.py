@@ -10,6 +10,7 @@ import torch
 from kohakumoss.memory import (ELEMENTWISE, MODES, apply_block_checkpointing,
                                apply_checkpointing, apply_recompute, recomputed, repeated_blocks)
 from kohakumoss.memory.rebuild import apply_rebuild
+from kohakumoss.model.engines import Handle
 from kohakumoss.model import FLAVORS, build_layout, cast_model
 from kohakumoss.model import ops
 from kohakumoss.model.build import tiny_transformer
@@ -204,8 +205,9 @@ def test_selective_recomputes_a_lora_fold_from_the_kept_base_output():
 
 
 class _Keeping:
-    """Stands in for a weight ring: the rebuilder hands it every saved tensor that is not a
-    recipe, so it sees what autograd keeps (each storage once)."""
+    """Stands in for a weight ring, registered after the rebuilder: the registry hands it
+    every saved tensor that is not a recipe, so it sees what autograd keeps (each storage
+    once)."""
 
     def __init__(self):
         self.storages = {}
@@ -234,13 +236,14 @@ def test_rebuild_keeps_no_elementwise_output_and_trains_the_same(dtype):
         _forward_backward(model)
     model = _tiny(dtype, [apply_recompute])
     rebuilder = apply_rebuild(model)
-    model.weight_ring = keeping = _Keeping()
+    keeping = _Keeping()
+    ring = model.engines.register(Handle("keeping", saved=(keeping.pack, keeping.unpack)))
     _, grads = _forward_backward(model)
     kept, before = sum(keeping.storages.values()), sum(plain.values())
     assert rebuilder.rebuilt_bytes > 0 and kept < 0.8 * before, (kept, before)
     assert not rebuilder.made  # nothing of the forward is held after it
     assert model.ops.names()["rms_norm"].startswith("rebuilt(")  # which kernel still shows
-    model.weight_ring = None
+    model.engines.remove(ring)
     _, again = _forward_backward(model)  # no ring: the same
     assert all(torch.equal(grads[n], again[n]) for n in grads)
 
@@ -253,13 +256,12 @@ def test_rebuild_refuses_an_input_changed_in_place():
     norm = model.ops.rms_norm
     w = torch.ones(8, requires_grad=True)
     x = torch.randn(3, 8, requires_grad=True)
+    rebuilder = model.engines.state("rebuild")
     with torch.enable_grad():
-        model.rebuilder.active = True
-        with torch.autograd.graph.saved_tensors_hooks(model.rebuilder.pack, model.rebuilder.unpack):
+        with model.engines.around_forward(grad=True):
             y = norm(x.clone(), w, 1e-6)
             z = (y * w).sum()  # mul keeps y for the gradient of w: a recipe
-        model.rebuilder.active = False
-    args = model.rebuilder.made[y.untyped_storage()._cdata][3]
+            args = rebuilder.made[y.untyped_storage()._cdata][3]
     with torch.no_grad():
         args[0].add_(1.0)
     with pytest.raises(RuntimeError, match="memory.rebuild"):

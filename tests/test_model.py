@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout, cast_model
 from kohakumoss.model import ops
+from kohakumoss.model.engines import Handle
 from kohakumoss.checks.parity import rel_error, run_parity
+from kohakumoss.diffusion.sampler import skipping
 from stages.cli import app
 
 from conftest import ROOT
@@ -80,7 +82,7 @@ def test_skip_layer_equals_removing_the_block():
     img, txt, sigma = _inputs(hw, lens)
     lay = build_layout(hw, lens)
     with torch.no_grad():
-        skipped = m(img, txt, sigma, lay, skip_layers=[1])
+        skipped = m(img, txt, sigma, lay, replace=skipping([1]))
         full = m(img, txt, sigma, lay)
         m.layers = torch.nn.ModuleList([m.layers[0], m.layers[2]])
         removed = m(img, txt, sigma, lay)
@@ -89,7 +91,7 @@ def test_skip_layer_equals_removing_the_block():
 
 
 def test_samples_skipping_a_layer_keep_their_value_and_the_others_are_unchanged():
-    """``skip_samples`` as a tensor (``torch.where`` over every token) and as host flags whose
+    """The sampler's skipped layer (``skipping``) with its samples as a tensor (``torch.where`` over every token) and as host flags whose
     skipped samples come last (the layer runs on the leading samples' tokens alone) agree,
     and each sample equals its own forward with or without the layer."""
     m = _model()
@@ -98,13 +100,13 @@ def test_samples_skipping_a_layer_keep_their_value_and_the_others_are_unchanged(
     lay = build_layout(hw, lens)
     with torch.no_grad():
         for flags in [(False, True, True), (False, False, True), (True, True, True), (True, False, True)]:
-            as_tensor = m(img, txt, sigma, lay, skip_layers=[1], skip_samples=torch.tensor(flags))
-            as_flags = m(img, txt, sigma, lay, skip_layers=[1], skip_samples=list(flags))
+            as_tensor = m(img, txt, sigma, lay, replace=skipping([1], torch.tensor(flags)))
+            as_flags = m(img, txt, sigma, lay, replace=skipping([1], list(flags)))
             assert rel_error(as_flags, as_tensor) < 1e-12
             i0, t0 = 0, 0
             for i, ((h, w), L) in enumerate(zip(hw, lens)):
                 alone = m(img[i0:i0 + h * w], txt[t0:t0 + L], sigma[i:i + 1], build_layout([(h, w)], [L]),
-                          skip_layers=[1] if flags[i] else [])
+                          replace=skipping([1] if flags[i] else []))
                 assert rel_error(as_flags[i0:i0 + h * w], alone) < 1e-12
                 i0, t0 = i0 + h * w, t0 + L
 
@@ -118,6 +120,7 @@ def test_zero_gates_make_every_block_the_identity():
             m.shared_block_modulation.bias[chunk * D:(chunk + 1) * D] = 0
     seen = []
     m.layers[1].register_forward_hook(lambda mod, args, out: seen.append(torch.equal(args[0], out)))
+    m.engines.register(Handle("a hook", blocks=(m.layers[1],)))  # its calls must happen
     hw, lens = [(2, 2)], [3]
     with torch.no_grad():
         m(*_inputs(hw, lens), build_layout(hw, lens))

@@ -21,7 +21,7 @@ from test_streaming import _same, _step
 def _model(dtype=torch.float32, offload=False, stream=0, halves=False, **adapter):
     model, aset, _ = _streamed_model(dtype, stream=stream, offload=offload and (
         "sub-block" if halves else "block"), **adapter)
-    return model, aset, getattr(model, "offloader", None)
+    return model, aset, model.engines.state("activation offload")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

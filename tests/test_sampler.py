@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from kohakumoss.diffusion.sampler import Request, initial_noise, sample, velocity
+from kohakumoss.diffusion.sampler import Request, initial_noise, sample, skipping, velocity
 from kohakumoss.diffusion.schedule import inference_sigmas
+from kohakumoss.model.engines import Handle
 from kohakumoss.model import build_layout, cast_model
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.checks.parity import rel_error
@@ -26,7 +27,7 @@ def _setup():
 def _forward(model, x, text, hw, sigma, skip=()):
     lay = build_layout([hw], [len(text)])
     with torch.no_grad():
-        return model(x.double(), text, torch.tensor([sigma]), lay, skip_layers=skip).float()
+        return model(x.double(), text, torch.tensor([sigma]), lay, replace=skipping(skip)).float()
 
 
 def test_cfg_one_is_the_plain_conditional_forward():
@@ -67,8 +68,8 @@ def test_same_seed_same_image_whatever_the_batch():
 def test_the_text_refiner_runs_once_a_run_and_the_image_is_the_same():
     """The refiner does not see the timestep: a sampling run refines its prompts on the first
     step and keeps them (``Packed.text_cache``); the images are those of a loop that refines
-    them every step. Where an engine hooks the refiner's blocks (weight streaming) it runs
-    every step."""
+    them every step. Where an engine hooks the refiner's blocks (weight streaming; one
+    registered in the model's ``engines``) it runs every step."""
     model, reqs = _setup()
     calls = []
     refine = model.refine_text
@@ -82,10 +83,13 @@ def test_the_text_refiner_runs_once_a_run_and_the_image_is_the_same():
         x = [xi + (sigmas[i + 1] - sigmas[i]) * vi for xi, vi in zip(x, v)]
     assert len(calls) == 5
     assert all(torch.equal(a, b) for a, b in zip(images, x))
-    hook = model.text_embedder.blocks[0].register_forward_pre_hook(lambda m, a: None)
+    block = model.text_embedder.blocks[0]
+    hooked = Handle("a hook on the refiner", blocks=(block,), text=True)
+    hook = block.register_forward_pre_hook(lambda m, a: None)
     try:
-        calls.clear()
-        again = sample(model, reqs, steps=4, cfg=2.5, skip_layers=(1,), dtype=torch.float64)
+        with model.engines.holding(hooked):
+            calls.clear()
+            again = sample(model, reqs, steps=4, cfg=2.5, skip_layers=(1,), dtype=torch.float64)
         assert len(calls) == 4 and all(torch.equal(a, b) for a, b in zip(images, again))
     finally:
         hook.remove()

@@ -11,6 +11,7 @@ import torch
 
 from kohakumoss.adapters import apply_adapters
 from kohakumoss.config import AdapterConfig
+from kohakumoss.diffusion.sampler import skipping
 from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
 from kohakumoss.memory.offload import apply_activation_offload
 from kohakumoss.memory.streaming import apply_weight_streaming, streamed_weights
@@ -92,7 +93,7 @@ def test_streaming_in_bf16_and_without_grad():
             torch.randn(layout.n_txt, c.text_dim, generator=g), torch.tensor([0.5]), layout)
     with torch.no_grad():
         assert torch.equal(model(*args), ref(*args))
-        assert torch.equal(model(*args, skip_layers=[1]), ref(*args, skip_layers=[1]))
+        assert torch.equal(model(*args, replace=skipping([1])), ref(*args, replace=skipping([1])))
 
 
 def test_autograd_keeps_no_streamed_weight_and_evicted_blocks_point_at_the_host():
@@ -281,9 +282,9 @@ def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all", 
         out.float().square().mean().backward()
         outs.append((out.detach(), {n: p.grad.clone() for n, p in aset.named_trainable()}))
     if "rebuild" in words:
-        assert m.rebuilder.rebuilt_bytes > 0
+        assert m.engines.state("rebuild").rebuilt_bytes > 0
     if stream:
         assert ring.loads >= 2 * (c.depth + c.text_blocks) - 2 * stream
     if offload in ("block", "sub-block"):
-        assert len(m.offloader.kept) == (c.depth + c.text_blocks) * (2 if offload == "sub-block" else 1)
+        assert len(m.engines.state("activation offload").kept) == (c.depth + c.text_blocks) * (2 if offload == "sub-block" else 1)
     return outs

@@ -242,10 +242,10 @@ def test_cpu_forward_uses_pytorch_linear_attention_ops():
 def test_streamed_layers_encode_exactly_as_resident_ones(batched):
     """The text encoder's layers streamed from host memory through two slots (on the CPU
     here: the same ring as on CUDA, copies without a side stream) give the same states."""
-    from kohakumoss.memory.streaming import apply_weight_streaming
+    from kohakumoss.memory.streaming import stream_weights
 
     streamed = TextEncoder.load("tiny", dtype="fp32")
-    ring = apply_weight_streaming(streamed.model, "cpu", 2, blocks=list(streamed.model.layers))
+    streamed.ring = ring = stream_weights(streamed.model, "cpu", 2, blocks=list(streamed.model.layers))
     assert_same(streamed.encode(CAPTIONS), batched)
     assert ring.loads >= len(streamed.model.layers) and ring.n_slots == 2
 

@@ -72,7 +72,7 @@ def test_loss_falls_on_a_tiny_overfit_set(tmp_path, adapter, optim):
                            caption={"text_drop": 0.0}, optim=optim, adapter=adapter)
     p, paths = load_params(params), _prepare(tmp_path, params)
     trainer = Trainer(p, paths, build_components(p, paths))
-    assert trainer.params is p and trainer.trained_tensors
+    assert trainer.params is p and trainer.stepper.tensors
 
     def fixed_loss() -> float:  # the same batch, sigmas and noise before and after training
         from kohakumoss.diffusion.objective import flow_loss

@@ -25,6 +25,7 @@ from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
 from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
 from kohakumoss.adapters.shared import shared_input_linears
+from kohakumoss.model.dit import MOSSImageTransformer
 
 PREFIX = "lora_unet"
 TLORA_DEFAULTS = {"mask_min_rank": 1, "mask_alpha": 1.0, "mask_max_timestep": 1000}
@@ -95,11 +96,11 @@ def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
     for path in norm_paths:
         w = model.get_submodule(path).weight
         norms[path] = NormDelta(lora_name(path), model.get_submodule(path), master_dtype(w))
-    aset = AdapterSet(cfg, seed, network, modules, norms)
+    aset = AdapterSet(cfg, seed, network, modules, norms, model)
     aset.attached.cast_hook = attach_cast_groups(model, modules)  # adapters/casts.py
-    ops = getattr(model, "ops", None)
-    if ops is not None:  # q, k and v as one LoRA node where all three fold (adapters/shared.py)
-        ops.override("linears", shared_input_linears)
+    if isinstance(model, MOSSImageTransformer):
+        # q, k and v as one LoRA node where all three fold (adapters/shared.py)
+        model.ops.override("linears", shared_input_linears)
     return aset
 
 
@@ -107,10 +108,11 @@ class AdapterSet:
     """The adapters of one training run; a thin layer over the LyCORIS modules."""
 
     def __init__(self, cfg, seed: int, network: LycorisNetwork,
-                 modules: dict[str, nn.Module], norms: dict[str, NormDelta]):
+                 modules: dict[str, nn.Module], norms: dict[str, NormDelta],
+                 model: nn.Module | None = None):
         self.cfg, self.seed, self.network = cfg, seed, network
         self.modules, self.norms = modules, norms
-        self.attached = Attached(modules, norms, 1.0, bypass=cfg.mode == "bypass")
+        self.attached = Attached(modules, norms, 1.0, bypass=cfg.mode == "bypass", model=model)
         self.mask_groups = dict(zip(AXES, itertools.count(next(_MASK_IDS))))
         self.masks: dict[str, torch.Tensor] = {}
         for path, lyco in modules.items():

@@ -53,9 +53,12 @@ from torch import nn
 from kohakumoss.adapters.casts import detach_cast_groups
 from kohakumoss.adapters.folded import folded_forward
 from kohakumoss.adapters.norms import NormDelta
+from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.model.engines import Handle
 
 log = logging.getLogger(__name__)
 
+ENGINE = "adapter"  # its handles' names in a model's engine registry, one per attached set
 KINDS = {LoConModule: "locon", LohaModule: "loha", LokrModule: "lokr", DiagOFTModule: "oft",
          ButterflyOFTModule: "boft", GLoRAModule: "glora", IA3Module: "ia3",
          DyLoraModule: "dylora", TLoraModule: "tlora", FullModule: "diff"}
@@ -307,8 +310,12 @@ class Attached:
     """
 
     def __init__(self, modules: dict[str, LycorisBaseModule], norms: dict[str, NormDelta],
-                 multiplier: float = 1.0, bypass: bool = True):
+                 multiplier: float = 1.0, bypass: bool = True, model: nn.Module | None = None):
         self.modules, self.norms = modules, norms
+        # the model's engine registry (``model/engines.py``) is told which linears run
+        # LyCORIS's forward while they do: they are never plain products
+        self.registry = model.engines if isinstance(model, MOSSImageTransformer) else None
+        self._handle: Handle | None = None
         self.cast_hook = None  # the model's hook renewing the blocks' joint casts (casts.py)
         self._saved: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self.set_multiplier(multiplier)
@@ -320,12 +327,19 @@ class Attached:
             install(lyco)
         for n in self.norms.values():
             n.attach()
+        if self.registry is not None and self._handle is None:
+            self._handle = self.registry.register(Handle(
+                f"{ENGINE} {id(self):x}", state=self,
+                linears=tuple(lyco.org_module[0] for lyco in self.modules.values())))
 
     def _detach(self) -> None:
         for lyco in self.modules.values():
             uninstall(lyco)
         for n in self.norms.values():
             n.detach()
+        if self._handle is not None:
+            self.registry.remove(self._handle)
+            self._handle = None
 
     def set_multiplier(self, multiplier: float) -> None:
         for a in [*self.modules.values(), *self.norms.values()]:

@@ -23,14 +23,23 @@ import functools
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 from kohakumoss.adapters.casts import lora_factors
 from kohakumoss.adapters.folded import (fp8_fold_parts, fp8_lora_linears,
                                         folded_forward, linear_dtype, lora_linears)
 from kohakumoss.adapters.runtime import _needs_own_dtype, _run, folds
-from kohakumoss.model.ops import hooked
 from kohakumoss.model.ops import linear as ref_linear
 from kohakumoss.model.ops import linears as ops_linears
+
+
+def hooked(m: nn.Module) -> bool:
+    """Hooks other than plain forward pre-hooks, which a call of module ``m`` would run (a
+    user's, or torch's global ones): the group then takes the modules' own route."""
+    return bool(m._forward_hooks or m._forward_pre_hooks_with_kwargs or m._backward_hooks
+                or m._backward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks)
 
 
 def _pre_hooked(m: nn.Module, x: torch.Tensor) -> tuple:
@@ -73,14 +82,15 @@ def _fp8_parts(m: nn.Module, dtype: torch.dtype) -> tuple | None:
     return None if lyco is None else fp8_fold_parts(lyco, dtype)
 
 
-def shared_input_linears(x: torch.Tensor, modules, linear=None, narrow=None) -> list[torch.Tensor]:
+def shared_input_linears(x: torch.Tensor, modules, linear=None, narrow=None,
+                         plain=lambda m: False) -> list[torch.Tensor]:
     """``[m(x) for m in modules]``, as one node where every module folds (see the module),
     the base products through ``linear`` (the model's ``ops.linear``), the narrow ones
     (``x A^T``, ``dy B``) through ``narrow`` (its ``ops.narrow_mm``). Each module's forward
     pre-hooks run first, as its call would run them (a weight ring's loads); one that
     changes the input, or any other hook, takes the modules' own route. A lone folding
     module is its own node (``folded_forward``) with its base product through ``linear``;
-    a plain linear goes to ``linear`` itself."""
+    a plain linear (``plain``: the model's ``engines.plain_linear``) goes to ``linear`` itself."""
     if any(hooked(m) for m in modules):
         return [m(x) for m in modules]
     if len(modules) < 2:
@@ -88,7 +98,7 @@ def shared_input_linears(x: torch.Tensor, modules, linear=None, narrow=None) -> 
         if lyco is not None and not modules[0]._forward_pre_hooks and not (
                 x.dtype != lyco.dtype_tensor.dtype and _needs_own_dtype(lyco)):  # as _run routes
             return [folded_forward(lyco, x, linear, narrow)]
-        return [ops_linears(x, modules, linear or ref_linear)[0]]
+        return [ops_linears(x, modules, linear or ref_linear, plain=plain)[0]]
     args = [_pre_hooked(m, x) for m in modules]
     if not all(len(a) == 1 and a[0] is x for a in args):
         return [m.forward(*a) for m, a in zip(modules, args)]

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from kohakumoss.formats.model_files import load_transformer
 from kohakumoss.diffusion.schedule import inference_sigmas
 from kohakumoss.diffusion.timesteps import TECH_REPORT, MossTimesteps
+from kohakumoss.model.engines import Handle
 from kohakumoss.model.layout import build_layout
 
 # the knobs of a MossTimesteps a set may declare (schedules.sampler_knobs, stages[].knobs)
@@ -79,7 +80,9 @@ def model_comparisons(folder: Path) -> Iterator[Comparison]:
             for i, block in enumerate(model.layers):
                 hooks.append(block.register_forward_hook(
                     lambda m, args, out, i=i: trace.__setitem__(f"block_{i}_out", out)))
-            with torch.no_grad():
+            # the captured blocks' calls must happen: the registry runs them whole
+            with torch.no_grad(), model.engines.holding(Handle("parity captures",
+                                                               blocks=tuple(model.layers))):
                 v = model(*inputs)
                 mod, head = model.conditioning(batch["sigma"])
                 trace.update(cond_block_mod=mod, cond_head_mod=head,

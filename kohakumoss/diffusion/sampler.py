@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from kohakumoss.diffusion.schedule import inference_sigmas
-from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.model.dit import MOSSImageTransformer, Replacement
 from kohakumoss.model.layout import build_layout
 
 log = logging.getLogger(__name__)
@@ -68,16 +69,69 @@ class Packed:
     def velocity(self, model: MOSSImageTransformer, x: torch.Tensor, s: torch.Tensor,
                  skip_layers: Sequence[int]) -> torch.Tensor:
         """The guided velocity (fp32) of the requests' latent tokens ``x`` (packed, in
-        request order) at the packed samples' noise levels ``s`` (``sigmas``)."""
+        request order) at the packed samples' noise levels ``s`` (``sigmas``). The text
+        refiner's output is made once and kept where no engine runs around the model
+        (``engines.text_reusable``)."""
         z = torch.cat([x, x]) if self.skip is not None else x
+        replace = skipping(skip_layers, self.skip) if self.skip is not None else {}
         with torch.no_grad():
-            v = model(z.to(self.dtype), self.text, s, self.layout,
-                      skip_layers=skip_layers if self.skip is not None else (),
-                      skip_samples=self.skip, text_cache=self.text_cache).float()
+            refined = self.text_cache.get("refined")
+            if refined is None and model.engines.text_reusable():
+                refined = self.text_cache["refined"] = model.refine_text(self.text, self.layout)
+            v = model(z.to(self.dtype), self.text, s, self.layout, refined=refined,
+                      replace=replace).float()
         if self.skip is None:
             return v
         p, u = v[:self.n_img], v[self.n_img:]
         return u + self.cfg * (p - u)
+
+
+def skipping(layers: Iterable[int], samples: torch.Tensor | Sequence[bool] | None = None
+             ) -> dict[int, Replacement]:
+    """The joint blocks ``layers`` skipped (their input passed on), for every sample, or with
+    ``samples`` (bool [B]: a tensor, or a host sequence) only for those samples: the others
+    run the block (the CFG negative branch packed with the positive one), as
+    ``MOSSImageTransformer.forward``'s ``replace``. Where the skipped samples are the last
+    ones (known on the host: the sampler's negatives), a skipped layer runs on the leading
+    samples' tokens alone; else on every token, the skipped samples' kept (attention stays
+    within a sample: exact for the others)."""
+    layers = set(layers)
+    if samples is None:
+        return {n: _passed for n in layers}
+    lead = _leading(samples)
+    run = functools.partial(_on_leading, lead) if lead is not None else \
+        functools.partial(_on_kept, torch.as_tensor(samples, dtype=torch.bool))
+    return {n: run for n in layers}
+
+
+def _passed(block, x, mod, rope, layout, ops):
+    return x
+
+
+def _on_leading(lead: int, block, x, mod, rope, layout, ops):
+    if not lead:
+        return x
+    P = sum(layout.joint_len[:lead])
+    return torch.cat([block(x[:P], mod, layout.seg_joint[:P], tuple(r[:P] for r in rope),
+                            layout.joint_len[:lead], ops), x[P:]])
+
+
+def _on_kept(skip_B: torch.Tensor, block, x, mod, rope, layout, ops):
+    keep = skip_B.to(x.device)[layout.seg_joint][:, None]
+    return torch.where(keep, x, block(x, mod, layout.seg_joint, rope, layout.joint_len, ops))
+
+
+def _leading(skip_samples) -> int | None:
+    """How many samples lead ``skip_samples`` unskipped when every skipped one comes after
+    them, read on the host (a sequence, or a CPU tensor); else None (a device tensor is
+    never read back: that would wait for the device)."""
+    if isinstance(skip_samples, torch.Tensor):
+        if skip_samples.device.type != "cpu":
+            return None
+        skip_samples = skip_samples.tolist()
+    flags = [bool(f) for f in skip_samples]
+    lead = flags.index(True) if True in flags else len(flags)
+    return lead if all(flags[lead:]) else None
 
 
 def velocity(model: MOSSImageTransformer, x: list[torch.Tensor], reqs: Sequence[Request],

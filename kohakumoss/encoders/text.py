@@ -172,8 +172,9 @@ class TextEncoder:
 
     max_length = MAX_TEXT_TOKENS
 
-    def __init__(self, model: torch.nn.Module, tokenizer, encoder_id: str):
+    def __init__(self, model: torch.nn.Module, tokenizer, encoder_id: str, ring=None):
         self.model, self.tokenizer, self.encoder_id = model, tokenizer, encoder_id
+        self.ring = ring  # the layers' weight ring when they stream (``memory/streaming.py``)
         self.precision = "compute"  # int8/fp8 weight-only compute is later work
         if len(tokenizer) > model.config.vocab_size:
             raise TextEncoderError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's "
@@ -203,14 +204,14 @@ class TextEncoder:
         size = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dt).element_size()
         if not _streams(stream, dev, size):
             return cls(build_model(config, names, get, dt, dev, path), tok, eid)
-        from kohakumoss.memory.streaming import apply_weight_streaming
+        from kohakumoss.memory.streaming import stream_weights
 
         model = build_model(config, names, get, dt, torch.device("cpu"), path)
-        ring = apply_weight_streaming(model, dev, STREAM_SLOTS, blocks=list(model.layers))
+        ring = stream_weights(model, dev, STREAM_SLOTS, blocks=list(model.layers))
         log.info("text encoder %s: %.1f GiB of layer weights streamed from host memory through %d "
                  "slots (%.1f GiB on %s)", path, ring.host_bytes() / 2**30, ring.n_slots,
                  ring.resident_bytes() / 2**30, dev)
-        return cls(model, tok, eid)
+        return cls(model, tok, eid, ring)
 
     @classmethod
     def identity(cls, path: str, dtype: str = "auto", device: str = "cpu") -> str:
@@ -270,7 +271,8 @@ class TextEncoder:
             for r, i in enumerate(call):
                 ids_BL[r, :lengths[i]] = torch.tensor(ids[i], dtype=torch.long)
                 mask_BL[r, :lengths[i]] = 1
-            with torch_linear_attention_ops(self.device):
+            with torch_linear_attention_ops(self.device), \
+                    self.ring.running() if self.ring is not None else contextlib.nullcontext():
                 h_BLD = self.model(input_ids=ids_BL.to(self.device), use_cache=False,
                                    attention_mask=mask_BL.to(self.device)).last_hidden_state
             for r, i in enumerate(call):

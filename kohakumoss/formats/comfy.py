@@ -319,7 +319,7 @@ def load_adapter_file(model: nn.Module, path: str | Path, multiplier: float = 1.
         for lyco in modules.values():
             if getattr(lyco, "wd", False) and lyco.wd_on_out:
                 _undo_comfy_dora(lyco)
-    handle = Attached(modules, norms, multiplier, bypass=mode == "bypass")
+    handle = Attached(modules, norms, multiplier, bypass=mode == "bypass", model=model)
     handle.train(False)
     if mode == "merge":
         handle.merge(multiplier)

@@ -3,8 +3,8 @@ and ``t = dy B`` (backward), which the LoRA nodes make with their model's table'
 bf16 node, ``adapters/folded.py``; the fp8 node, ``kernels/fp8_compute.py``).
 
 Each reads a whole activation or gradient ([tokens, 3,072-16,384]) to make a [tokens, r]
-result, so it is bound by memory; cuBLAS runs some at about half the memory's speed (the
-twelfth pass of docs/performance.md). The reference is ``torch.mm``; these make it other
+result, so it is bound by memory; cuBLAS runs some at about half the memory's speed
+(docs/performance.md, "LoRA products"). The reference is ``torch.mm``; these make it other
 ways, chosen by ``kernels.backends`` (``bench/bench_train.py --narrow`` for a run):
 
 - ``cublas-t``: the transposed product ``(w^T x^T)^T``, a [tokens, r] view with other tiles;

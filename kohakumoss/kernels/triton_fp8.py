@@ -249,7 +249,7 @@ def rows_launch(K: int, n: int) -> tuple[int, int, int, int]:
     stages, warps). A row up to 8192 wide per source is held in registers (read once);
     interpreted, rows up to 32 wide take that path and wider ones the two-pass loop over 16.
     One source up to 8192 wide runs fastest with 4 warps, three sources with 8
-    (``bench/bench_fp8_rows.py``, 1x H200, 2026-12-05: ffn_down's 8,192-wide input 108 us in
+    (``bench/bench_fp8_rows.py`` on the H200: ffn_down's 8,192-wide input 108 us in
     registers against 125 us over 2048-wide blocks; docs/performance.md)."""
     wide = 32 if INTERPRETED else 8192
     block = triton.next_power_of_2(K) if K <= wide else (16 if INTERPRETED else 2048)

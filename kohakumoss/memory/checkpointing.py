@@ -4,8 +4,8 @@ adapter dropout draws the same masks). Outputs and gradients are exactly those o
 autograd, in every mode.
 
 ``apply_checkpointing(model, mode, blocks)``, on the blocks the model declares in
-``REPEATED`` (and their halves, ``HALVES``; ``kohakumoss.model.dit``), by replacing methods
-on those block instances: the modules, their parameters and the state-dict keys stay as they
+``REPEATED`` (and their halves, ``HALVES``; ``kohakumoss.model.dit``), by wrapping those
+blocks' parts through the model's engine registry (``model/engines.py``): the modules, their parameters and the state-dict keys stay as they
 are, nothing in the model's own forward changes, and adapters that wrap a linear inside a
 block are recomputed with it. The modes (``MODES``), least memory first:
 
@@ -35,6 +35,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kohakumoss.model.dit import HALVES, REPEATED, MOSSImageTransformer
+from kohakumoss.model.engines import Handle
+
+ENGINE = "checkpointing"
 
 MODES = ("none", "block", "sub-block", "selective", "partial")
 # ops whose outputs ``selective`` keeps: the matmuls and the attention kernels (torch's, and
@@ -92,18 +95,22 @@ def checkpointed(forward: Callable, selective: bool = False) -> Callable:
     return run
 
 
-def _wrap(block: nn.Module, method: str, selective: bool = False) -> bool:
-    fn = getattr(block, method)
-    if hasattr(fn, "checkpointed"):
+def _handle(model: MOSSImageTransformer) -> Handle:
+    """The checkpointing engine's handle on ``model`` (registered on first use)."""
+    return model.engines.get(ENGINE) or model.engines.register(Handle(ENGINE))
+
+
+def _wrap(model: MOSSImageTransformer, block: nn.Module, part: str, selective: bool = False) -> bool:
+    if model.engines.wrapped_parts(block):  # checkpointed before (or offloaded): left as it is
         return False
-    setattr(block, method, checkpointed(fn, selective))
+    model.engines.wrap_part(_handle(model), block, part, lambda fn: checkpointed(fn, selective))
     return True
 
 
 def apply_checkpointing(model: MOSSImageTransformer, mode: str, blocks: int = 0) -> list[str]:
     """Checkpoint ``model``'s repeated blocks in ``mode`` (see the module; ``blocks``: how
     many per list, for ``partial``). Returns what was wrapped now (``layers.3`` or
-    ``layers.3.attention``); a part wrapped before is left as it is."""
+    ``layers.3.attention``); a block wrapped before is left as it is."""
     if mode not in MODES:
         raise ValueError(f"checkpointing mode {mode!r}: one of {', '.join(MODES)}")
     if mode == "partial" and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
@@ -112,9 +119,12 @@ def apply_checkpointing(model: MOSSImageTransformer, mode: str, blocks: int = 0)
     done = []
     for path, block in repeated_blocks(model):
         if mode == "sub-block":
-            done += [f"{path}.{half}" for half in HALVES if _wrap(block, half)]
+            if not model.engines.wrapped_parts(block):
+                for half in HALVES:
+                    model.engines.wrap_part(_handle(model), block, half, checkpointed)
+                done += [f"{path}.{half}" for half in HALVES]
         elif mode in ("block", "selective") or (mode == "partial" and int(path.rsplit(".", 1)[1]) < blocks):
-            if _wrap(block, "forward", selective=mode == "selective"):
+            if _wrap(model, block, "forward", selective=mode == "selective"):
                 done.append(path)
     return done
 
@@ -126,6 +136,6 @@ def apply_block_checkpointing(model: MOSSImageTransformer, every: int = 1) -> li
         raise ValueError(f"every must be an integer >= 1 (1 checkpoints every block), got {every!r}")
     done = []
     for path, block in repeated_blocks(model):
-        if int(path.rsplit(".", 1)[1]) % every == 0 and _wrap(block, "forward"):
+        if int(path.rsplit(".", 1)[1]) % every == 0 and _wrap(model, block, "forward"):
             done.append(path)
     return done

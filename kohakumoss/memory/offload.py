@@ -29,7 +29,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from kohakumoss.memory.checkpointing import repeated_blocks
 from kohakumoss.memory.placement import indexed
 from kohakumoss.memory.replay import KeptAttention, unevaluated
-from kohakumoss.model.dit import HALVES
+from kohakumoss.model.dit import HALVES, MOSSImageTransformer
+from kohakumoss.model.engines import EngineRegistry, Handle
+
+ENGINE = "activation offload"
 
 
 @dataclasses.dataclass
@@ -63,6 +66,12 @@ class Offloader:
 
     def start_forward(self) -> None:
         self.kept, self.bytes = [], 0
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around each forward of the model (its engine handle's ``forward``)."""
+        self.start_forward()
+        yield
 
     def _to_host(self, entry: _Kept, tensors: list[torch.Tensor]) -> None:
         big = [t for t in tensors if t.numel() * t.element_size() >= self.SMALL or not self.cuda]
@@ -150,7 +159,7 @@ def _autocast_state(device_type: str) -> dict[str, tuple[bool, torch.dtype, bool
 
 class _OffloadedBlock(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call, offloader, trains, tail, x, *tensors):
+    def forward(ctx, call, offloader, trains, tail, x, *tensors):  # tail: (module, registry) or None
         ctx.call, ctx.offloader, ctx.trains, ctx.tail = call, offloader, trains, tail
         ctx.index = offloader.keep(x)
         ctx.autocast = _autocast_state(offloader.device.type)
@@ -173,7 +182,7 @@ class _OffloadedBlock(torch.autograd.Function):
         devices = [off.device] if off.cuda else []
         off.part = (ctx.index, kept)
         try:
-            with torch.random.fork_rng(devices=devices), torch.enable_grad(), unevaluated(ctx.tail), \
+            with torch.random.fork_rng(devices=devices), torch.enable_grad(), unevaluated(*(ctx.tail or (None,))), \
                     contextlib.ExitStack() as autocast:
                 for kind, (enabled, dtype, cache) in ctx.autocast.items():  # as forward ran
                     autocast.enter_context(torch.autocast(kind, dtype, enabled, cache))
@@ -191,11 +200,12 @@ class _OffloadedBlock(torch.autograd.Function):
                 *[t.grad if t.requires_grad else None for t in tensors])
 
 
-def offloaded(forward: Callable, offloader: Offloader, tail: torch.nn.Module | None = None) -> Callable:
+def offloaded(forward: Callable, offloader: Offloader, tail: torch.nn.Module | None = None,
+              engines: EngineRegistry | None = None) -> Callable:
     """``forward(x, *rest)`` as an offloaded checkpoint while grad is enabled; ``rest``'s
     tensors (inside tuples and lists too) are autograd inputs, the rest static; ``tail``:
     the part's last linear, left uncomputed by the recomputation where it may be
-    (``memory.replay.unevaluated``)."""
+    (``memory.replay.unevaluated``, which tells ``engines``, the model's registry)."""
     # whether backward must run the block even when no input needs a gradient: tensors
     # trained inside it (an adapter's, which live outside the block's modules) do; the
     # first backward finds out
@@ -217,41 +227,36 @@ def offloaded(forward: Callable, offloader: Offloader, tail: torch.nn.Module | N
         extra = [torch.empty(0, requires_grad=True)] if trains[0] else []
         # nothing but the input needs a gradient: the tail's output feeds only a residual add
         # whose gradient then reads none of its values (memory.replay.unevaluated)
-        free = None if any(t.requires_grad for t in tensors) else tail
+        free = None if tail is None or any(t.requires_grad for t in tensors) else (tail, engines)
         return _OffloadedBlock.apply(call, offloader, trains, free, x, *tensors, *extra)
 
     run.checkpointed = forward
     return run
 
 
-def apply_activation_offload(model: torch.nn.Module, device: torch.device | str,
+def apply_activation_offload(model: MOSSImageTransformer, device: torch.device | str,
                              halves: bool = False) -> Offloader:
     """Checkpoint every repeated block with its input offloaded to the host (see the
     module), or with ``halves`` each of its halves (``HALVES``: the attention half and the
     MLP half, as ``sub-block`` checkpointing: backward holds half a block's intermediates
     at a time); the attention kernels' outputs wait beside the inputs and each part's tail
     is left out of its recomputation (``memory.replay``). Returns the offloader
-    (``model.offloader``)."""
+    (``model.engines.state("activation offload")``)."""
     device = indexed(device)
-    if getattr(model, "offloader", None) is not None:
+    engines = model.engines
+    if engines.get(ENGINE) is not None:
         raise ValueError("the model offloads its activations already")
+    if any(engines.wrapped_parts(b) for _, b in repeated_blocks(model)):
+        raise ValueError("activation offload checkpoints the blocks itself: apply it "
+                         "instead of another checkpointing mode, not on top of one")
     offloader = Offloader(device)
+    handle = engines.register(Handle(ENGINE, state=offloader, forward=offloader.running))
     parts = HALVES if halves else ("forward",)
     for _, block in repeated_blocks(model):
-        if any(hasattr(getattr(block, m), "checkpointed") for m in ("forward", *HALVES)):
-            raise ValueError("activation offload checkpoints the blocks itself: apply it "
-                             "instead of another checkpointing mode, not on top of one")
-        for method in parts:
-            tail = block.TAILS.get(HALVES[-1] if method == "forward" else method)
-            setattr(block, method, offloaded(getattr(block, method), offloader,
-                                             block.get_submodule(tail) if tail else None))
+        for part in parts:
+            tail = block.TAILS.get(HALVES[-1] if part == "forward" else part)
+            tail = block.get_submodule(tail) if tail else None
+            engines.wrap_part(handle, block, part,
+                              lambda fn, tail=tail: offloaded(fn, offloader, tail, engines))
     model.ops.override("varlen_attention", KeptAttention(model.ops.varlen_attention, offloader))
-    inner = model.forward
-
-    def forward(*args, **kwargs):
-        offloader.start_forward()
-        return inner(*args, **kwargs)
-
-    model.forward = forward
-    model.offloader = offloader
     return offloader

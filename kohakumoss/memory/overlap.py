@@ -38,6 +38,9 @@ from torch import nn
 
 from kohakumoss.memory.checkpointing import repeated_blocks
 from kohakumoss.memory.host_update import HostUpdate
+from kohakumoss.model.engines import Handle
+
+ENGINE = "overlapped update"
 
 
 def forward_chunks(names: Sequence[str], model: nn.Module, renamed: Callable[[str], str] | None = None
@@ -106,6 +109,8 @@ class OverlappedUpdate(HostUpdate):
         self.error: BaseException | None = None
         me = weakref.ref(self)
         self.gates = [g.register_forward_pre_hook(_gate_hook(me, k)) for k, g in enumerate(gates)]
+        # the gated blocks' calls must happen (they never run chained)
+        model.engines.register(Handle(ENGINE, state=self, blocks=tuple(gates[1:])))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer steps only through ``step`` (a direct ``optimizer.step()`` would

@@ -71,13 +71,12 @@ PROFILES_BY_MEMORY = ("speed", "balanced", "low", "minimal")  # the distinct pro
 
 # what each engine adds to the step time of ``speed`` (nothing checkpointed, resident), as
 # measured on the H200 (rank-32 LoRA at 1 MP, four samples per step, docs/performance.md):
-# recomputing every block's forward +40% (block or sub-block checkpointing, 2026-12-03),
-# +29% (block) and +26% (sub-block) when activation offload replays the attention and skips
-# the tails (2026-12-03), selective checkpointing +22%, rebuilding the elementwise outputs
-# +6% (2026-12-02); streaming, the host update and activation offload's copies a little
-# more on top. Only the order matters: ``profile: auto`` tries the engines fastest first.
-# The fp8 codes' transposes made each backward instead of kept: ~0.5% of an fp8 `full` step
-# (3.3 ms of 675, the twelfth pass's profile; 2026-12-04).
+# recomputing every block's forward +40% (block or sub-block checkpointing), +29% (block)
+# and +26% (sub-block) when activation offload replays the attention and skips the tails,
+# selective checkpointing +22%, rebuilding the elementwise outputs +6%; streaming, the host
+# update and activation offload's copies a little more on top. Only the order matters:
+# ``profile: auto`` tries the engines fastest first. The fp8 codes' transposes made each
+# backward instead of kept: ~0.5% of an fp8 `full` step (3.3 ms of 675).
 RECOMPUTE_ALL, RECOMPUTE_ELEMENTWISE, REBUILD, PER_HOST_ENGINE = 0.40, 0.22, 0.06, 0.01
 TRANSPOSED_EACH_STEP = 0.005
 RECOMPUTE_REPLAYED = {"block": 0.29, "sub-block": 0.26}

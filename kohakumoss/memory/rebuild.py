@@ -13,10 +13,10 @@ the same inputs, under the same autocast state).
 
 ``apply_rebuild(model)`` wraps the ``REBUILT`` entries of the model's op table (whatever
 backend the kernel step chose) so each call made while the model's forward records grads
-notes its output, and runs the forward under saved-tensor hooks that swap such an output
-(or a view of it) for its recipe. Checkpointed parts run under checkpointing's own hooks
-and are left to it. A weight ring (``kohakumoss.memory.streaming``) applied later is
-consulted for everything that is not a recipe.
+notes its output, and has the forward run under saved-tensor hooks that swap such an
+output (or a view of it) for its recipe. Checkpointed parts run under checkpointing's own hooks
+and are left to it. The hooks are the engine's ``saved`` pair in the model's registry
+(``model/engines.py``), chained there with a weight ring's (``kohakumoss.memory.streaming``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from collections.abc import Callable
 
 import torch
 
+from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.model.engines import Handle
+
+ENGINE = "rebuild"
 REBUILT = ("rms_norm", "modulated_rms_norm", "qk_norm_rope", "situ")
 
 
@@ -91,17 +95,15 @@ class Rebuilder:
                        t.storage_offset() - out.storage_offset())
 
     def pack(self, t: torch.Tensor):
-        r = self.recipe(t)
+        r = self.recipe(t) if self.active else None
         if r is not None:
             self.rebuilt_bytes += t.numel() * t.element_size()
             return r
-        ring = getattr(self.model, "weight_ring", None)
-        return ring.pack(t) if ring is not None else t
+        return t
 
     def unpack(self, saved):
         if not isinstance(saved, _Recipe):
-            ring = getattr(self.model, "weight_ring", None)
-            return ring.unpack(saved) if ring is not None else saved
+            return saved
         tensors = _tensors(saved.args)
         if tuple(t._version for t in tensors) != saved.versions:
             raise RuntimeError("an input of an elementwise op was modified in place after the op "
@@ -114,27 +116,29 @@ class Rebuilder:
         return out.as_strided(saved.size, saved.stride, out.storage_offset() + saved.offset)
 
 
-def apply_rebuild(model: torch.nn.Module) -> Rebuilder:
+    @contextlib.contextmanager
+    def running(self):
+        """Around each forward of the model: while autograd records, the wrapped ops note
+        their outputs; they are forgotten after it."""
+        if not torch.is_grad_enabled():
+            yield
+            return
+        self.active, self.rebuilt_bytes = True, 0
+        try:
+            yield
+        finally:
+            self.active = False
+            self.made.clear()
+
+
+def apply_rebuild(model: MOSSImageTransformer) -> Rebuilder:
     """Rebuild the elementwise ops' outputs in backward instead of keeping them (see the
-    module); returns the rebuilder (``model.rebuilder``)."""
-    if getattr(model, "rebuilder", None) is not None:
+    module); returns the rebuilder (``model.engines.state("rebuild")``)."""
+    if model.engines.get(ENGINE) is not None:
         raise ValueError("the model rebuilds its elementwise outputs already")
     rebuilder = Rebuilder(model)
     for name in REBUILT:
         model.ops.override(name, rebuilder.wrap(getattr(model.ops, name)))
-    inner = model.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        rebuilder.active, rebuilder.rebuilt_bytes = True, 0
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(rebuilder.pack, rebuilder.unpack):
-                return inner(*args, **kwargs)
-        finally:
-            rebuilder.active = False
-            rebuilder.made.clear()
-
-    model.forward = forward
-    model.rebuilder = rebuilder
+    model.engines.register(Handle(ENGINE, state=rebuilder, forward=rebuilder.running,
+                                  saved=(rebuilder.pack, rebuilder.unpack)))
     return rebuilder

@@ -21,7 +21,10 @@ from collections.abc import Callable
 import torch
 
 from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.model.engines import Handle
 from kohakumoss.model.ops import FORMS
+
+ENGINE = "recompute"
 
 # op name -> how many leading arguments are tensors (saved for backward; the index tensor
 # ``seg`` among them); the rest are static (``eps``)
@@ -95,4 +98,6 @@ def apply_recompute(model: MOSSImageTransformer) -> list[str]:
         if getattr(fn, "wrapped", None) is None and not keeps_inputs_only(fn):
             model.ops.override(name, recomputed(fn, n_tensors))
             done.append(name)
+    if done and model.engines.get(ENGINE) is None:
+        model.engines.register(Handle(ENGINE, state=done))
     return done

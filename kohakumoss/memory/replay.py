@@ -32,6 +32,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from kohakumoss.model.engines import EngineRegistry, Handle
+
 
 def is_attention_kernel(func) -> bool:
     """An attention kernel's forward as the dispatcher sees it below autograd (torch's SDPA
@@ -136,28 +138,33 @@ class _UnevaluatedLinear(torch.autograd.Function):
         return (dy.mm(weight) if ctx.needs_input_grad[0] else None), None
 
 
-def _frozen_plain(module: nn.Module) -> bool:
-    return (type(module) is nn.Linear and "forward" not in module.__dict__
+def _frozen_plain(module: nn.Module, engines: EngineRegistry) -> bool:
+    """An ``nn.Linear`` whose call no engine claims (``EngineRegistry.claims``), frozen."""
+    return (type(module) is nn.Linear and not engines.claims(module)
             and not module.weight.requires_grad
             and (module.bias is None or not module.bias.requires_grad))
 
 
 @contextlib.contextmanager
-def unevaluated(module: nn.Module | None):
+def unevaluated(module: nn.Module | None, engines: EngineRegistry | None = None):
     """Within: ``module``'s output is left uncomputed where its backward allows (see the
-    module); ``None``: nothing changes."""
+    module); ``None``: nothing changes. ``engines``: the model's registry, which is told
+    that the module's call is not plain meanwhile."""
     if module is None:
         yield
         return
-    plain = _frozen_plain(module)
+    plain = _frozen_plain(module, engines)
+    hold = contextlib.nullcontext()
     if plain:
         def forward(x):
             return _UnevaluatedLinear.apply(x.reshape(-1, x.shape[-1]), module.weight).view(
                 *x.shape[:-1], module.out_features)
         module.forward = forward
+        hold = engines.holding(Handle("unevaluated tail", linears=(module,)))
     module.kmoss_unevaluated = True
     try:
-        yield
+        with hold:
+            yield
     finally:
         module.kmoss_unevaluated = False
         if plain:

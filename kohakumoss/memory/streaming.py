@@ -1,7 +1,9 @@
 """Weight streaming: the frozen base's block weights live in (pinned) host memory and pass
 through a ring of ``slots`` block-sized buffers on the device (``docs/memory.md#streaming``).
 
-``apply_weight_streaming(model, device, slots)`` acts on a built model from outside:
+``apply_weight_streaming(model, device, slots)`` acts on a built model from outside, as
+its ``weight streaming`` engine (``model/engines.py``); ``stream_weights`` does the same for
+another model (a text encoder), whose caller runs its forwards in ``ring.running()``:
 
 - every matrix (2-D weight) of the repeated blocks (``REPEATED``) that takes no gradient and
   has the blocks' dtype moves to one host buffer per block (page-locked on CUDA); the rest
@@ -24,6 +26,7 @@ host); casting or moving the model afterwards is not supported.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,6 +38,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 from kohakumoss.memory.checkpointing import repeated_blocks
 from kohakumoss.memory.host_copies import NodeCopies, OwnCopies
 from kohakumoss.memory.placement import indexed
+from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.model.engines import Handle
+
+ENGINE = "weight streaming"
 
 # elements: each weight starts at least 512-byte aligned in its block's buffer, as the
 # allocator aligns a resident one (cuBLAS picks its kernels by alignment)
@@ -121,6 +128,7 @@ class WeightRing:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.last, self.direction, self.expect_backward = -1, 1, False
         self.loads = 0  # copies made (a test and a benchmark read it)
+        self.hooked: list[nn.Module] = []  # the modules whose pre-hooks load their block
 
     # -- which blocks are where ----------------------------------------------------------
     def _point(self, u: int, storage: torch.Tensor) -> None:
@@ -208,6 +216,12 @@ class WeightRing:
     def start_forward(self) -> None:
         self.last, self.direction = -1, 1
 
+    @contextlib.contextmanager
+    def running(self):
+        """Around each forward of the streamed model: the walk starts at its first block."""
+        self.start_forward()
+        yield
+
     def invalidate(self) -> None:
         """Empty every slot, each weight its host copy again: before the host copies are
         written (a full finetune's update), so no slot keeps an old copy."""
@@ -237,23 +251,23 @@ class WeightRing:
         return sum(h.numel() * h.element_size() for h in self.host)
 
 
-def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: int,
-                           blocks: Sequence[nn.Module] | None = None, trainable: bool = False,
-                           dtype: torch.dtype | None = None, resident: int = 0,
-                           copies: OwnCopies | NodeCopies | None = None) -> WeightRing:
+def stream_weights(model: nn.Module, device: torch.device | str, slots: int,
+                   blocks: Sequence[nn.Module] | None = None, trainable: bool = False,
+                   dtype: torch.dtype | None = None, resident: int = 0,
+                   copies: OwnCopies | NodeCopies | None = None) -> WeightRing:
     """Stream ``model``'s frozen block weights through ``slots`` device buffers; everything
     else moves to ``device`` (see the module). ``blocks``: the blocks in the order the
-    forward runs them (default the DiT's repeated blocks; a text encoder's layers).
+    forward runs them (default the DiT's repeated blocks; a text encoder's layers). Each
+    forward of the model must run inside ``ring.running()`` (``apply_weight_streaming`` has
+    the DiT's registry enter it).
 
     ``trainable`` (a full finetune): every block matrix streams, held in ``dtype`` (the
     compute dtype; its fp32 masters live in ``HostUpdate``, which writes the host copies
     after each step); its gradients reach it as autograd's. ``resident``: the first blocks
     that stay on the device with the rest of the model (fewer copies a step, where memory
     allows). ``copies``: where the host copies live (``host_copies``; default this
-    process's own page-locked buffers). Returns the ring (``model.weight_ring``)."""
+    process's own page-locked buffers). Returns the ring."""
     device = indexed(device)
-    if getattr(model, "weight_ring", None) is not None:
-        raise ValueError("the model streams its weights already")
     blocks = _blocks(model, blocks)
     if not 0 <= resident < len(blocks):
         raise ValueError(f"resident blocks {resident}: there are {len(blocks)} blocks, and weight "
@@ -270,17 +284,28 @@ def apply_weight_streaming(model: nn.Module, device: torch.device | str, slots: 
     for u, (block, unit) in enumerate(zip(blocks, units)):
         hook = _hook(ring, u)
         block.register_forward_pre_hook(hook)
-        for module in {id(m): m for m, _, _ in unit}.values():
+        modules = list({id(m): m for m, _, _ in unit}.values())
+        for module in modules:
             module.register_forward_pre_hook(hook)
-    inner = model.forward
+        ring.hooked += [block, *modules]
+    return ring
 
-    def forward(*args, **kwargs):
-        ring.start_forward()
-        with torch.autograd.graph.saved_tensors_hooks(ring.pack, ring.unpack):
-            return inner(*args, **kwargs)
 
-    model.forward = forward
-    model.weight_ring = ring
+def apply_weight_streaming(model: MOSSImageTransformer, device: torch.device | str, slots: int,
+                           trainable: bool = False, dtype: torch.dtype | None = None,
+                           resident: int = 0, copies: OwnCopies | NodeCopies | None = None
+                           ) -> WeightRing:
+    """``stream_weights`` of the DiT's repeated blocks, registered as its weight streaming
+    engine (``model.engines.state("weight streaming")``): the ring runs around each forward,
+    its saved-tensor hooks keep where a weight was instead of the weight, and the streamed
+    blocks and linears are its (they run whole, never as plain products)."""
+    if model.engines.get(ENGINE) is not None:
+        raise ValueError("the model streams its weights already")
+    ring = stream_weights(model, device, slots, None, trainable, dtype, resident, copies)
+    model.engines.register(Handle(
+        ENGINE, state=ring, blocks=tuple(m for m in ring.hooked if not isinstance(m, nn.Linear)),
+        linears=tuple(m for m in ring.hooked if isinstance(m, nn.Linear)), text=True,
+        forward=ring.running, saved=(ring.pack, ring.unpack)))
     return ring
 
 

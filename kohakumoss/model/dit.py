@@ -11,12 +11,13 @@ checkpointing, streaming and sharding engines can find them from outside
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
 from kohakumoss.model.config import DiTConfig
+from kohakumoss.model.engines import EngineRegistry
 from kohakumoss.model.layout import PackedLayout
 from kohakumoss.model.ops import OpTable, added_norm, compute_dtype, stream_norm
 
@@ -26,6 +27,8 @@ FP32_MODULES = ("time_embedding", "shared_block_modulation", "video_head_modulat
 REPEATED = ("text_embedder.blocks", "layers")
 # each repeated block's halves, methods its forward calls in this order (sub-block engines)
 HALVES = ("attention", "mlp")
+# a caller's function run in place of a joint block: (block, x, mod, rope, layout, ops) -> x
+Replacement = Callable[..., torch.Tensor]
 
 
 class RMSNormWeight(nn.Module):
@@ -64,10 +67,11 @@ class TextBlock(nn.Module):
     # (engines that recompute a half may leave it out, ``kohakumoss.memory.replay``)
     TAILS = {"attention": "proj", "mlp": "ffn_down"}
 
-    def __init__(self, c: DiTConfig):
+    def __init__(self, c: DiTConfig, engines: EngineRegistry):
         super().__init__()
         D, F = c.dim, c.ffn_dim
         self.heads, self.eps = c.heads, c.eps
+        self.engines = engines  # the model's registry: what runs each part (``PARTS``)
         self.norm1, self.norm2 = RMSNormWeight(D), RMSNormWeight(D)
         self.q_norm, self.k_norm = RMSNormWeight(c.head_dim), RMSNormWeight(c.head_dim)
         self.qkv = nn.Linear(D, 3 * D)
@@ -77,7 +81,12 @@ class TextBlock(nn.Module):
         self.ffn_down = nn.Linear(F, D)
 
     def forward(self, x_ND, rope, lengths, ops: OpTable):
-        return self.mlp(self.attention(x_ND, rope, lengths, ops), ops)
+        return self.engines.part(self, "forward")(x_ND, rope, lengths, ops)
+
+    def run_block(self, x_ND, rope, lengths, ops: OpTable):
+        """The block's own forward (``forward`` runs it, or an engine's wrap of it)."""
+        part = self.engines.part
+        return part(self, "mlp")(part(self, "attention")(x_ND, rope, lengths, ops), ops)
 
     def attention(self, x_ND, rope, lengths, ops: OpTable):
         N, D = x_ND.shape
@@ -94,20 +103,21 @@ class TextBlock(nn.Module):
 
 
 class TextEmbedder(nn.Module):
-    def __init__(self, c: DiTConfig):
+    def __init__(self, c: DiTConfig, engines: EngineRegistry):
         super().__init__()
         self.proj = nn.Linear(c.text_dim, c.dim)
-        self.blocks = nn.ModuleList(TextBlock(c) for _ in range(c.text_blocks))
+        self.blocks = nn.ModuleList(TextBlock(c, engines) for _ in range(c.text_blocks))
 
 
 class JointBlock(nn.Module):
     # each half's tail, as ``TextBlock.TAILS``: read by the half's gated residual add alone
     TAILS = {"attention": "proj.o", "mlp": "proj.ffn_down"}
 
-    def __init__(self, c: DiTConfig):
+    def __init__(self, c: DiTConfig, engines: EngineRegistry):
         super().__init__()
         D, F = c.dim, c.ffn_dim
         self.heads, self.eps, self.ffn_dim = c.heads, c.eps, F
+        self.engines = engines  # the model's registry: what runs each part (``PARTS``)
         self.stream_scale = 1.0  # set by set_stream_scale (fp16): not a weight
         self.norm1, self.norm2 = RMSNormWeight(D), RMSNormWeight(D)
         self.q_norm, self.k_norm = RMSNormWeight(c.head_dim), RMSNormWeight(c.head_dim)
@@ -119,7 +129,13 @@ class JointBlock(nn.Module):
         })
 
     def forward(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
-        return self.mlp(self.attention(x_ND, mod_B6D, seg_N, rope, lengths, ops), mod_B6D, seg_N, ops)
+        return self.engines.part(self, "forward")(x_ND, mod_B6D, seg_N, rope, lengths, ops)
+
+    def run_block(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
+        """The block's own forward (``forward`` runs it, or an engine's wrap of it)."""
+        part = self.engines.part
+        x_ND = part(self, "attention")(x_ND, mod_B6D, seg_N, rope, lengths, ops)
+        return part(self, "mlp")(x_ND, mod_B6D, seg_N, ops)
 
     def _stream(self, gate):
         """The norm's eps and the gate for a stream carried times ``stream_scale`` (s, a power
@@ -169,18 +185,23 @@ class JointBlock(nn.Module):
         N, D = y_ND.shape
         Dh = D // self.heads
         p = self.proj
-        q, k, v = ops.linears(y_ND, (p["q"], p["k"], p["v"]), ops.linear, ops.narrow_mm)
+        q, k, v = self._linears(y_ND, (p["q"], p["k"], p["v"]), ops)
         q = ops.qk_norm_rope(q.view(N, self.heads, Dh), self.q_norm.weight, *rope, self.eps)
         k = ops.qk_norm_rope(k.view(N, self.heads, Dh), self.k_norm.weight, *rope, self.eps)
         v = v.view(N, self.heads, Dh)
         o = ops.varlen_attention(q, k, v, lengths).reshape(N, D)
-        return ops.linears(o, (p["o"],), ops.linear, ops.narrow_mm)[0]
+        return self._linears(o, (p["o"],), ops)[0]
 
     def _ffn(self, y_ND, ops: OpTable):
         """The MLP half's branch on its normed input: ``down(situ(up_gate(y)))``."""
         p = self.proj
-        u, g = ops.linears(y_ND, (p["ffn_up_gate"],), ops.linear, ops.narrow_mm)[0].split(self.ffn_dim, dim=-1)
-        return ops.linears(ops.situ(u, g), (p["ffn_down"],), ops.linear, ops.narrow_mm)[0]
+        u, g = self._linears(y_ND, (p["ffn_up_gate"],), ops)[0].split(self.ffn_dim, dim=-1)
+        return self._linears(ops.situ(u, g), (p["ffn_down"],), ops)[0]
+
+    def _linears(self, x, modules, ops: OpTable):
+        """``modules`` on one input through the table's ``linears``, plain ones as the
+        registry rules (``EngineRegistry.plain_linear``)."""
+        return ops.linears(x, modules, ops.linear, ops.narrow_mm, self.engines.plain_linear)
 
 
 class MOSSImageTransformer(nn.Module):
@@ -190,13 +211,14 @@ class MOSSImageTransformer(nn.Module):
         super().__init__()
         c = self.config = config
         self.ops = ops if ops is not None else OpTable()  # its own: engines replace entries
+        self.engines = EngineRegistry()  # what engines are applied (``model/engines.py``)
         D = c.dim
         self.video_embedder = nn.Linear(c.latent_channels, D)
-        self.text_embedder = TextEmbedder(c)
+        self.text_embedder = TextEmbedder(c, self.engines)
         self.rope = RopeBands(c.rope_bands, c.rope_base)
         self.time_embedding = nn.Sequential(nn.Linear(c.freq_dim, D), nn.SiLU(), nn.Linear(D, D))
         self.shared_block_modulation = nn.Linear(D, 6 * D)
-        self.layers = nn.ModuleList(JointBlock(c) for _ in range(c.depth))
+        self.layers = nn.ModuleList(JointBlock(c, self.engines) for _ in range(c.depth))
         self.final_norm_video = RMSNormWeight(D)
         self.final_linear_video = nn.Linear(D, c.latent_channels, bias=False)
         self.video_head_modulation = nn.Linear(D, 2 * D)
@@ -238,92 +260,61 @@ class MOSSImageTransformer(nn.Module):
         return x
 
     def forward(self, img_NC: torch.Tensor, text_NT: torch.Tensor, sigma_B: torch.Tensor,
-                layout: PackedLayout, skip_layers: Iterable[int] = (),
-                skip_samples: torch.Tensor | Sequence[bool] | None = None,
-                text_cache: dict | None = None) -> torch.Tensor:
-        """``skip_layers`` are skipped for every sample, or, with ``skip_samples`` (bool [B]: a
-        tensor, or a host sequence), only for those samples: they keep their pre-block value
-        (the CFG negative branch packed with the positive one). Where the skipped samples are
-        the last ones (known on the host: the sampler's negatives), a skipped layer runs on
-        the leading samples' tokens alone.
+                layout: PackedLayout, refined: torch.Tensor | None = None,
+                replace: Mapping[int, Replacement] | None = None) -> torch.Tensor:
+        """The velocity of the image tokens. ``refined``: the text refiner's output for
+        ``text_NT`` made earlier (a sampler keeps it while the text and the weights stay, where
+        ``engines.text_reusable()``); ``replace``: joint blocks run by the caller's function
+        instead (``Replacement``; the sampler's skipped layers). Every engine applied runs
+        around it (``engines.around_forward``)."""
+        with self.engines.around_forward(torch.is_grad_enabled()):
+            mod, head = self.conditioning(sigma_B)
+            txt = self.refine_text(text_NT, layout) if refined is None else refined
+            x, rope = self.joint_input(img_NC, txt, layout)
+            x = self.joint_blocks(x, mod, rope, layout, replace or {})
+            return self.head(x, head, layout)
 
-        ``text_cache``: a dict the caller keeps while ``text_NT``, ``layout`` and the weights
-        stay as they are (a sampling run): the text refiner's output (which does not see the
-        timestep) is kept there by the first call without autograd and read by later ones.
-        The joint blocks run ``JointBlock.chained`` where nothing hooks or wraps them
-        (``chained_blocks``)."""
-        ops, c = self.ops, self.config
-        mod, head = self.conditioning(sigma_B)
-        txt = text_cache.get("refined") if text_cache is not None else None
-        if txt is None:
-            txt = self.refine_text(text_NT, layout)
-            if text_cache is not None and not torch.is_grad_enabled() and self._text_reusable():
-                text_cache["refined"] = txt
+    def joint_input(self, img_NC: torch.Tensor, txt_ND: torch.Tensor, layout: PackedLayout
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The joint stream (image and refined text tokens in their packed places, times
+        ``stream_scale``) and its RoPE angles."""
+        c = self.config
         img = self.video_embedder(img_NC.to(self.dtype))
         x = img.new_empty(layout.n_joint, c.dim)
-        x = x.index_copy(0, layout.img_in_joint, img).index_copy(0, layout.txt_in_joint, txt)
+        x = x.index_copy(0, layout.img_in_joint, img).index_copy(0, layout.txt_in_joint, txt_ND)
         s = self.stream_scale
         if s != 1.0:  # the joint stream carried times s (fp16's range), undone by the norms
             x = x * s
-        rope = ops.rope_angles(layout.pos_joint, self.rope.bands, c.rope_axes, x.dtype)
-        skip = set(skip_layers)
-        lead = _leading(skip_samples) if skip and skip_samples is not None else None
-        keep_tok = None
-        if lead is None and skip and skip_samples is not None:
-            skip_samples = torch.as_tensor(skip_samples, dtype=torch.bool)
-            keep_tok = skip_samples.to(x.device)[layout.seg_joint][:, None]
-        P = sum(layout.joint_len[:lead]) if lead is not None else 0
-        chain, pending = self.chained_blocks(), None
+        return x, self.ops.rope_angles(layout.pos_joint, self.rope.bands, c.rope_axes, x.dtype)
+
+    def joint_blocks(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple, layout: PackedLayout,
+                     replace: Mapping[int, Replacement]) -> torch.Tensor:
+        """The joint blocks over the stream. Each runs ``JointBlock.chained`` (its closing adds
+        made by the next half's norm) unless ``chain_adds`` is off, an engine needs its calls
+        (``engines.runs_whole``) or ``replace`` has it; the pending add is made before a block
+        that runs whole."""
+        ops, seg, lengths = self.ops, layout.seg_joint, layout.joint_len
+        pending = None
         for n, block in enumerate(self.layers):
-            if n not in skip and chain[n]:
-                x, pending = block.chained(x, pending, mod, layout.seg_joint, rope, layout.joint_len, ops)
+            if self.chain_adds and n not in replace and not self.engines.runs_whole(block):
+                x, pending = block.chained(x, pending, mod, seg, rope, lengths, ops)
                 continue
-            if pending is not None:  # the chain's last add, before a block that runs whole
-                x, pending = ops.gated_residual(x, *pending, layout.seg_joint), None
-            if n not in skip:
-                x = block(x, mod, layout.seg_joint, rope, layout.joint_len, ops)
-            elif lead is not None:  # the leading samples' tokens alone (their own attention)
-                if lead:
-                    x = torch.cat([block(x[:P], mod, layout.seg_joint[:P], tuple(r[:P] for r in rope),
-                                         layout.joint_len[:lead], ops), x[P:]])
-            elif keep_tok is not None:  # attention stays within a sample: exact for the others
-                x = torch.where(keep_tok, x, block(x, mod, layout.seg_joint, rope, layout.joint_len, ops))
-        if pending is not None:
-            x = ops.gated_residual(x, *pending, layout.seg_joint)
-        y = ops.modulated_rms_norm(x[layout.img_in_joint], self.final_norm_video.weight,
-                                   head[:, 0], head[:, 1], layout.seg_img, c.eps * s * s)
+            if pending is not None:
+                x, pending = ops.gated_residual(x, *pending, seg), None
+            x = replace[n](block, x, mod, rope, layout, ops) if n in replace else \
+                block(x, mod, seg, rope, lengths, ops)
+        return x if pending is None else ops.gated_residual(x, *pending, seg)
+
+    def head(self, x: torch.Tensor, head: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+        """The image tokens' velocity from the joint stream (the head modulation ``head``)."""
+        s = self.stream_scale
+        y = self.ops.modulated_rms_norm(x[layout.img_in_joint], self.final_norm_video.weight,
+                                        head[:, 0], head[:, 1], layout.seg_img, self.config.eps * s * s)
         return self.final_linear_video(y)
 
     def chained_blocks(self) -> list[bool]:
-        """Which joint blocks run ``chained`` (with ``chain_adds`` on): those that no engine
-        hooks (weight streaming, sharding, the parity check's captures), wraps (its halves or
-        forward replaced: checkpointing, activation offload) or compiles, all of which act on
-        whole blocks and halves. A block that runs whole gets the stream with its add made."""
-        return [self.chain_adds and not (_hooked(b) or b._compiled_call_impl is not None
-                                         or {"forward", *HALVES} & b.__dict__.keys())
-                for b in self.layers]
-
-    def _text_reusable(self) -> bool:
-        """The text refiner's output may be kept for later calls: no engine hooks its blocks
-        (streaming) or wraps the model's forward."""
-        return "forward" not in self.__dict__ and not any(_hooked(m) for m in self.text_embedder.modules())
-
-
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_pre_hooks or module._forward_hooks)
-
-
-def _leading(skip_samples) -> int | None:
-    """How many samples lead ``skip_samples`` unskipped when every skipped one comes after
-    them, read on the host (a sequence, or a CPU tensor); else None (a device tensor is
-    never read back: that would wait for the device)."""
-    if isinstance(skip_samples, torch.Tensor):
-        if skip_samples.device.type != "cpu":
-            return None
-        skip_samples = skip_samples.tolist()
-    flags = [bool(f) for f in skip_samples]
-    lead = flags.index(True) if True in flags else len(flags)
-    return lead if all(flags[lead:]) else None
+        """Which joint blocks a forward runs ``chained`` (none replaced)."""
+        return [self.chain_adds and not self.engines.runs_whole(b) for b in self.layers]
 
 
 def cast_model(model: MOSSImageTransformer, dtype: torch.dtype) -> MOSSImageTransformer:

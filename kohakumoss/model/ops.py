@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from kohakumoss.model.quant_ops import (FP8_MAX, dequantize_rows, fp8_linear,  # noqa: F401
@@ -200,29 +199,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = Non
     return acc.addmm_(x2, weight.t())
 
 
-def hooked(m) -> bool:
-    """Hooks other than plain forward pre-hooks, which a call of module ``m`` would run."""
-    return bool(m._forward_hooks or m._forward_pre_hooks_with_kwargs or m._backward_hooks
-                or m._backward_pre_hooks or _module._global_forward_hooks
-                or _module._global_forward_pre_hooks or _module._global_backward_hooks
-                or _module._global_backward_pre_hooks)
-
-
-def plain_linear(m) -> bool:
-    """A bias-free ``nn.Linear`` that its own call would run as ``F.linear`` alone: no adapter
-    in its forward, no hooks (a weight ring's loads, engines' wrappers)."""
-    return type(m) is torch.nn.Linear and m.bias is None and "forward" not in m.__dict__ \
-        and not m._forward_pre_hooks and not hooked(m)
-
-
-def linears(x: torch.Tensor, modules, linear: Callable = linear, narrow: Callable = narrow_mm
-            ) -> list[torch.Tensor]:
-    """The linears ``modules`` that read one input, each on ``x``: a plain one
-    (``plain_linear``) through ``linear`` (the caller's table's ``ops.linear``), any other
-    through its own call. An adapter may put one node for the group in a model's table
-    (``kohakumoss/adapters/shared.py``), whose narrow products go through ``narrow`` (the
-    table's ``ops.narrow_mm``); plain linears have none."""
-    return [linear(x, m.weight) if plain_linear(m) else m(x) for m in modules]
+def linears(x: torch.Tensor, modules, linear: Callable = linear, narrow: Callable = narrow_mm,
+            plain: Callable[[torch.nn.Module], bool] = lambda m: False) -> list[torch.Tensor]:
+    """The linears ``modules`` that read one input, each on ``x``: a plain one (``plain``:
+    the model's ``engines.plain_linear``, the one rule) through ``linear`` (the caller's
+    table's ``ops.linear``), any other through its own call. An adapter may put one node for
+    the group in a model's table (``kohakumoss/adapters/shared.py``), whose narrow products
+    go through ``narrow`` (the table's ``ops.narrow_mm``); plain linears have none."""
+    return [linear(x, m.weight) if plain(m) else m(x) for m in modules]
 
 
 REFERENCE: dict[str, Callable] = {
@@ -252,12 +236,14 @@ class OpTable:
     of one model never changes another's.
     """
 
+    __slots__ = ("_ops",)
+
     def __init__(self, ops: dict[str, Callable] | None = None):
         self._ops = dict(REFERENCE if ops is None else ops)
 
-    def __getattr__(self, name: str) -> Callable:
+    def __getattr__(self, name: str) -> Callable:  # called only for the op names
         try:
-            return self.__dict__["_ops"][name]
+            return object.__getattribute__(self, "_ops")[name]
         except KeyError:
             raise AttributeError(f"op {name!r} is not in the op table") from None
 

@@ -21,10 +21,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.model.engines import Handle
+
+ENGINE = "sharding"
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device,
+def shard_model(model: MOSSImageTransformer, blocks: list[torch.nn.Module], device: torch.device,
                 world: int, offload: bool = False) -> None:
     """FSDP2 over ``world`` ranks: each block its own unit, the rest of the model the root's.
     FSDP2 averages the ranks' gradients; every loss is normalised by the whole step's tokens
@@ -35,12 +39,15 @@ def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], device: t
     each rank's shard of the fp32 masters, their gradients and so the optimizer's states
     stay in (page-locked, on CUDA) host memory, FSDP2's ``CPUOffloadPolicy``. A unit's
     weights are gathered onto the device for its forward and backward only (the blocks
-    stream), and the optimizer steps on the host. The model's buffers go to ``device``."""
+    stream), and the optimizer steps on the host. The model's buffers go to ``device``.
+    Registered as the model's ``sharding`` engine: FSDP2 gathers a block in its forward
+    hooks, so the blocks run whole (``model/engines.py``)."""
     mesh = init_device_mesh(device.type, (world,))
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
     for block in blocks:
         fully_shard(block, mesh=mesh, **extra)
     fully_shard(model, mesh=mesh, **extra)
+    model.engines.register(Handle(ENGINE, state=mesh, blocks=tuple(blocks)))
     if offload:
         for m in model.modules():
             for name, b in m._buffers.items():

@@ -38,7 +38,7 @@ from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.parallel import Dist, barrier
-from kohakumoss.precision.scaler import LossScaler, loss_scaler
+from kohakumoss.precision.scaler import loss_scaler
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
 from kohakumoss.training.autoprofile import resolve_profile
@@ -48,6 +48,7 @@ from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engin
                                          plan_token_batches, tuned_kernels)
 from kohakumoss.training.inputs import make_timesteps
 from kohakumoss.training.optim import build_optimizer, build_scheduler
+from kohakumoss.training.steppers import Stepper, make_stepper
 from kohakumoss.training.trainable import Trainable, make_trainable
 
 
@@ -83,17 +84,8 @@ class Components:
     caches: BatchCaches
     encoder: BatchEncoder
     batches: PlanBatches
-    update: HostUpdate | None = None  # memory.optimizer host: the masters the optimizer steps
-    stepper: FusedStep | StreamedStates | None = None  # memory.optimizer fused / streamed
+    stepper: Stepper  # how gradients become the update (memory.optimizer, parallel)
     dist: Dist = Dist()  # this process among the data-parallel ones
-    scaler: LossScaler | None = None  # fp16: dynamic loss scaling
-    sharded: bool = False  # a full finetune over several ranks (FSDP2)
-
-    @property
-    def stepped(self) -> list[tuple[str, torch.Tensor]]:
-        """What the optimizer, the gradient clipping and the EMA work on: the trained
-        parameters, or their host masters."""
-        return self.update.named_masters if self.update else self.trainable.named_parameters()
 
 
 RUN_KERNELS = "kernels.json"  # runs/<name>/: the op-table choices the run trains with
@@ -203,15 +195,19 @@ def build_components(params: Params, paths: RunPaths,
                  "buffers in host memory); the device keeps no gradient or optimizer state",
                  len(named), size(update.host_bytes()))
     apply_placement(model, trainable, engines, applied, node_copies(dist, device, p))
-    if update is not None and getattr(model, "weight_ring", None) is not None:
-        update.before_push.append(model.weight_ring.invalidate)
+    ring = model.engines.state("weight streaming")
+    if update is not None and ring is not None:
+        update.before_push.append(ring.invalidate)
     optimizer = build_optimizer(named, p.optim, trainable.lr_scale())
     if update is not None:
         update.attach(optimizer)
-    stepper = FusedStep(named, optimizer) if engines.memory.optimizer == "fused" else \
-        StreamedStates(named, optimizer, device) if engines.memory.optimizer == "streamed" else None
     scheduler = build_scheduler(optimizer, p.optim, p.train.steps)
     ema = EMA(named, p.optim.ema, device=None if update else device) if p.optim.ema > 0 else None
+    stepper = make_stepper(
+        optimizer, named, trainable, p.optim.grad_clip, model=model, ema=ema, dist=dist,
+        scaler=loss_scaler(p.precision, engines.precision.compute), host=update, sharded=sharded,
+        fused=FusedStep(named, optimizer) if engines.memory.optimizer == "fused" else None,
+        streamed=StreamedStates(named, optimizer, device) if engines.memory.optimizer == "streamed" else None)
     timesteps = make_timesteps(p)
     check_sources(p, paths.text_cache, paths.latent_cache)
     caches = BatchCaches(p, load_catalogs(paths.catalog, p.data.datasets), paths.text_cache,
@@ -223,5 +219,4 @@ def build_components(params: Params, paths: RunPaths,
     return Components(device=device, engines=engines, applied=applied, model=model,
                       trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
                       timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
-                      batches=batches, update=update, stepper=stepper, dist=dist,
-                      scaler=loss_scaler(p.precision, engines.precision.compute), sharded=sharded)
+                      batches=batches, stepper=stepper, dist=dist)

@@ -138,10 +138,9 @@ def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tupl
 class _FlashLike(torch.autograd.Function):
     """Attention as the fused kernels keep it for backward: q, k, v, the output and the
     per-head log-sum-exp (no score matrix). q and k are RoPE's outputs as given, so
-    ``rebuild`` drops them for recipes (measured on the H200 at commit 008f4d0, per joint
-    block at 16800 tokens: ``speed`` keeps 2080 MiB and ``balanced`` 1424 MiB with the
-    reference, Triton and compile tables alike; the 656 MiB between them include q and k.
-    At fb2ee18 the kept q and k were copies and ``balanced`` peaked at 79.6 GiB; now 69.7)."""
+    ``rebuild`` drops them for recipes (on the H200, per joint block at 16,800 tokens,
+    ``speed`` keeps 2,080 MiB and ``balanced`` 1,424 MiB with the reference, Triton and
+    compile tables alike; the 656 MiB between them include q and k: docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -311,9 +310,9 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
             seg = torch.zeros(n, dtype=torch.long, device="meta")
             shared_bytes += n * 8 + (mod.numel() * 4 if params.adapter.full else 0)
             return _block_bytes(block, (x, mod, seg, rope, [n], model.ops), c.ffn_dim,
-                                (*rope, mod, seg, *adapter), model.rebuilder)
+                                (*rope, mod, seg, *adapter), model.engines.state("rebuild"))
         return _block_bytes(block, (x, rope, [n], model.ops), c.ffn_dim, (*rope, *adapter),
-                            model.rebuilder)
+                            model.engines.state("rebuild"))
 
     with torch.autocast("cpu", enabled=False):
         joint = run(model.layers[0], n_joint, True)

@@ -54,7 +54,7 @@ class FullFinetune:
         return {"algo": "full"}
 
     def to(self, device: torch.device) -> None:
-        if getattr(self.model, "weight_ring", None) is None:  # a streamed model is placed already
+        if self.model.engines.get("weight streaming") is None:  # a streamed model is placed already
             self.model.to(device)
 
 

@@ -26,19 +26,16 @@ from kohakumoss.artifacts import atomic_write_json, dir_lock, hash_json
 from kohakumoss.config import Params, stage_params
 from kohakumoss.data.loader import make_loader
 from kohakumoss.configlib import ConfigError
-from kohakumoss.parallel import barrier, reduce_gradients, reduce_sum
+from kohakumoss.parallel import barrier, reduce_sum
 from kohakumoss.progress import progress as progress_bar
 from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
 from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
                                             list_checkpoints, load_newest, save_checkpoint)
-from kohakumoss.errors import KohakuError
-from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.training.ahead import Ahead
 from kohakumoss.training.build import Components, RunPaths, build_components
 from kohakumoss.training.inputs import build_inputs
 from kohakumoss.training.metrics import RunLog, rows_of
-from kohakumoss.training.optim import clip_and_check
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +61,13 @@ class Trainer:
         self.params, self.paths, self.components = params, paths, c
         self.device, self.precision = c.device, c.engines.precision
         self.model, self.trainable = c.model, c.trainable
-        # the tensors the optimiser steps (clipped together)
-        self.trained_tensors = [t for _, t in c.stepped]
-        self.update = c.update  # memory.optimizer host: gradients gathered on the host
-        # memory.optimizer fused (the step in backward) or streamed (states from the host)
-        self.fused = c.stepper if isinstance(c.stepper, FusedStep) else None
-        self.streamed = c.stepper if isinstance(c.stepper, StreamedStates) else None
-        self.scaler = c.scaler  # fp16: the loss scaled before backward, the gradients after
+        # how gradients become the update (memory.optimizer, parallel): training/steppers.py
+        self.stepper = c.stepper
         self.optimizer, self.scheduler, self.ema = c.optimizer, c.scheduler, c.ema
         self.timesteps, self.caches, self.encoder, self.batches = (c.timesteps, c.caches,
                                                                    c.encoder, c.batches)
         # data parallel: this process's share of each step's micro-batches (kohakumoss.parallel)
         self.dist = c.dist
-        self.sharded = c.sharded  # FSDP2: checkpoints are gathered by every rank, written by rank 0
         ranks = params.parallel.world_size
         if ranks % self.dist.world:
             raise ConfigError(f"{params.path}: {self.dist.world} processes cannot share the plan's "
@@ -101,26 +92,17 @@ class Trainer:
     def save(self, step: int, log: dict[str, Any] | None = None) -> Path | None:
         """Write the checkpoint of ``step``; ``log`` (the metrics so far) goes with it. A
         sharded run's ranks all gather the state; rank 0 writes it."""
-        if self.update is not None:  # an overlapped update still at work
-            self.update.wait()
+        self.stepper.wait()  # an overlapped update still at work
         # the EMA's averages go to ema.safetensors only, its counters with the optimiser
         ema = {k: v for k, v in self.ema.state_dict().items() if k != "shadow"} if self.ema else None
-        shadow = self.ema.shadow if self.ema else None
-        if self.sharded:
-            from kohakumoss.parallel import fsdp
-
-            optimizer, state = fsdp.optimizer_state(self.model, self.optimizer), fsdp.model_state(self.model)
-            shadow = fsdp.gathered(shadow) if shadow is not None else None
-            if not self.dist.main:
-                return None
-        else:
-            optimizer, state = self.optimizer.state_dict(), self.trainable.state_dict()
+        optimizer, state, shadow = self.stepper.trained_state()
+        if not self.stepper.writes:
+            return None
         extra = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                  "ema": ema, "rng": self._rng_state()}
-        if self.scaler is not None:
-            extra["scaler"] = self.scaler.state_dict()
-        if self.update is not None:  # the masters, not a compute-dtype copy
-            state = self.update.overlay(state)
+        scaler = self.stepper.scaler.state_dict()
+        if scaler is not None:
+            extra["scaler"] = scaler
         return save_checkpoint(self.paths.checkpoints, step, state, extra,
                                {**self.identity, "steps": self.params.train.steps,
                                 "processes": self.dist.world},
@@ -164,21 +146,12 @@ class Trainer:
                 f"summed in that order); start {made} (parallel.world_size: {made}), or move "
                 f"{self.paths.checkpoints} aside to start over")
         extra = data.extra
-        if self.sharded:  # each rank takes its shard of the whole state
-            from kohakumoss.parallel import fsdp
-
-            fsdp.load_model_state(self.model, data.trainable)
-            fsdp.load_optimizer_state(self.model, self.optimizer, extra["optimizer"])
-        else:
-            self.trainable.load_state_dict(data.trainable)
-            self.optimizer.load_state_dict(extra["optimizer"])
-        if self.update is not None:
-            self.update.load(data.trainable)
+        self.stepper.load_trained(data.trainable, extra["optimizer"])  # a sharded run: its shard
         self.scheduler.load_state_dict(extra["scheduler"])
         if self.ema is not None and extra.get("ema") is not None and data.ema is not None:
             self.ema.load_state_dict({**extra["ema"], "shadow": data.ema})
-        if self.scaler is not None and extra.get("scaler") is not None:
-            self.scaler.load_state_dict(extra["scaler"])
+        if extra.get("scaler") is not None:
+            self.stepper.scaler.load_state_dict(extra["scaler"])
         torch.set_rng_state(extra["rng"]["torch"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
@@ -201,67 +174,39 @@ class Trainer:
                                    self.device)
 
     def step(self, step: int, ahead: Ahead) -> tuple[float, float, bool, int]:
-        """One optimiser step over the next ``micro_per_step`` micro-batches of ``ahead``."""
-        p = self.params
+        """One optimiser step over the next ``micro_per_step`` micro-batches of ``ahead``:
+        (the step's loss, its gradient norm, whether that was finite, its samples)."""
         n_tokens = self.batches.step_image_tokens(step)
         losses, samples = [], 0  # on the device until the step's end: no sync per micro-batch
         for micro in range(self.micro_per_step):
             batch, inputs = ahead.take()
-            if inputs is None:
-                ahead.prepare()
-                continue
-            slot = batch.micro * p.parallel.world_size + batch.rank  # (micro-batch, rank)
-            self.trainable.prepare_step(step, slot, inputs.sigma, inputs.layout)
-            # dropout draws from torch's global RNG: make them a pure function of the step too
-            torch.manual_seed(seed_of("dropout", p.run.seed, step, slot) & (2**63 - 1))
-            with self.precision.autocast(self.device):
-                pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
-            loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
-                             p.objective.loss, p.objective.huber_delta, ops=self.model.ops)
-            back = loss * self.dist.world if self.sharded else loss  # FSDP2 averages: make it the sum
-            if self.fused is not None and micro == self.micro_per_step - 1:
-                self.fused.arm()  # the step's last backward updates each tensor as it lands
-            (self.scaler.scaled(back) if self.scaler is not None else back).backward()
+            if inputs is not None:
+                losses.append(self.micro_step(step, batch, inputs, n_tokens,
+                                              micro == self.micro_per_step - 1))
+                samples += len(batch.captions)
             ahead.prepare()  # the next micro-batch, while the device runs this backward
-            if self.update is not None:
-                self.update.finish_backward()
-            losses.append(loss.detach())
-            samples += len(batch.captions)
+            if inputs is not None:
+                self.stepper.after_backward()
         total = sum((float(v) for v in losses), 0.0)  # as floats, in micro-batch order
-        # the losses are normalised by the whole step's tokens: the ranks' gradients sum
-        # (FSDP2 reduce-scatters a sharded run's itself, as sums)
-        if not self.sharded:
-            reduce_gradients(self.trained_tensors, self.dist)
+        self.stepper.reduce()
         total, samples = reduce_sum([total, samples], self.dist)
-        samples = int(samples)
-        if self.fused is not None:  # updated in backward already (no clipping: refused)
-            grad_norm, finite = self.fused.finish()
-            if not finite:
-                raise KohakuError(
-                    f"step {step + 1}: non-finite gradient norm ({grad_norm}) under "
-                    f"memory.optimizer: fused, whose update ran inside backward and cannot be "
-                    f"skipped; the run stops here. Resume from the last checkpoint with "
-                    f"memory.optimizer: device (which skips such a step) or a lower optim.lr")
-        else:
-            if self.scaler is not None:  # the gradients at their true size before the norm
-                self.scaler.unscale(self.trained_tensors)
-            grad_norm, finite = clip_and_check(self.trained_tensors, p.optim.grad_clip)
-        if self.scaler is not None:  # an overflow: this step is skipped and the scale halves
-            self.scaler.update(finite)
-        after = self.ema.update if self.ema is not None else None
-        if finite and self.update is not None:  # steps, then the EMA, then drops the gradients
-            self.update.step(self.optimizer, after)  # (overlapped: beside the next forward)
-        else:
-            if finite:
-                if self.streamed is not None:
-                    self.streamed.step()
-                elif self.fused is None:
-                    self.optimizer.step()
-                if after is not None:
-                    after()
-            self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, finite = self.stepper.update(step)
         self.scheduler.step()
-        return total, grad_norm, finite, samples
+        return total, grad_norm, finite, int(samples)
+
+    def micro_step(self, step: int, batch, inputs, n_tokens: int, last: bool) -> torch.Tensor:
+        """One micro-batch's forward, loss and backward; returns its loss (on the device)."""
+        p = self.params
+        slot = batch.micro * p.parallel.world_size + batch.rank  # (micro-batch, rank)
+        self.trainable.prepare_step(step, slot, inputs.sigma, inputs.layout)
+        # dropout draws from torch's global RNG: make them a pure function of the step too
+        torch.manual_seed(seed_of("dropout", p.run.seed, step, slot) & (2**63 - 1))
+        with self.precision.autocast(self.device):
+            pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
+        loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
+                         p.objective.loss, p.objective.huber_delta, ops=self.model.ops)
+        self.stepper.backward(loss, last)
+        return loss.detach()
 
     # -- the run -------------------------------------------------------------------------
     def run(self, progress: bool = True) -> TrainResult:
@@ -284,7 +229,7 @@ class Trainer:
                           self.resumed_rows, upto=start) if main else None
         previews = None
         # a sharded model's forward needs every rank: all preview, rank 0 keeps the images
-        if (main or self.sharded) and p.preview.every > 0 and p.preview.prompts and start < steps:
+        if (main or self.stepper.collective) and p.preview.every > 0 and p.preview.prompts and start < steps:
             from kohakumoss.training.previews import Previewer
 
             previews = Previewer(p, self.model, self.trainable, self.device,
@@ -310,7 +255,7 @@ class Trainer:
             dt = time.perf_counter() - t0
             t0 = time.perf_counter()
             if main and ((step + 1) % p.train.log_every == 0 or step + 1 == steps):
-                scale = {"loss_scale": self.scaler.scale} if self.scaler is not None else {}
+                scale = {"loss_scale": self.stepper.scaler.scale} if self.stepper.scaler.scale else {}
                 self.log.log(step + 1, loss=loss, lr=self.scheduler.get_last_lr()[0],
                              grad_norm=grad_norm, samples_per_s=samples / max(dt, 1e-9),
                              skipped=int(not finite), memory_gib=_memory_gib(self.device), **scale)
@@ -320,7 +265,7 @@ class Trainer:
             bar.update(1)
             if previews is not None and previews.due(step + 1):
                 previews.run(step + 1, self.log)
-            if (main or self.sharded) and ((step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps):
+            if (main or self.stepper.collective) and ((step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps):
                 self.encoder.flush()
                 self.save(step + 1, self.log.state() if main else None)
             faults.point("train.step")

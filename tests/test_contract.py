@@ -1,0 +1,165 @@
+"""The engine contract (``kohakumoss/model/engines.py``, ``docs/engines.md#the-contract``):
+engines act on the DiT only through its registry, and the model asks the registry instead
+of inspecting modules.
+
+- No code outside ``model/`` assigns ``forward`` (or, through ``setattr``, anything) on a
+  model or a block, nor a new attribute on one (statically, over the library, the stages
+  and the benches; and at run time, on a model with every engine applied).
+- ``model/`` never reads a module's ``__dict__``, its hook dicts or its compiled state.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+
+from conftest import ROOT
+
+MODEL = ROOT / "kohakumoss" / "model"
+# code that builds and runs a model other than the DiT (the text encoder: transformers' Qwen
+# model, whose attributes are its own), so a ``model`` name there is not the DiT
+FOREIGN_MODELS = {ROOT / "kohakumoss" / "encoders"}
+# files that assign the forward of a module that is neither a model nor a block, and why
+LINEAR_FORWARDS = {
+    ROOT / "kohakumoss" / "adapters" / "runtime.py": "the LyCORIS module's own forward (``install``)",
+    ROOT / "kohakumoss" / "memory" / "replay.py": "a frozen tail linear, within one recomputation, "
+                                                 "claimed in the registry meanwhile",
+}
+MODEL_NAMES = {"model", "block", "dit", "transformer"}  # how code names the DiT and its blocks
+INSPECTED = {"__dict__", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+             "_backward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+             "_compiled_call_impl", "_global_forward_hooks", "_global_forward_pre_hooks",
+             "_global_backward_hooks", "_global_backward_pre_hooks"}
+
+
+def _declared() -> set[str]:
+    """Every attribute the DiT and its blocks have once built (what ``model/`` declares)."""
+    from kohakumoss.model.build import tiny_transformer
+
+    model = tiny_transformer()
+    names = set(vars(model)) | {n for c in type(model).__mro__ for n in vars(c)}
+    for block in [*model.layers, *model.text_embedder.blocks]:
+        names |= set(vars(block)) | {n for c in type(block).__mro__ for n in vars(c)}
+    return names - {"forward"}
+
+
+def _owner(node: ast.expr) -> str | None:
+    """``model`` for ``model.x``, ``self.model.x`` and ``c.model.x``; else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and node.attr in MODEL_NAMES:
+        return node.attr
+    return None
+
+
+def patches(path: Path, declared: set[str]) -> list[str]:
+    """``file:line what`` for each patch of a model or a block found in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    foreign = any(d in path.parents for d in FOREIGN_MODELS)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):
+                if not isinstance(sub, ast.Attribute):
+                    continue
+                if sub.attr == "forward" and path not in LINEAR_FORWARDS:
+                    found.append(f"{path.relative_to(ROOT)}:{sub.lineno} assigns .forward")
+                elif not foreign and _owner(sub.value) in MODEL_NAMES and sub.attr not in declared:
+                    found.append(f"{path.relative_to(ROOT)}:{sub.lineno} sets a new attribute "
+                                 f"{_owner(sub.value)}.{sub.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and node.args:
+            name = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
+            if name == "forward" or (not foreign and _owner(node.args[0]) in MODEL_NAMES):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} setattr on "
+                             f"{ast.unparse(node.args[0])}")
+    return found
+
+
+def inspections(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return [f"{path.relative_to(ROOT)}:{n.lineno} reads .{n.attr}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in INSPECTED]
+
+
+def _sources() -> list[Path]:
+    return sorted(p for d in ("kohakumoss", "stages", "bench") for p in (ROOT / d).rglob("*.py")
+                  if MODEL not in p.parents)
+
+
+def test_no_engine_patches_a_model_or_a_block():
+    declared = _declared()
+    found = [f for p in _sources() for f in patches(p, declared)]
+    assert found == [], "engines act through model.engines (model/engines.py):\n" + "\n".join(found)
+
+
+def test_the_model_asks_the_registry_instead_of_inspecting_modules():
+    found = [f for p in sorted(MODEL.rglob("*.py")) for f in inspections(p)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_checkers_find_what_they_forbid(tmp_path):
+    """Neither check can pass vacuously: each finds a planted violation."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(model, block, lin):\n"
+                   "    model.forward = lambda *a: a\n"
+                   "    block.kmoss_state = 1\n"
+                   "    setattr(block, 'attention', None)\n"
+                   "    model.ops = None\n"  # declared by the model: allowed
+                   "    lin.weight_thing = 2\n"  # not a model or a block: allowed
+                   "    return model.__dict__, block._compiled_call_impl\n")
+    moved = ROOT / "kohakumoss" / "_planted_check.py"
+    try:
+        moved.write_text(bad.read_text())
+        found = patches(moved, _declared())
+        assert [f.split(" ", 1)[1] for f in found] == [
+            "assigns .forward", "sets a new attribute block.kmoss_state", "setattr on block"], found
+        assert len(inspections(moved)) == 2
+    finally:
+        moved.unlink()
+
+
+def test_every_engine_applied_leaves_the_model_and_its_blocks_as_built():
+    """At run time: a tiny model with adapters, recomputation, offloaded sub-block
+    checkpointing, rebuilt outputs and weight streaming, trained a step, has the instance
+    attributes a fresh model has, on itself and on every block, and no forward of its own;
+    the registry names every engine, and the blocks run whole (none chained)."""
+    from kohakumoss.adapters import apply_adapters
+    from kohakumoss.config import AdapterConfig
+    from kohakumoss.memory import apply_recompute, repeated_blocks
+    from kohakumoss.memory.offload import apply_activation_offload
+    from kohakumoss.memory.rebuild import apply_rebuild
+    from kohakumoss.memory.streaming import apply_weight_streaming
+    from kohakumoss.model import build_layout
+    from kohakumoss.model.build import tiny_transformer
+
+    fresh, model = tiny_transformer(), tiny_transformer()
+    apply_recompute(model)
+    apply_activation_offload(model, "cpu", halves=True)
+    apply_rebuild(model)
+    aset = apply_adapters(model, AdapterConfig(algo="lora", dim=2, alpha=2.0), seed=0)
+    apply_weight_streaming(model, "cpu", 2)
+    names = model.engines.names()
+    assert names[:3] == ["recompute", "activation offload", "rebuild"] and names[4] == "weight streaming"
+    assert names[3].startswith("adapter ") and len(names) == 5
+    assert model.chained_blocks() == [False] * len(model.layers)
+    c = model.config
+    layout = build_layout([(2, 2)], [3])
+    g = torch.Generator().manual_seed(0)
+    v = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
+              torch.randn(layout.n_txt, c.text_dim, generator=g), torch.tensor([0.5]), layout)
+    v.square().mean().backward()
+    assert all(p.grad is not None for p in aset.trainable_parameters())
+    assert set(vars(model)) == set(vars(fresh))
+    for (path, block), (_, same) in zip(repeated_blocks(model), repeated_blocks(fresh)):
+        assert set(vars(block)) == set(vars(same)), path
+        assert "forward" not in vars(block) and model.engines.wrapped_parts(block) == ("attention", "mlp")
+    aset.remove()
+    assert not any(n.startswith("adapter") for n in model.engines.names())
