@@ -163,3 +163,41 @@ def test_every_engine_applied_leaves_the_model_and_its_blocks_as_built():
         assert "forward" not in vars(block) and model.engines.wrapped_parts(block) == ("attention", "mlp")
     aset.remove()
     assert not any(n.startswith("adapter") for n in model.engines.names())
+
+
+def _function(path: Path, cls: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _branches_on(fn: ast.FunctionDef, words: set[str]) -> list[str]:
+    """The ``if`` tests of ``fn`` (statements and expressions) that name any of ``words``."""
+    tests = [n.test for n in ast.walk(fn) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+    return [ast.unparse(t) for t in tests
+            if {w for n in ast.walk(t) for w in (getattr(n, "id", None), getattr(n, "attr", None))} & words]
+
+
+def test_the_forward_and_the_step_are_short_and_do_not_branch_on_engines_or_steppers():
+    """``MOSSImageTransformer.forward`` and ``Trainer.step`` each stay under 30 lines;
+    neither has a branch on an engine or on the stepping kind (those live behind
+    ``model.engines`` and ``Trainer.stepper``)."""
+    forward = _function(ROOT / "kohakumoss" / "model" / "dit.py", "MOSSImageTransformer", "forward")
+    step = _function(ROOT / "kohakumoss" / "training" / "trainer.py", "Trainer", "step")
+    for fn in (forward, step):
+        assert fn.end_lineno - fn.lineno + 1 < 30, (fn.name, fn.end_lineno - fn.lineno + 1)
+    engines = {"engines", "ring", "weight_ring", "offloader", "rebuilder", "chain", "hooked",
+               "skip", "skip_layers", "skip_samples", "text_cache"}
+    steppers = {"stepper", "fused", "streamed", "update", "host", "sharded", "scaler", "kind", "dist"}
+    assert [ast.unparse(n) for n in ast.walk(forward) if isinstance(n, (ast.If, ast.IfExp))] == \
+        ["self.refine_text(text_NT, layout) if refined is None else refined"]
+    assert _branches_on(forward, engines) == []
+    assert _branches_on(step, steppers | engines) == []
+
+
+def test_the_performance_page_is_a_page():
+    """``docs/performance.md`` holds the current figures as tables (under 400 lines); the
+    history is ``docs/history.md``'s."""
+    text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) < 400
+    assert "pass" not in " ".join(line for line in text.splitlines() if line.startswith("#")).lower()

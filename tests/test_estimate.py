@@ -301,3 +301,24 @@ def test_the_step_in_backward_and_streamed_states_leave_the_device(monkeypatch):
         plain.gradients
     cpu = E.placed(MemoryEngines("none", optimizer="streamed"), p, torch.device("cpu"))
     assert cpu[0].optimizer == "device" and "streamed optimizer states are off" in cpu[1]
+
+
+def test_the_profile_resolves_in_one_place_with_or_without_an_estimate():
+    """``resolve_profile`` is where every run's profile resolves (``engine_plan`` and a run
+    whose estimate failed included): without a batch nothing is estimated, ``auto`` is
+    ``speed`` as placed on the device, a named profile its engines as placed, each with the
+    reason a run logs."""
+    from kohakumoss.training.engines import engine_plan
+
+    cpu = torch.device("cpu")
+    auto = dataclasses.replace(make_params(DS, adapter={"algo": "lora"}), profile="auto")
+    got = A.resolve_profile(auto, None, cpu)
+    assert got.engines == E.placed(PROFILE_ENGINES["speed"], auto, cpu)[0] and got.estimate is None
+    assert got.name == "speed" and "no estimate" in got.why
+    assert engine_plan(auto, cpu).memory == got.engines
+    low = dataclasses.replace(auto, profile="low")
+    got = A.resolve_profile(low, None, cpu)
+    assert got.name == "low" and got.engines == E.placed(PROFILE_ENGINES["low"], low, cpu)[0]
+    assert "weight streaming is off" in got.why  # the CPU places no ring
+    est = A.resolve_profile(low, BATCH, cpu)
+    assert est.engines == got.engines and est.estimate.peak > 0

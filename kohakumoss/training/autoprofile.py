@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -62,20 +63,38 @@ def _fill_resident(params: Params, batch, engines: MemoryEngines, est: Estimate,
     return best
 
 
-def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: torch.device,
+class Profile(NamedTuple):
+    """A run's resolved memory profile."""
+
+    name: str  # the profile (``auto``: a candidate that is no named profile)
+    engines: MemoryEngines  # as this run can place them (``placed``)
+    estimate: Estimate | None  # the step's predicted memory (None: no batch to estimate)
+    why: str  # one line a run logs
+
+
+def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, device: torch.device,
                     free: int | None = None, config: DiTConfig | None = None,
-                    host_free: int | None = None) -> tuple[str, MemoryEngines, Estimate, str]:
-    """``(profile, engines, estimate, why)`` for a run: the params' profile as it is, or for
-    ``auto`` the fastest engines whose estimate fits ``HEADROOM`` of the free memory
+                    host_free: int | None = None) -> Profile:
+    """The one place ``profile`` is resolved: the params' profile as it is (``manual``: the
+    ``memory:`` section), or for ``auto`` the fastest engines whose estimate at ``batch`` (a
+    micro-batch's ``(image, text)`` token counts) fits ``HEADROOM`` of the free memory
     (``free``, default: the device's now) and whose host memory fits ``HEADROOM`` of the
-    host's available RAM (``host_free``, default: now). ``why`` warns when the host memory
-    the engines need is not there."""
+    host's available RAM (``host_free``, default: now); either as ``placed`` on ``device``.
+    ``why`` warns when the host memory the engines need is not there. ``batch`` None (no
+    plan yet, or an estimate that failed): nothing is estimated and ``auto`` is ``speed``."""
+    if batch is None:
+        name = "speed" if params.profile == "auto" else params.profile
+        engines, note = placed(PROFILE_ENGINES["speed"] if name == "speed" and params.profile == "auto"
+                               else profile_engines(params), params, device)
+        return Profile(name, engines, None, f"profile {params.profile}"
+                       + (" (no estimate: speed)" if params.profile == "auto" else "")
+                       + (f": {note}" if note else ""))
     host_free = free_memory(torch.device("cpu")) if host_free is None else host_free
     if params.profile != "auto":
         engines, note = placed(profile_engines(params), params, device)
         est = estimate(params, batch, engines, config)
-        return (params.profile, engines, est, f"profile {params.profile}"
-                + (f": {note}" if note else "") + _host_note(est, host_free))
+        return Profile(params.profile, engines, est, f"profile {params.profile}"
+                       + (f": {note}" if note else "") + _host_note(est, host_free))
     free = free_memory(device) if free is None else free
     budget = int(free * HEADROOM)
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
@@ -108,10 +127,10 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]], device: to
                    f"({HEADROOM:.0%} of {size(free)} free on {device})"
                    + (f", with the first {engines.resident_blocks} blocks' weights resident (fewer "
                       f"copies a step)" if engines.resident_blocks and name != "auto" else ""))
-            return name, engines, est, why
+            return Profile(name, engines, est, why)
     name, engines = min(candidates, key=lambda c: estimates[c[1]].peak)  # the leanest
     est = estimates[engines]
     why = (f"profile auto: nothing fits {size(budget)} ({HEADROOM:.0%} of {size(free)} free on "
            f"{device}); running {name}, the leanest, at {size(est.peak)} estimated: it may run "
            f"out of memory (lower batching.max_tokens)" + _host_note(est, host_free))
-    return name, engines, est, why
+    return Profile(name, engines, est, why)

@@ -120,15 +120,15 @@ def run_memory(params: Params, batches: list[list[tuple[int, int]]],
     for them (``tight_allocator``) before the model comes to the device."""
     batch = max(batches, key=lambda b: sum(i + t for i, t in b), default=[])
     try:
-        _, memory, est, why = resolve_profile(params, batch, device)
+        profile = resolve_profile(params, batch, device)
     except Exception as e:  # the estimate is advice: a run never fails for want of it
-        from kohakumoss.training.estimate import placed
-
-        memory = placed(engine_plan(params, device).memory, params, device)[0]
-        log.warning("no memory estimate (%s: %s); running %s", type(e).__name__, e, memory.describe())
+        profile = resolve_profile(params, None, device)
+        log.warning("no memory estimate (%s: %s); running %s", type(e).__name__, e,
+                    profile.engines.describe())
     else:
-        log.info("%s", why)
-        log.info("memory: %s", est.describe())
+        log.info("%s", profile.why)
+        log.info("memory: %s", profile.estimate.describe())
+    memory = profile.engines
     tight_allocator(memory, device)
     return memory
 

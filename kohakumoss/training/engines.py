@@ -55,9 +55,9 @@ from kohakumoss.model.ops import REFERENCE, OpTable
 from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
 from kohakumoss.memory.offload import apply_activation_offload
 from kohakumoss.memory.rebuild import apply_rebuild
-from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
+from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.memory.streaming import apply_weight_streaming
-from kohakumoss.training.estimate import placed, profile_engines, size
+from kohakumoss.training.estimate import size
 from kohakumoss.model.dit import HALVES, MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
 from kohakumoss.precision.quant import QuantizedWeight
@@ -99,11 +99,12 @@ def engine_plan(params: Params, device: torch.device,
                 memory: MemoryEngines | None = None) -> EnginePlan:
     """The plan of a training run: precision from ``train.dtype`` and ``adapter.full``;
     the kernels of the tuning table's entries ``tuned`` (``tuned_kernels``; none: the
-    references); the memory engines ``memory`` (``resolve_profile``'s; none: the profile's
-    own, ``speed``'s for ``auto``)."""
+    references); the memory engines ``memory`` (``resolve_profile``'s; none: resolved
+    without an estimate, ``speed``'s for ``auto``)."""
     if memory is None:
-        memory = PROFILE_ENGINES["speed"] if params.profile == "auto" else \
-            placed(profile_engines(params), params, device)[0]
+        from kohakumoss.training.autoprofile import resolve_profile
+
+        memory = resolve_profile(params, None, device).engines
     from kohakumoss.precision.scaler import stream_scale
 
     compute = precision_policy(params.train.dtype, full=params.adapter.full).compute
