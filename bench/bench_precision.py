@@ -66,7 +66,7 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
     parameters."""
     from kohakumoss.adapters import apply_adapters
     from kohakumoss.config import AdapterConfig
-    from kohakumoss.params import fp8_flags
+    from kohakumoss.quant.plan import decode
     from kohakumoss.precision import precision_policy
     from kohakumoss.training.engines import EnginePlan, apply_engines
 
@@ -75,7 +75,7 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
     def grads(base: str, fp8: str, dtype: torch.dtype) -> torch.Tensor:
         m = copy.deepcopy(ref).to(dev)  # the fp32 model may be held on the host (--ref-on-host)
         if base != "keep":
-            policy = precision_policy("bf16", full=False, base=base, **fp8_flags(fp8))
+            policy = precision_policy("bf16", full=False, **decode(base, fp8).policy_args())
             apply_engines(m, EnginePlan(dev, policy))
         cast_model(m, dtype)
         aset = apply_adapters(m, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)

@@ -27,6 +27,7 @@ from kohakumoss.diffusion.sampler import Request, sample
 from kohakumoss.model import FLAVORS, MOSSImageTransformer
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.engines import Handle
+from kohakumoss.quant.plan import decode
 from _report import CardLog, report  # bench/_report.py (the script's folder is on sys.path)
 
 
@@ -42,7 +43,8 @@ def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False, bas
 
     model = random_transformer(FLAVORS["base"], "cuda")
     no_recompute = MemoryEngines(checkpointing="none", recompute=False)  # sampling keeps no graph
-    policy = precision_policy("bf16", full=False, base=_BASES[base][0], fp8_compute=_BASES[base][1] != "off")
+    quant = decode(*_BASES[base])
+    policy = precision_policy("bf16", full=False, base=quant.base, fp8_compute=quant.compute)  # a forward: no fp8 dgrad
     tuned = tune_per_shape([[(4096, 112), (4096, 10)]], ["tilelang"]) if tune else {}
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy, kernels=kernel_choices(kernels),
                                               memory=no_recompute, tuned=tuned))

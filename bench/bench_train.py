@@ -37,7 +37,7 @@ from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.engines import Handle
 from kohakumoss.model.flops import train_flops
-from kohakumoss.params import fp8_flags
+from kohakumoss.quant.plan import decode
 from kohakumoss.precision import precision_policy
 from kohakumoss.memory.allocator import tight_allocator
 from kohakumoss.memory.profiles import MemoryEngines
@@ -132,7 +132,7 @@ def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
     ``base``: keep, int8, fp8 (weight-only), fp8-compute, fp8-full or fp8-full-fast
     (``precision.base`` and ``precision.fp8_compute`` on / full / fast), or a variant of full."""
     model = random_transformer(FLAVORS["base"], "cuda")
-    policy = precision_policy("bf16", full=full, base=_BASES[base][0], **fp8_flags(_BASES[base][1]))
+    policy = precision_policy("bf16", full=full, **decode(*_BASES[base]).policy_args())
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy,
                                               kernels=KERNEL_CHOICES, tuned=TUNED, **ENGINES))
     if base == "fp8-full-kept":

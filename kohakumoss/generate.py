@@ -22,6 +22,7 @@ from kohakumoss.images import contact_sheet
 from kohakumoss.memory.quantized import QuantizedLinear
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.precision import sampling_policy
+from kohakumoss.quant import quant_plan
 from kohakumoss.training.checkpoint import is_checkpoint
 from kohakumoss.training.engines import hold_quantized, sampling_ops
 from kohakumoss.training.trained import load_trained
@@ -78,7 +79,8 @@ class Generator:
         from kohakumoss.encoders.vae import VAE
 
         self.p, self.device, self.dtype = p, device, dtype
-        self.policy = sampling_policy(dtype, p.precision)
+        quant = quant_plan(p.precision)
+        self.policy = sampling_policy(dtype, p.precision, quant.base, quant.compute)
         try:
             self.policy.check_device(device)
         except ValueError as e:

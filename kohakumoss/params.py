@@ -20,15 +20,7 @@ from kohakumoss.config import DATASET_KEYS, SECTIONS, TOP_LEVEL, DatasetEntry, P
 from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
 from kohakumoss.data.sources import SOURCES
-
-FP8_GRAD_KNOBS = ("full", "fast")  # precision.fp8_compute values whose input gradients are fp8 GEMMs
-
-
-def fp8_flags(knob: str) -> dict[str, bool]:
-    """``precision_policy``'s fp8 arguments for ``precision.fp8_compute`` = ``knob`` (off, on,
-    full: fp8 input gradients too, fast: those accumulating fast)."""
-    return {"fp8_compute": knob != "off", "fp8_grad": knob in FP8_GRAD_KNOBS, "fp8_fast_grad": knob == "fast"}
-
+from kohakumoss.quant import quant_plan
 
 def parse_dataset(mapping: Any, where: str) -> DatasetEntry:
     if not isinstance(mapping, dict) or "source" not in mapping:
@@ -135,7 +127,7 @@ def refuse_unhonoured(p: Params) -> None:
 def check_precision(p: Params) -> None:
     """A quantized base (``precision.base``) and fp8 compute against the rest of the run
     (the device's part is checked when train knows the device: ``engine_plan``)."""
-    q, where = p.precision, f"{p.path}: precision"
+    q, where = quant_plan(p.precision), f"{p.path}: precision"
     if q.base != "keep" and p.adapter.full:
         fail(f"{where}.base", q.base, "keep with adapter.algo: full (a full finetune trains the "
              "base's weights; only a frozen base is held quantized)")
@@ -143,11 +135,11 @@ def check_precision(p: Params) -> None:
         fail(f"{where}.base", q.base, f"keep with profile {p.profile} (weight streaming moves "
              f"bf16 block weights; a quantized base does not stream yet: use profile speed, "
              f"balanced or manual without memory.stream_slots)")
-    if q.fp8_compute != "off" and q.base != "fp8":
-        fail(f"{where}.fp8_compute", q.fp8_compute, f"off with precision.base: {q.base} (fp8 "
+    if q.compute and q.base != "fp8":
+        fail(f"{where}.fp8_compute", q.knob, f"off with precision.base: {q.base} (fp8 "
              f"GEMMs multiply fp8 weights: set precision.base: fp8)")
-    if q.fp8_compute != "off" and p.train.dtype != "bf16":
-        fail(f"{where}.fp8_compute", q.fp8_compute, f"off with train.dtype: {p.train.dtype} (the "
+    if q.compute and p.train.dtype != "bf16":
+        fail(f"{where}.fp8_compute", q.knob, f"off with train.dtype: {p.train.dtype} (the "
              f"fp8 GEMMs write bf16: set train.dtype: bf16)")
 
 
@@ -175,9 +167,9 @@ def check_memory(p: Params) -> None:
              f"false with checkpointing: {m.checkpointing} (rebuilding drops the elementwise "
              f"outputs a block keeps; a checkpointed block keeps none of them: use it with "
              f"checkpointing: none or partial)")
-    if m.fp8_transposes and (p.precision.fp8_compute not in FP8_GRAD_KNOBS or p.adapter.full):
+    if m.fp8_transposes and (not quant_plan(p.precision).keeps_transposes or p.adapter.full):
         fail(f"{where}.fp8_transposes", m.fp8_transposes,
-             f"false with precision.fp8_compute: {p.precision.fp8_compute}"
+             f"false with precision.fp8_compute: {quant_plan(p.precision).knob}"
              f"{' and a full finetune' if p.adapter.full else ''} (it keeps the fp8 input "
              f"gradients' transposed weight codes between steps: set precision.fp8_compute: full "
              f"(or fast) on a frozen fp8 base)")

@@ -201,3 +201,41 @@ def test_the_performance_page_is_a_page():
     text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) < 400
     assert "pass" not in " ".join(line for line in text.splitlines() if line.startswith("#")).lower()
+
+
+QUANT = ROOT / "kohakumoss" / "quant"
+
+
+def knob_reads(path: Path) -> list[str]:
+    """Where ``path`` decodes ``precision.fp8_compute`` itself: reads the knob off a params
+    ``precision`` section, or compares an ``fp8_compute`` with one of the knob's words."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr == "fp8_compute" and (
+                (isinstance(n.value, ast.Name) and n.value.id == "precision")
+                or (isinstance(n.value, ast.Attribute) and n.value.attr == "precision")):
+            found.append(f"{path.relative_to(ROOT)}:{n.lineno} reads {ast.unparse(n)}")
+        elif isinstance(n, ast.Compare):
+            sides = [n.left, *n.comparators]
+            named = any("fp8_compute" in ast.unparse(s) for s in sides)
+            words = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant)}
+            if named and words & {"off", "on", "full", "fast"}:
+                found.append(f"{path.relative_to(ROOT)}:{n.lineno} decodes {ast.unparse(n)}")
+    return found
+
+
+def test_only_quant_decodes_the_fp8_compute_knob(tmp_path):
+    """``kohakumoss/quant/plan.py`` is the one decoder of ``precision.fp8_compute``: the rest
+    reads its ``QuantPlan`` (the checker finds a planted read and a planted comparison)."""
+    found = [f for p in _sources() if QUANT not in p.parents for f in knob_reads(p)]
+    assert found == [], "decode precision.fp8_compute with kohakumoss.quant.quant_plan:\n" + "\n".join(found)
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(p, knob):\n    a = p.precision.fp8_compute\n"
+                       "    return knob.fp8_compute in ('full', 'fast')\n")
+    moved = ROOT / "kohakumoss" / "_planted_knob.py"
+    try:
+        moved.write_text(planted.read_text())
+        assert len(knob_reads(moved)) == 2
+    finally:
+        moved.unlink()

@@ -112,7 +112,7 @@ def test_fp16_with_scaling_and_the_stream_fix_trains_the_fp32_curve(data):
     # its first steps, as any dynamic scaler does): start where no step is skipped
     trainer, fp16 = _run(tmp, ds, "fp16", train={"steps": 8, "checkpoint_every": 8, "dtype": "fp16"},
                          precision={"init_scale": 1024})
-    assert trainer.scaler is not None and trainer.model.stream_scale == 2.0 ** -8
+    assert trainer.stepper.scaler.scale is not None and trainer.model.stream_scale == 2.0 ** -8
     assert not fp16.skipped_steps
     for a, b in zip(fp16.losses, fp32.losses):
         assert abs(a - b) <= 2e-2 * abs(b), (fp16.losses, fp32.losses)

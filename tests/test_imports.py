@@ -16,7 +16,7 @@ PACKAGE = ROOT / "kohakumoss"
 # low -> high; a unit may import units of strictly lower layers only (docs/architecture.md)
 LAYERS: list[set[str]] = [
     {"kohakumoss", "errors", "faults", "seeding", "device", "progress"},
-    {"configlib", "artifacts", "precision", "images"},
+    {"configlib", "artifacts", "precision", "quant", "images"},
     {"config", "tokenizer", "model"},
     {"kernels", "memory", "diffusion", "adapters", "parallel"},
     {"formats"},

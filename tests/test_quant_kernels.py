@@ -143,12 +143,12 @@ def test_fp8_codes_read_as_bytes_give_the_same_results(monkeypatch):
 
 @triton_test
 def test_many_rows_take_dequant_mm_and_few_the_fused_kernel():
-    """The default choice of a quantized base (``training.engines.QUANT_BACKENDS``)."""
+    """The default choice of a quantized base (``quant.plan.DEFAULT_BACKENDS``)."""
     needs_triton()
     from kohakumoss.kernels.backends import DEQUANT_ROWS
-    from kohakumoss.training.engines import QUANT_BACKENDS
+    from kohakumoss.quant.plan import DEFAULT_BACKENDS
 
-    op = KERNELS.chosen_op("quant_linear", DEVICE, torch.float32, QUANT_BACKENDS["quant_linear"])
+    op = KERNELS.chosen_op("quant_linear", DEVICE, torch.float32, list(DEFAULT_BACKENDS["quant_linear"]))
     codes, scale = weights(torch.Generator().manual_seed(7), 16, 32, "int8")
     many, few = torch.zeros(DEQUANT_ROWS, 32), torch.zeros(DEQUANT_ROWS - 1, 32)
     assert op.backend_for(many, codes, scale, None) == "dequant_mm"

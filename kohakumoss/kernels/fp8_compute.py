@@ -223,7 +223,7 @@ register_backend("fp8_linear", "scaled_mm", fp8_linear, available, keeps_inputs_
 register_backend("fp8_lora_linears", "scaled_mm", fp8_lora_linears, available)
 # the same with fast accumulation in the input gradients' GEMMs too (fp8_compute: fast). The
 # plain backends promote those GEMMs' partial sums to fp32 along the way (Transformer Engine's
-# split accumulation for the gradients); precision.fp8_compute fast takes these (training/engines.py:
+# split accumulation for the gradients); precision.fp8_compute fast takes these (quant/plan.py:
 # FAST_GRAD_BACKENDS); bench_train.py --bases fp8-full-fast / fp8-full and bench_precision.py
 # --grads measure the step and the LoRA gradients' error of each
 register_backend("fp8_linear", "scaled_mm_fast", functools.partial(fp8_linear, fast_grad=True), available,

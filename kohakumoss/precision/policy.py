@@ -67,8 +67,8 @@ def precision_policy(dtype: str, full: bool, stream_scale: float = 1.0, base: st
     """The policy for ``train.dtype`` = ``dtype`` (a plan name: bf16 / fp16 / fp32) and a
     full finetune (``full``, from ``adapter.full``) or an adapter run; ``stream_scale``:
     ``kohakumoss.precision.scaler.stream_scale``'s for the params; ``base`` and
-    ``fp8_compute`` / ``fp8_grad`` / ``fp8_fast_grad``: the ``precision`` section's
-    (``fp8_compute`` on / full / fast; ``kohakumoss.memory.quantized``)."""
+    ``fp8_compute`` / ``fp8_grad`` / ``fp8_fast_grad``: the run's quantization plan's
+    (``kohakumoss.quant.QuantPlan.policy_args``; ``kohakumoss.memory.quantized``)."""
     if dtype not in DTYPES:
         raise ValueError(f"train dtype {dtype!r} is not one of {', '.join(DTYPES)}; set "
                          f"train.dtype to one of them")
@@ -79,12 +79,14 @@ def precision_policy(dtype: str, full: bool, stream_scale: float = 1.0, base: st
                            fp8_fast_grad=fp8_compute and fp8_grad and fp8_fast_grad)
 
 
-def sampling_policy(dtype: torch.dtype, precision) -> PrecisionPolicy:
+def sampling_policy(dtype: torch.dtype, precision, base: str = "keep",
+                    fp8_compute: bool = False) -> PrecisionPolicy:
     """Sampling (``kmoss sample`` / ``grid``): weights held and computed in ``dtype``, the
     joint stream carried at the ``precision`` section's scale (2^-8 under fp16, so an fp16
     sample does not overflow where an fp16 training step would not), the base held as the
-    section says (``base``, ``fp8_compute``: as training holds it)."""
+    run's quantization plan says (``base``, ``fp8_compute``: ``kohakumoss.quant``'s, as
+    training holds it; a forward has no input gradients)."""
     from kohakumoss.precision.scaler import stream_scale
 
     return PrecisionPolicy(compute=dtype, weights=dtype, stream_scale=stream_scale(precision, dtype),
-                           base=precision.base, fp8_compute=precision.fp8_compute != "off")
+                           base=base, fp8_compute=fp8_compute)

@@ -44,7 +44,6 @@ import torch
 
 from kohakumoss.artifacts import MANIFEST
 from kohakumoss.config import Params, stage_params
-from kohakumoss.params import fp8_flags
 from kohakumoss.configlib import ConfigError
 from kohakumoss.kernels import KERNELS, build_op_table
 from kohakumoss.kernels.problems import plan_calls, plan_problems
@@ -61,15 +60,12 @@ from kohakumoss.training.estimate import size
 from kohakumoss.model.dit import HALVES, MOSSImageTransformer, cast_model
 from kohakumoss.precision import PrecisionPolicy, precision_policy
 from kohakumoss.precision.quant import QuantizedWeight
+from kohakumoss.quant import quant_plan
+from kohakumoss.quant.plan import DEFAULT_BACKENDS, of_policy
 from kohakumoss.memory.host_copies import NodeCopies
 from kohakumoss.memory.quantized import keep_fp8_transposes, quantize_base
 
-# the backends a quantized base's linears take when no choice names them, each where it
-# fits (they are not tuned: both keep only the codes, which the reference does not)
-QUANT_BACKENDS = {"quant_linear": ["dequant_mm", "triton"], "fp8_linear": ["scaled_mm"],
-                  "fp8_lora_linears": ["scaled_mm"]}
-# precision.fp8_compute: fast (policy.fp8_fast_grad): the input gradients' GEMMs accumulating fast too
-FAST_GRAD_BACKENDS = {"fp8_linear": ["scaled_mm_fast"], "fp8_lora_linears": ["scaled_mm_fast"]}
+QUANT_BACKENDS = tuple(DEFAULT_BACKENDS)  # the quantized base's ops (not tuned: quant/plan.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +106,7 @@ def engine_plan(params: Params, device: torch.device,
     compute = precision_policy(params.train.dtype, full=params.adapter.full).compute
     policy = precision_policy(params.train.dtype, full=params.adapter.full,
                               stream_scale=stream_scale(params.precision, compute),
-                              base=params.precision.base, **fp8_flags(params.precision.fp8_compute))
+                              **quant_plan(params.precision).policy_args())
     try:
         policy.check_device(device)
     except ValueError as e:
@@ -150,15 +146,14 @@ def hold_quantized(model: MOSSImageTransformer, policy: PrecisionPolicy, device:
                    chosen: Mapping[str, Any] | None = None) -> str:
     """With ``policy.base`` int8 / fp8: the block linears quantized on ``device``
     (``quantize_base``), the model moved there, and the quantized ops of ``model.ops`` given
-    ``QUANT_BACKENDS`` unless ``chosen`` names theirs. Returns the account ("" for keep)."""
+    the plan's backends (``QuantPlan.backends``) unless ``chosen`` names theirs. Returns the
+    account ("" for keep)."""
     if policy.base == "keep":
         return ""
     quantized = quantize_base(model, policy.base, policy.fp8_compute, device, stored,
                               fp8_grad=policy.fp8_grad)
     model.to(device)
-    for op, backends in QUANT_BACKENDS.items():
-        if policy.fp8_fast_grad:
-            backends = FAST_GRAD_BACKENDS.get(op, backends)
+    for op, backends in of_policy(policy).backends().items():
         if op not in (chosen or {}):  # no tuning: the kernel is the one that pays here
             model.ops.override(op, KERNELS.chosen_op(op, device, policy.compute, backends))
     log.info("frozen base: %s", quantized)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from kohakumoss.config import Params
-from kohakumoss.params import FP8_GRAD_KNOBS
+from kohakumoss.quant import quant_plan
 from kohakumoss.memory import apply_recompute
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.memory.rebuild import apply_rebuild
@@ -114,7 +114,7 @@ def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tupl
     (elsewhere host and device memory are one). Kept fp8 transposes are dropped, silently,
     where the run has none (no ``precision.fp8_compute: full`` on a frozen base)."""
     notes = []
-    if engines.fp8_transposes and (params.precision.fp8_compute not in FP8_GRAD_KNOBS or params.adapter.full):
+    if engines.fp8_transposes and (not quant_plan(params.precision).keeps_transposes or params.adapter.full):
         engines = dataclasses.replace(engines, fp8_transposes=False)  # nothing to keep: no note
     if engines.stream_slots and device.type != "cuda":
         why = f"it needs a CUDA device: on {device.type} the weights are in host memory already"
@@ -207,10 +207,11 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
     if engines.recompute:
         apply_recompute(model)
     model.ops.override("varlen_attention", lambda q, k, v, lengths: _FlashLike.apply(q, k, v))
-    if params.precision.base != "keep" and not params.adapter.full:
+    quant = quant_plan(params.precision)
+    if quant.quantized and not params.adapter.full:
         from kohakumoss.memory.quantized import quantize_base
 
-        quantize_base(model, params.precision.base, params.precision.fp8_compute != "off")
+        quantize_base(model, quant.base, quant.compute)
         for op in ("quant_linear", "fp8_linear"):
             model.ops.override(op, _QuantLike.apply)
         model.ops.override("fp8_lora_linears", _fp8_loras_like)
@@ -286,7 +287,7 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     """The predicted peak of one training step on ``batch`` (each sample's ``(image tokens,
     text tokens)``) under ``engines``, for the params' transformer (or ``config``'s shape)."""
     model, frozen, trained_count, adapter = _model or _meta_model(params, engines, config)
-    if engines.fp8_transposes and params.precision.fp8_compute in FP8_GRAD_KNOBS and not params.adapter.full:
+    if engines.fp8_transposes and quant_plan(params.precision).keeps_transposes and not params.adapter.full:
         from kohakumoss.memory.quantized import node_codes_bytes
         frozen += node_codes_bytes(model)  # memory.fp8_transposes: the codes' transposes kept
     c = model.config
