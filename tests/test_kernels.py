@@ -74,9 +74,12 @@ def test_a_backend_that_cannot_run_falls_back_to_the_reference(registry, caplog)
     assert chosen["rms_norm"] == "reference"
 
 
-def test_a_static_choice_respects_fits_per_call_and_survives_a_failing_backend(caplog):
+def test_a_static_choice_respects_fits_per_call_and_a_failing_backend_is_an_error():
     """A chosen backend runs only the shapes its ``fits`` takes (the reference the rest), and
-    one that raises is dropped for the next choice, said once."""
+    one that raises at run time stops the run with an error naming the op, the backend and
+    the knob that leaves it out (never a silent fall-back)."""
+    from kohakumoss.kernels.dispatch import BackendFailed
+
     r = KernelRegistry()
     narrow = Counting(ops.rms_norm)
     r.register("rms_norm", "narrow", narrow, _cpu_fp32, fits=lambda d: d["D"] <= 8)
@@ -90,20 +93,21 @@ def test_a_static_choice_respects_fits_per_call_and_survives_a_failing_backend(c
     assert torch.equal(op(x8, torch.ones(8), 1e-6), ops.rms_norm(x8, torch.ones(8), 1e-6))
     assert torch.equal(op(x16, torch.ones(16), 1e-6), ops.rms_norm(x16, torch.ones(16), 1e-6))
     assert narrow.calls == 1 and op.backend_for(x16, torch.ones(16), 1e-6) == "reference"
-    with caplog.at_level(logging.WARNING, "kohakumoss.kernels"):
-        op = r.build_op_table(CPU, torch.float32, {"rms_norm": ["broken", "narrow"]}).rms_norm
-        for _ in range(3):
-            assert torch.equal(op(x8, torch.ones(8), 1e-6), ops.rms_norm(x8, torch.ones(8), 1e-6))
-    assert narrow.calls == 4 and op.broken == {"broken": "RuntimeError: no kernel image for this device"}
-    assert [m.getMessage() for m in caplog.records] == [
-        "rms_norm: backend broken failed (RuntimeError: no kernel image for this device); "
-        "using the next choice from now on"]
+    op = r.build_op_table(CPU, torch.float32, {"rms_norm": ["broken", "narrow"]}).rms_norm
+    with pytest.raises(BackendFailed) as e:
+        op(x8, torch.ones(8), 1e-6)
+    assert str(e.value) == (
+        "rms_norm: backend broken failed at run time (RuntimeError: no kernel image for this "
+        "device); leave it out with kernels.backends (the backends to use, without broken), or "
+        "set kernels.table: off to run every op's reference")
+    assert narrow.calls == 1 and isinstance(e.value, KernelError)
 
 
-def test_a_backends_stream_form_runs_and_a_failing_one_falls_back(caplog):
+def test_a_backends_stream_form_runs_and_a_failing_one_is_an_error():
     """``ops.stream_norm`` takes a chosen backend's ``stream`` form (the half's norm and x
-    through one node); one that raises marks that form broken, said once, and the half runs
-    the plain call, on the same backend (its plain kernel works), with the same values."""
+    through one node); one that raises is an error naming the form and the backend."""
+    from kohakumoss.kernels.dispatch import BackendFailed
+
     r = KernelRegistry()
     streamed, plain = [], Counting(ops.modulated_rms_norm)
 
@@ -128,16 +132,11 @@ def test_a_backends_stream_form_runs_and_a_failing_one_falls_back(caplog):
     op = r.build_op_table(CPU, torch.float32, {"modulated_rms_norm": ["good"]}).modulated_rms_norm
     y, x_res = ops.stream_norm(op, x, w, shift, scale, seg, 1e-6)
     assert streamed == [1] and good.calls == 0 and torch.equal(y, want) and x_res is x
-    with caplog.at_level(logging.WARNING, "kohakumoss.kernels"):
-        op = r.build_op_table(CPU, torch.float32, {"modulated_rms_norm": ["bad", "plain"]}).modulated_rms_norm
-        for _ in range(2):
-            y, x_res = ops.stream_norm(op, x, w, shift, scale, seg, 1e-6)
-            assert torch.equal(y, want) and x_res is x
-    assert plain.calls == 0 and bad.calls == 2 and op.broken == {}
-    assert op.broken_forms == {("bad", "stream"): "RuntimeError: no kernel image for this device"}
-    assert [m.getMessage() for m in caplog.records] == [
-        "modulated_rms_norm: the stream form of backend bad failed (RuntimeError: no kernel image "
-        "for this device); the plain calls run from now on"]
+    op = r.build_op_table(CPU, torch.float32, {"modulated_rms_norm": ["bad", "plain"]}).modulated_rms_norm
+    with pytest.raises(BackendFailed, match="modulated_rms_norm: the stream form of backend bad "
+                                            r"failed at run time \(RuntimeError: no kernel image"):
+        ops.stream_norm(op, x, w, shift, scale, seg, 1e-6)
+    assert plain.calls == 0 and bad.calls == 0
     y, x_res = ops.stream_norm(ops.modulated_rms_norm, x, w, shift, scale, seg, 1e-6)  # no form
     assert torch.equal(y, want) and x_res is x
 
@@ -165,7 +164,6 @@ def test_checkpointings_early_stop_passes_through_a_chosen_backend(mode):
         if checkpointing != "none":
             apply_checkpointing(model, checkpointing)
         model(*args, layout).square().mean().backward()
-        assert not any(getattr(model.ops, name).broken for name in ops.REFERENCE)
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 

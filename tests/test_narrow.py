@@ -158,10 +158,11 @@ def test_a_models_table_makes_its_lora_nodes_narrow_products(name):
     assert rel(v_b, v_a) <= 1e-6 and all(rel(a, b) <= 1e-5 for a, b in zip(g_b, g_a) if a is not None)
 
 
-def test_a_failing_way_falls_back_to_the_next_and_says_so_once(monkeypatch, caplog):
-    """The Triton kernel raising (a build failure on some card): the table's op says so once,
-    and every product from then on is the reference's, with its values."""
+def test_a_failing_way_is_an_error_naming_it_and_the_knob(monkeypatch):
+    """The Triton kernel raising (a build failure on some card) stops the run with the op,
+    the backend and the knob that leaves it out (``kernels.backends``): no silent fall-back."""
     from kohakumoss.kernels import KernelRegistry
+    from kohakumoss.kernels.dispatch import BackendFailed
 
     calls = []
 
@@ -177,13 +178,11 @@ def test_a_failing_way_falls_back_to_the_next_and_says_so_once(monkeypatch, capl
     r.register("narrow_mm", "triton", narrow.triton_narrow, lambda device, dtype: True)
     table = r.build_op_table(torch.device("cpu"), torch.bfloat16, {"narrow_mm": ["triton"]})
     x, w = torch.randn(8, 6).bfloat16(), torch.randn(6, 2).bfloat16()
-    with caplog.at_level(logging.WARNING, "kohakumoss.kernels"):
-        for _ in range(3):
-            assert torch.equal(table.narrow_mm(x, w), torch.mm(x, w))
+    with pytest.raises(BackendFailed, match=r"narrow_mm: backend triton failed at run time "
+                                            r"\(RuntimeError: out of resource: shared memory\); "
+                                            r"leave it out with kernels.backends"):
+        table.narrow_mm(x, w)
     assert calls == [1]
-    assert [r.getMessage() for r in caplog.records] == [
-        "narrow_mm: backend triton failed (RuntimeError: out of resource: shared memory); "
-        "using the next choice from now on"]
 
 
 @pytest.mark.gpu

@@ -8,9 +8,9 @@ H, Dh) stay static, so the kernels are specialised to them. A new dtype, grad mo
 memory layout compiles once more (Dynamo's guards).
 
 The first call compiles, lazily: a machine that cannot compile (no C++ compiler for the CPU
-code, no Triton for CUDA, an Inductor bug) raises there, and the tuned dispatch
-(``dispatch.TunedOp``) falls back to the next choice, saying why once; the tuner records the
-failure and never picks it. Runs wherever ``torch.compile`` does: CPU and CUDA.
+code, no Triton for CUDA, an Inductor bug) raises there: the tuner records the failure and
+never picks it, and in a run's table it is a ``dispatch.BackendFailed`` naming the knob that
+leaves it out (``kernels.backends``). Runs wherever ``torch.compile`` does: CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -48,12 +48,25 @@ class CompiledOp:
 
     def __call__(self, *args):
         if self._compiled is None:
+            _room_to_recompile()
             self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=None)
         for i in self.dynamic:
             t = args[i]
             if t.dim():
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         return self._compiled(*args)
+
+
+# compiles one reference may need in one process: each (dtype, grad mode, memory layout)
+# of each model's table compiles once (Dynamo keys them on the reference's one code object),
+# so a run with previews and a sampler beside it passes Dynamo's default of 8; past the
+# limit a fullgraph compile fails, which is a run-time error of the backend
+RECOMPILE_LIMIT = 64
+
+
+def _room_to_recompile() -> None:
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

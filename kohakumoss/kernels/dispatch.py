@@ -1,10 +1,13 @@
 """How one model's table dispatches a call (``registry.build_op_table`` makes the ops):
 the backends an op may run (``Backend``: where each can run and which shapes it takes), a
 tuned op choosing by ``(dtype, shape bucket)`` (``TunedOp``) or a static choice
-(``ChosenOp``), and the fallback every call shares: a backend that raises is marked broken on
-that op, said once, and the next choice runs (the reference last). A backend's forms of
-an op (``model.ops.FORMS``: the norm's ``stream`` and ``added``, ``model.ops.stream_norm`` and
-``model.ops.added_norm``) fall back to the plain calls, said once, the backend kept.
+(``ChosenOp``). What may run is decided when the table is built (a backend that cannot run
+on the device or in the dtype is left out there, and the table logs it; ``fits`` passes a
+backend over for a shape it does not take). A backend that raises at run time, in a call
+or in one of its forms (``model.ops.FORMS``: the norm's ``stream`` and ``added``), is a
+``BackendFailed`` naming the op, the backend and the knob that leaves it out
+(``kernels.backends``), never a silent fall-back for the rest of the run. A form that
+declines (returns None) runs the plain calls.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.utils.checkpoint
 
 from kohakumoss.kernels.problems import PROBLEMS, Dims, Problem, call_dtype
+from kohakumoss.errors import KohakuError
 from kohakumoss.model.ops import REFERENCE
 
 REFERENCE_NAME = "reference"
@@ -66,12 +70,27 @@ def failure_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
 
 
+class KernelError(KohakuError):
+    """An unknown op or backend name, a backend name taken twice, or a backend that failed."""
+
+
+class BackendFailed(KernelError):
+    """A backend raised at run time: the run stops, naming it and how to leave it out."""
+
+    def __init__(self, op: str, backend: str, error: BaseException, form: str | None = None):
+        self.op, self.backend, self.reason = op, backend, failure_reason(error)
+        what = f"the {form} form of backend {backend}" if form else f"backend {backend}"
+        super().__init__(
+            f"{op}: {what} failed at run time ({self.reason}); leave it out with "
+            f"kernels.backends (the backends to use, without {backend}), or set "
+            f"kernels.table: off to run every op's reference")
+
+
 class TunedOp:
     """One op of one model's table, dispatching each call by ``(dtype, shape bucket)``.
 
     ``chains[(dtype, key)]`` holds the backends to try, fastest first (the reference is
-    always the last resort). A backend that raises is not tried again by this op; the reason
-    is logged once. A call whose shape has no entry follows the entry of the nearest
+    always the last resort). A backend that raises is a ``BackendFailed``. A call whose shape has no entry follows the entry of the nearest
     measured shape (same dtype and model sizes, token counts nearest in ratio): a sampler or
     a preview then runs the kernels training measured; with none such it runs the reference.
     Either is logged once per key.
@@ -83,8 +102,6 @@ class TunedOp:
         self._resolved: dict[tuple[torch.dtype, str], list[Backend] | None] = {}
         self.reference = REFERENCE[op]
         self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
-        self.broken: dict[str, str] = {}
-        self.broken_forms: dict[tuple[str, str], str] = {}  # (backend, form) -> why (``_form``)
         names = sorted({b.name for chain in chains.values() for b in chain})
         self.__qualname__ = f"tuned({op}: {', '.join([*names, REFERENCE_NAME])})"
 
@@ -115,10 +132,10 @@ class TunedOp:
         return self._resolved[(dtype, key)]
 
     def backend_for(self, *args) -> str:
-        """The backend a call with these arguments runs (barring a failure)."""
+        """The backend a call with these arguments runs."""
         dims = self.problem.dims(*args)
         for b in self.chain(call_dtype(args), self.problem.key(dims)) or []:
-            if b.name not in self.broken and b.takes(dims):
+            if b.takes(dims):
                 return b.name
         return REFERENCE_NAME
 
@@ -153,7 +170,7 @@ class ChosenOp:
     """A static choice (``kernels.backends`` named per op, ``bench --kernels``): the chosen
     backends that can run on the device, in order, then the reference. Each call takes the
     first that takes its shape (``fits``; a backend without one takes any); a backend that
-    raises is not tried again by this op, and the reason is logged once."""
+    raises is a ``BackendFailed``."""
 
     def __init__(self, op: str, backends: list[Backend], note: Callable[..., None]):
         self.op, self.backends, self._note = op, backends, note
@@ -161,8 +178,6 @@ class ChosenOp:
         self.shaped = self.problem is not None and any(b.fits is not None for b in backends)
         self.reference = REFERENCE[op]
         self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
-        self.broken: dict[str, str] = {}
-        self.broken_forms: dict[tuple[str, str], str] = {}  # (backend, form) -> why (``_form``)
         if all(b.keeps_inputs_only for b in backends) and not self.shaped:
             self.keeps_inputs_only = True  # every call that does not fail
         self.__qualname__ = f"chosen({op}: {', '.join([*(b.name for b in backends), REFERENCE_NAME])})"
@@ -170,7 +185,7 @@ class ChosenOp:
     def _usable(self, args) -> list[Backend]:
         dims = self.problem.dims(*args) if self.shaped else None
         return [b for b in self.backends
-                if b.name not in self.broken and (dims is None or b.takes(dims))]
+                if dims is None or b.takes(dims)]
 
     def backend_for(self, *args) -> str:
         usable = self._usable(args)
@@ -204,39 +219,29 @@ def _form(op: TunedOp | ChosenOp, backend: Backend, name: str, args: tuple):
     """``backend``'s form ``name`` of the op (``model.ops.FORMS``, its function's attribute:
     ``stream``, the norm of a block's half that also returns x, summing x's two gradients in
     its backward; ``added``, the norm that first makes the previous half's closing add) run on
-    ``args``; None where it has none, declines or fails. A failure marks that form broken on
-    ``op`` (said once), not the backend: the caller runs the plain calls, and the backend's
-    plain kernel, a separate one, stays in use unless it fails too."""
+    ``args``; None where it has none or declines. One that raises is a ``BackendFailed``."""
     form = getattr(backend.fn, name, None)
-    broken = op.broken_forms
-    if form is None or (backend.name, name) in broken:
+    if form is None:
         return None
     try:
         return form(*args)
     except (torch.OutOfMemoryError, _StopRecomputation):
         raise
     except Exception as e:
-        broken[(backend.name, name)] = failure_reason(e)
-        op._note(("broken form", op.op, backend.name, name),
-                 f"{op.op}: the {name} form of backend {backend.name} failed "
-                 f"({broken[(backend.name, name)]}); the plain calls run from now on", logging.WARNING)
-        return None
+        raise BackendFailed(op.op, backend.name, e, form=name) from e
 
 
 def _run_first(op: TunedOp | ChosenOp, backends: list[Backend], dims: Dims | None, args: tuple):
-    """The first of ``backends`` that is not broken and takes ``dims`` (None: any shape) runs
-    ``args``; one that raises is marked broken on ``op`` (said once) and the next is tried;
-    the reference when none is left."""
+    """The first of ``backends`` that takes ``dims`` (None: any shape) runs ``args``; the
+    reference when none does. One that raises is a ``BackendFailed`` (out of memory and
+    checkpointing's early stop pass through as they are)."""
     for b in backends:
-        if b.name in op.broken or (dims is not None and not b.takes(dims)):
+        if dims is not None and not b.takes(dims):
             continue
         try:
             return b.fn(*args)
         except (torch.OutOfMemoryError, _StopRecomputation):
             raise  # out of memory is not the backend's fault; checkpointing's early stop passes
-        except Exception as e:  # a backend that fails to build or run: the next one
-            op.broken[b.name] = failure_reason(e)
-            op._note(("broken", op.op, b.name),
-                     f"{op.op}: backend {b.name} failed ({op.broken[b.name]}); "
-                     f"using the next choice from now on", logging.WARNING)
+        except Exception as e:
+            raise BackendFailed(op.op, b.name, e) from e
     return op.reference(*args)

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kohakumoss.errors import KohakuError
-from kohakumoss.kernels.dispatch import REFERENCE_NAME, Backend, ChosenOp, Fits, TunedOp, parse_entry_key
+from kohakumoss.kernels.dispatch import (REFERENCE_NAME, Backend, ChosenOp, Fits, KernelError,  # noqa: F401
+                                        TunedOp, parse_entry_key)
 from kohakumoss.kernels.problems import PROBLEMS
 from kohakumoss.model.ops import REFERENCE, OpTable
 
@@ -34,10 +34,6 @@ log = logging.getLogger(__name__)
 
 Choices = Mapping[str, str | Sequence[str]]
 Tuned = Mapping[str, Sequence[str]]  # "op/dtype/shape key" -> backend names, fastest first
-
-
-class KernelError(KohakuError):
-    """An unknown op or backend name, or a backend name taken twice."""
 
 
 class KernelRegistry:

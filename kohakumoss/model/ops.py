@@ -102,8 +102,7 @@ def stream_norm(norm: Callable, x_ND: torch.Tensor, weight: torch.Tensor, shift_
     call runs a backend with a ``stream`` form (the Triton kernels': its backward adds the
     closing add's gradient of x to the norm's own in one pass, where autograd would sum them in
     a pass of its own), x comes back through that node (``norm.stream``: None where there is
-    none, or where it failed, which the kernel registry handles as a failed call); else x
-    itself."""
+    none, or where it declines the call); else x itself."""
     args = (x_ND, weight, shift_BD, scale_BD, seg_N, eps)
     stream = getattr(norm, "stream", None)
     out = stream(*args) if stream is not None else None
