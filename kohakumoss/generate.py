@@ -23,9 +23,9 @@ from kohakumoss.memory.quantized import QuantizedLinear
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.precision import sampling_policy
 from kohakumoss.quant import quant_plan
-from kohakumoss.training.checkpoint import is_checkpoint
+from kohakumoss.formats.checkpoint import is_checkpoint
 from kohakumoss.training.engines import hold_quantized, sampling_ops
-from kohakumoss.training.trained import load_trained
+from kohakumoss.formats.trained import load_trained
 
 
 @dataclasses.dataclass

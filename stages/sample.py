@@ -32,7 +32,7 @@ def parse_size(value: str, option: str = "--size") -> tuple[int, int]:
 def check_adapters(specs: list[str], option: str = "--adapter") -> None:
     """Each ``PATH[:STRENGTH]`` names an existing checkpoint folder or adapter file."""
     from kohakumoss.generate import split_strength
-    from kohakumoss.training.checkpoint import is_checkpoint
+    from kohakumoss.formats.checkpoint import is_checkpoint
 
     for spec in specs:
         path = split_strength(spec)[0]

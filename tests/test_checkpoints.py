@@ -354,7 +354,7 @@ def test_a_checkpoints_trained_record_is_checked_like_params():
     """``state.json``'s ``trained`` builds its ``AdapterConfig`` through the params checks: a
     damaged or foreign record is a clear error naming the field, never a half-built config."""
     from kohakumoss.config import AdapterConfig
-    from kohakumoss.training.trained import TrainedError, trained_config
+    from kohakumoss.formats.trained import TrainedError, trained_config
 
     good = {"algo": "lora", "preset": "attn-mlp", "targets": [], "dim": 8, "alpha": 4.0,
             "dora": False, "algo_kwargs": {}, "train_norms": False}

@@ -18,7 +18,7 @@ from kohakumoss.model.build import tiny_transformer
 from kohakumoss.formats.comfy import load_adapter_file
 from kohakumoss.formats.model_files import load_transformer
 from kohakumoss.checks.parity import rel_error
-from kohakumoss.training.checkpoint import save_checkpoint
+from kohakumoss.formats.checkpoint import save_checkpoint
 
 from conftest import ROOT, repo_params_raw
 
@@ -260,7 +260,7 @@ def _adapter_output(cfg, state, x, multiplier=1.0):
 
 @pytest.mark.parametrize("algo, kw", [("lora", {}), ("tlora", {}), ("loha", {"train_norms": True})])
 def test_load_trained_gives_the_trained_adapter(tmp_path, algo, kw):
-    from kohakumoss.training.trained import load_trained
+    from kohakumoss.formats.trained import load_trained
 
     ck, cfg, state, ema_state = _trained_run(tmp_path, algo, **kw)
     x = _inputs()
@@ -277,7 +277,7 @@ def test_load_trained_gives_the_trained_adapter(tmp_path, algo, kw):
 
 
 def test_load_trained_full_finetune_and_its_ema(tmp_path):
-    from kohakumoss.training.trained import TrainedError, load_trained
+    from kohakumoss.formats.trained import TrainedError, load_trained
 
     base = tiny_transformer()
     weights = {k: v + 0.01 * (i % 3) for i, (k, v) in enumerate(base.state_dict().items())}

@@ -25,7 +25,7 @@ from kohakumoss.formats.lycoris import lycoris_metadata, lycoris_state_dict
 from kohakumoss.formats.merged import merged_state
 from kohakumoss.model import build_layout
 from kohakumoss.model.build import tiny_transformer
-from kohakumoss.training.checkpoint import save_checkpoint
+from kohakumoss.formats.checkpoint import save_checkpoint
 
 BF16_TOL = 5e-3  # the bound; LoRA's own bf16 level is ~2.5e-3 here
 BF16 = torch.bfloat16

@@ -16,7 +16,7 @@ from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.precision import precision_policy
 from kohakumoss.training.engines import EnginePlan
 from kohakumoss.training.optim import build_optimizer, clip_and_check
-from kohakumoss.training.statefile import flatten_state
+from kohakumoss.formats.statefile import flatten_state
 
 CPU = torch.device("cpu")
 

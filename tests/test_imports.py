@@ -91,6 +91,14 @@ def test_model_imports_nothing_above_it():
     assert above == {}
 
 
+def test_export_reads_checkpoints_without_the_trainer():
+    """A checkpoint is a file format (``formats/checkpoint.py``, ``formats/trained.py``):
+    ``export/`` and the sampler read one without importing ``training/``."""
+    found = {f"{src} -> training ({', '.join(where)})" for (src, dst), where in edges().items()
+             if src == "export" and dst == "training"}
+    assert found == set()
+
+
 def test_the_graph_has_no_cycles():
     graph: dict[str, set[str]] = defaultdict(set)
     for src, dst in edges():

@@ -19,7 +19,7 @@ from kohakumoss.memory.overlap import OverlappedUpdate, forward_chunks
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.optim import build_optimizer, build_scheduler, clip_and_check
-from kohakumoss.training.statefile import flatten_state
+from kohakumoss.formats.statefile import flatten_state
 
 from test_streaming import _model
 

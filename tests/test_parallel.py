@@ -20,7 +20,7 @@ import torch
 from kohakumoss.configlib import ConfigError
 from kohakumoss.params import load_params
 from kohakumoss.parallel import Dist, launch_command, reduce_gradients
-from kohakumoss.training import checkpoint as ckpt_mod
+from kohakumoss.formats import checkpoint as ckpt_mod
 from kohakumoss.training.build import RunPaths, build_components
 from kohakumoss.training.trainer import Trainer
 

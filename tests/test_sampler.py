@@ -164,7 +164,7 @@ def test_grid_strength_zero_is_the_base_and_adapters_come_off(tmp_path):
     from kohakumoss.config import AdapterConfig
     from kohakumoss.params import load_params
     from kohakumoss.generate import Generator, Settings, grid
-    from kohakumoss.training.checkpoint import save_checkpoint
+    from kohakumoss.formats.checkpoint import save_checkpoint
 
     from conftest import ROOT
 

@@ -11,7 +11,7 @@ from kohakumoss.config import OptimConfig
 from kohakumoss.memory import stepping
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.training.optim import build_optimizer, clip_and_check
-from kohakumoss.training.statefile import flatten_state
+from kohakumoss.formats.statefile import flatten_state
 
 CPU = torch.device("cpu")
 
@@ -179,7 +179,7 @@ def test_a_run_trains_what_the_device_optimizer_trains_and_resumes(tmp_path, pla
     from kohakumoss.memory.profiles import MemoryEngines
     from kohakumoss.params import load_params
     from kohakumoss.precision import precision_policy
-    from kohakumoss.training import checkpoint as ckpt_mod
+    from kohakumoss.formats import checkpoint as ckpt_mod
     from kohakumoss.training.build import RunPaths, build_components
     from kohakumoss.training.engines import EnginePlan
     from kohakumoss.training.trainer import Trainer

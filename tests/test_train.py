@@ -21,8 +21,8 @@ from kohakumoss.cache.build import build_latent_cache, build_text_cache
 from kohakumoss.params import load_params
 from kohakumoss.data.planfile import make_plan
 from kohakumoss.data.scan import scan
-from kohakumoss.training import checkpoint as ckpt_mod
-from kohakumoss.training.statefile import flatten_state
+from kohakumoss.formats import checkpoint as ckpt_mod
+from kohakumoss.formats.statefile import flatten_state
 from kohakumoss.training.build import RunPaths, build_components
 from kohakumoss.training.trainer import Trainer
 

@@ -23,8 +23,8 @@ from kohakumoss.errors import KohakuError
 from kohakumoss.formats import comfy, diffusers, load_dit, lycoris, merged
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.precision.dtypes import DTYPES
-from kohakumoss.training.checkpoint import is_checkpoint
-from kohakumoss.training.trained import load_trained
+from kohakumoss.formats.checkpoint import is_checkpoint
+from kohakumoss.formats.trained import load_trained
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from kohakumoss.artifacts import (ArtifactError, code_version, dir_lock, hash_js
                                   read_manifest, write_manifest)
 from kohakumoss.config import Params, stage_params
 from kohakumoss.export.formats import ExportError, Source, load_source, write_export
-from kohakumoss.training.checkpoint import list_checkpoints
+from kohakumoss.formats.checkpoint import list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
         manifest = make_manifest("export", 1, params=stage_params(p, PARAMS), inputs={},
                                  code=code_version("kohakumoss.export", "kohakumoss.formats",
                                                    "kohakumoss.adapters",
-                                                   "kohakumoss.training.trained"),
+                                                   "kohakumoss.formats.trained"),
                                  directory=out, files=files,
                                  info={"checkpoint": ckpt.name, "formats": formats,
                                        "outputs": names, "experiment": experiment})

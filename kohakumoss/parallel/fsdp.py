@@ -3,7 +3,7 @@ model, each rank holding a 1/world shard of the fp32 masters, gradients and opti
 (``docs/parallel.md#full-finetunes``).
 
 Checkpoints hold the whole model, optimizer and EMA state, gathered to rank 0 and written
-in the run's verified, pickle-free format (``kohakumoss.training.checkpoint``): a sharded run
+in the run's verified, pickle-free format (``kohakumoss.formats.checkpoint``): a sharded run
 resumes from them (each rank takes its shard back), and export reads them in one process
 like any full finetune's. ``torch.distributed.checkpoint``'s own format keeps a pickled
 metadata file, which the checkpoint contract refuses to read.

@@ -30,7 +30,7 @@ from kohakumoss.parallel import barrier, reduce_sum
 from kohakumoss.progress import progress as progress_bar
 from kohakumoss.seeding import seed_of
 from kohakumoss.diffusion.objective import flow_loss
-from kohakumoss.training.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
+from kohakumoss.formats.checkpoint import (archive_checkpoints, check_resumable, clean_partial,
                                             list_checkpoints, load_newest, save_checkpoint)
 from kohakumoss.training.ahead import Ahead
 from kohakumoss.training.build import Components, RunPaths, build_components

@@ -24,12 +24,12 @@ from kohakumoss.artifacts import hash_file
 from kohakumoss.params import load_params
 from kohakumoss.errors import IntegrityError, KohakuError, user_message
 from kohakumoss.export.formats import load_source
-from kohakumoss.training import checkpoint as ckpt_mod
-from kohakumoss.training.checkpoint import (Checkpoint, LegacyCheckpointError, list_checkpoints,
+from kohakumoss.formats import checkpoint as ckpt_mod
+from kohakumoss.formats.checkpoint import (Checkpoint, LegacyCheckpointError, list_checkpoints,
                                             load_newest, open_checkpoint, save_checkpoint)
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.optim import CombinedOptimizer, build_optimizer, build_scheduler
-from kohakumoss.training.statefile import (dumps_state, flatten_state, loads_state,
+from kohakumoss.formats.statefile import (dumps_state, flatten_state, loads_state,
                                            unflatten_state)
 from kohakumoss.training.trainer import RunPaths, Trainer
 

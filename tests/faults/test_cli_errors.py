@@ -199,7 +199,7 @@ def test_check_parity_refuses_a_folder_that_is_not_a_vector_set(tmp_path, kind, 
 
 
 def test_check_export_against_a_full_finetune(tmp_path):
-    from kohakumoss.training.checkpoint import save_checkpoint
+    from kohakumoss.formats.checkpoint import save_checkpoint
 
     weights = {k: v + 0.01 for k, v in tiny_transformer().state_dict().items()}
     full = save_checkpoint(tmp_path / "ck", 3, weights, {}, {"trained": {"algo": "full"}, "steps": 3})

@@ -23,7 +23,7 @@ from kohakumoss.adapters import AdapterSet, apply_adapters
 from kohakumoss.config import AdapterConfig
 from kohakumoss.configlib import ConfigError, build
 from kohakumoss.errors import KohakuError
-from kohakumoss.training.checkpoint import open_checkpoint
+from kohakumoss.formats.checkpoint import open_checkpoint
 
 
 class TrainedError(KohakuError, ValueError):

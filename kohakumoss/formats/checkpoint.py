@@ -40,12 +40,12 @@ from kohakumoss import faults
 from kohakumoss.artifacts import (ArtifactError, hash_file, public_mode, temp_dir,
                                   write_safetensors)
 from kohakumoss.errors import KohakuError
-from kohakumoss.training.verified import Damaged
-from kohakumoss.training.verified import (check_hash as _check_hash, check_size as _check_size,
+from kohakumoss.formats.verified import Damaged
+from kohakumoss.formats.verified import (check_hash as _check_hash, check_size as _check_size,
                                           hash_problem as _hash_problem, parse_json as _parse_json,
                                           read_safetensors as _read_safetensors,
                                           read_small as _read_small, size_problem as _size_problem)
-from kohakumoss.training.statefile import dumps_state, flatten_state, loads_state, unflatten_state
+from kohakumoss.formats.statefile import dumps_state, flatten_state, loads_state, unflatten_state
 
 logger = logging.getLogger(__name__)
 
