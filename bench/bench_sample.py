@@ -34,7 +34,7 @@ from _report import CardLog, report  # bench/_report.py (the script's folder is 
 def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False, base: str = "keep") -> MOSSImageTransformer:
     """The base flavor with random weights, held as ``base`` (``bench_train``'s ``--bases``:
     keep (bf16), int8 or fp8 weight-only, fp8-compute: fp8 GEMMs)."""
-    from bench_train import _BASES, kernel_choices, tune_per_shape
+    from bench_train import BASES, kernel_choices, tune_per_shape
 
     from kohakumoss.memory.checkpointing import repeated_blocks
     from kohakumoss.memory.profiles import MemoryEngines
@@ -43,7 +43,7 @@ def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False, bas
 
     model = random_transformer(FLAVORS["base"], "cuda")
     no_recompute = MemoryEngines(checkpointing="none", recompute=False)  # sampling keeps no graph
-    quant = decode(*_BASES[base])
+    quant = decode(*BASES[base])
     policy = precision_policy("bf16", full=False, base=quant.base, fp8_compute=quant.compute)  # a forward: no fp8 dgrad
     tuned = tune_per_shape([[(4096, 112), (4096, 10)]], ["tilelang"]) if tune else {}
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy, kernels=kernel_choices(kernels),

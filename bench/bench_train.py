@@ -1,105 +1,292 @@
-"""GPU benchmark of training steps at the published size, random weights (not a test).
+"""Training steps at the published size with random weights, through the library's own
+run: the params a ``kmoss train`` run reads (``bench/train.yaml``, ``-S section.key=value``
+overrides, as ``dvc exp run -S``), its memory profile resolved by ``resolve_profile``, its
+model side built by ``build_components``' ``build_training`` (engines, trainable set,
+optimizer, schedule, EMA, stepper) and its steps made by ``Trainer.step``. Only the data is
+the bench's: synthetic latent and text caches (``TensorStore`` shards on local disk) of the
+real shapes, read through page-locked memory one micro-batch ahead as the trainer reads its
+own (not a test)::
 
-    PYTHONPATH=. python bench/bench_train.py [--budgets 8192 16384] [--steps 6] [--full]
-                                             [--kernels triton compile]
-                                             [--checkpointing block] [--profile]
+    PYTHONPATH=. python bench/bench_train.py [--params bench/train.yaml] [-S key=value ...]
+        [--variant "key=value key=value" ...] [--budgets 8400 16800] [--steps 6]
+        [--kernels fa4 triton compile] [--tune] [--chain on off] [--cap 24]
+        [--compile-blocks] [--profile] [--name NAME]
 
-LoRA: rank 32 (alpha 32) on attention + MLP of every joint block (252 linears), bf16 base,
-fp32 adapter, AdamW. Batches come from a latent cache and a text cache (``TensorStore``
-shards on local disk) filled with synthetic entries of the real shapes: 1 MP samples of
-4096 image tokens x 128 channels and ~100-token texts x 4096; each step packs as many
-samples as the token budget holds. Reported: samples/s, step time, peak memory, and MFU =
-model FLOPs of the step (forward, input gradients everywhere, weight gradients only for
-the adapter; ``kohakumoss.model.flops.train_flops(full=False)``) over the measured bf16
-matmul rate. ``--full``: one full-finetune step (fp32 master weights, bf16 autocast,
-AdamW) and its peak memory. Both models get the engines a training run applies
-(``apply_engines``: precision policy, op table, recomputation). Prints one JSON object.
+Examples: ``-S precision.base=fp8 -S precision.fp8_compute=fast`` (fp8 compute),
+``-S profile=manual -S memory.checkpointing=block`` (per-block checkpointing),
+``-S profile=minimal --cap 24`` (a card of 24 GiB), ``-S adapter.algo=full`` (a full
+finetune). Each ``--variant`` is measured in turn in the same process, on top of the ``-S``
+overrides (``--variant "" --variant "precision.base=fp8 precision.fp8_compute=fast"
+--variant ""``: bf16, fp8, bf16: the card's drift shows). Each budget packs as many
+``--grid``-squared-token samples (64: 1 MP) with ~``--text``-token captions as it holds.
+Reported per (variant, budget, chain, cap): samples/s, step times, peak memory beside the
+estimator's, and MFU = the step's model FLOPs (``kohakumoss.model.flops.train_flops``) over
+the bf16 matmul rate measured in the same process. Prints JSON lines and one report
+(``_report.report``). ``--flavor tiny --grid 2 -S train.device=cpu``: the same path on the
+CPU (``tests/test_bench_train.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
 import os
+import shlex
 import statistics
 import tempfile
 import time
+import types
+from pathlib import Path
 
 import torch
+import yaml
 
 from kohakumoss.cache.store import TensorStore
-from kohakumoss.config import AdapterConfig, OptimConfig
-from kohakumoss.diffusion.objective import flow_loss, noised
+from kohakumoss.config import Params
+from kohakumoss.device import resolve_device
+from kohakumoss.diffusion.objective import noised
 from kohakumoss.kernels import KERNELS
-from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
+from kohakumoss.memory.allocator import tight_allocator
+from kohakumoss.model import FLAVORS, build_layout
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.engines import Handle
 from kohakumoss.model.flops import train_flops
-from kohakumoss.quant.plan import decode
-from kohakumoss.precision import precision_policy
-from kohakumoss.memory.allocator import tight_allocator
-from kohakumoss.memory.profiles import MemoryEngines
-from kohakumoss.memory.quantized import keep_fp8_transposes
-from kohakumoss.memory.stepping import FusedStep, StreamedStates
-from kohakumoss.training.engines import EnginePlan, apply_engines
-from kohakumoss.training.optim import build_optimizer
+from kohakumoss.model.ops import REFERENCE
+from kohakumoss.params import parse_params
+from kohakumoss.training.ahead import Ahead
+from kohakumoss.training.autoprofile import resolve_profile
+from kohakumoss.training.build import Components, RunPaths, build_training
+from kohakumoss.training.engines import QUANT_BACKENDS, engine_plan
+from kohakumoss.training.inputs import StepInputs
+from kohakumoss.training.trainer import Trainer
 from _report import CardLog, report  # bench/_report.py (the script's folder is on sys.path)
 
+PARAMS = Path(__file__).with_name("train.yaml")
+# named bases, as other benches take them: (precision.base, precision.fp8_compute)
+BASES = types.MappingProxyType({
+    "keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
+    "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "fast")})
+PER_SHAPE = ("linear",)  # ops whose backend is chosen per shape (``--tune``), never statically
 
-KERNEL_CHOICES: dict[str, str | list[str]] = {}  # --kernels: {op: backends in order}
-ENGINES = {}  # --checkpointing, --checkpoint-blocks, --no-recompute: the EnginePlan's memory
-COMPILE_BLOCKS: list[bool] = [False]  # --compile-blocks
-NO_OVERLAP: list[bool] = [False]  # --no-overlap
-CHAIN: list[bool] = [True]  # --chain: the model's chain_adds
-CAP: list[float] = [0.0]  # --cap: the allocator's limit in GiB (0: none)
+
+# -- the run's params ----------------------------------------------------------------------
+def override(raw: dict, assignment: str) -> None:
+    """``section.key=value`` (the value read as YAML) set in the raw params ``raw``."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"-S {assignment!r}: expected section.key=value")
+    *path, last = key.split(".")
+    node = raw
+    for part in path:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SystemExit(f"-S {assignment!r}: {part} is not a section")
+    node[last] = yaml.safe_load(value)
 
 
-def compile_blocks(model: MOSSImageTransformer) -> None:
-    """Each repeated block's forward (adapters included) through ``torch.compile`` with
-    dynamic token counts: one graph serves every block of a list."""
-    from kohakumoss.memory.checkpointing import repeated_blocks
-
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
-    torch._dynamo.config.accumulated_cache_size_limit = max(
-        torch._dynamo.config.accumulated_cache_size_limit, 1024)
-    blocks = [block for _, block in repeated_blocks(model)]
-    for block in blocks:
-        block.compile(dynamic=True)
-    model.engines.register(Handle("compiled blocks", blocks=tuple(blocks)))  # they run whole
+def bench_params(path: Path, overrides: list[str]) -> Params:
+    """``path`` with ``overrides`` applied, parsed and checked as ``kmoss train`` parses its
+    params (the checks that read weight files aside: the bench makes random weights)."""
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    for assignment in overrides:
+        override(raw, assignment)
+    return parse_params(raw, str(path))
 
 
 def kernel_choices(names: list[str]) -> dict[str, list[str]]:
-    """``--kernels triton compile``: per op, those of the named backends it has, in order
-    (the reference stays the fallback)."""
-    from kohakumoss.model.ops import REFERENCE
-    from kohakumoss.training.engines import QUANT_BACKENDS  # --quant-backends chooses those
-
-    return {op: [n for n in names if n in KERNELS.names(op)] for op in REFERENCE
-            if any(n in KERNELS.names(op) for n in names) and op not in QUANT_BACKENDS
-            and op not in PER_SHAPE and op not in APART}
-
-
-PER_SHAPE = ("linear",)  # ops whose backend is chosen per shape (``--tune``), never statically
-APART = ("narrow_mm",)  # ops an option of their own chooses (``--narrow``), not ``--kernels``
-TUNED: dict[str, list[str]] = {}  # --tune: "op/dtype/key" -> backends, fastest first
+    """``--kernels``: ``triton compile`` (per op, those of the named backends it has, in
+    order) and ``op=backend,backend`` (that op's choice); the reference stays the fallback."""
+    chosen = {op: [n for n in names if "=" not in n and n in KERNELS.names(op)]
+              for op in REFERENCE if op not in QUANT_BACKENDS and op not in PER_SHAPE
+              and op != "narrow_mm"}
+    chosen = {op: b for op, b in chosen.items() if b}
+    for name in names:
+        op, sep, backends = name.partition("=")
+        if sep:
+            chosen[op] = backends.split(",")
+    return chosen
 
 
-def tune_per_shape(batches: list, allow: list[str], weights_grad: bool = False) -> dict:
-    """The tuner's choice for ``PER_SHAPE`` ops at these batches' shapes (bf16, on the
-    device), as ``EnginePlan.tuned`` takes it, timing the backends ``allow`` names (opt-in
-    ones too; none: the default set); each entry's times printed."""
+def tune_per_shape(batches: list, allow: list[str], weights_grad: bool = False,
+                   config=FLAVORS["base"], device="cuda") -> dict:
+    """The tuner's choice for ``PER_SHAPE`` ops at these batches' shapes (bf16), as
+    ``EnginePlan.tuned`` takes it, timing the backends ``allow`` names (opt-in ones too;
+    none: the default set); each entry's times printed."""
     from kohakumoss.kernels.problems import plan_problems
     from kohakumoss.kernels.tuning import tune
 
-    problems = {op: shapes for op, shapes in plan_problems(FLAVORS["base"], batches).items()
-                if op in PER_SHAPE}
-    result = tune(problems, "cuda", torch.bfloat16, budget_s=120, weights_grad=weights_grad,
+    problems = {op: shapes for op, shapes in plan_problems(config, batches).items() if op in PER_SHAPE}
+    result = tune(problems, device, torch.bfloat16, budget_s=120, weights_grad=weights_grad,
                   allow=allow or None)
     for key, entry in result.entries.items():
         print(json.dumps({"tuned": key, "order": entry["order"], "ms": entry["ms"]}), flush=True)
     return {key: entry["order"] for key, entry in result.entries.items()}
+
+
+# -- the synthetic data a Trainer reads ------------------------------------------------------
+@dataclasses.dataclass
+class Shapes:
+    grid: int  # latent grid side (64: a 1 MP sample, 4096 tokens)
+    text: int  # caption tokens (each sample's varies by up to 6 more)
+    per: int  # samples per step
+    channels: int
+    text_dim: int
+
+    @property
+    def image_tokens(self) -> int:
+        return self.grid * self.grid
+
+
+class SyntheticData:
+    """Latent and text caches of random entries of the real shapes, and what ``Trainer``
+    reads of a plan, its caches and its batches: the plan's hash, the caches' identities, a
+    step's loss tokens. ``ahead()`` is the trainer's ``Ahead`` over them."""
+
+    content_hash = text_id = vae_id = "synthetic"
+
+    def __init__(self, root: Path, shapes: Shapes, steps: int, device: torch.device):
+        self.shapes, self.device = shapes, device
+        self.keys = [f"{i:032x}" for i in range(shapes.per * steps)]
+        lat, txt = TensorStore(root / "lat", "bf16"), TensorStore(root / "txt", "bf16")
+        g = torch.Generator().manual_seed(0)
+        for i, k in enumerate(self.keys):
+            lat.add(k, torch.randn(shapes.image_tokens, shapes.channels, generator=g))
+            txt.add(k, torch.randn(shapes.text + i % 7, shapes.text_dim, generator=g))
+        lat.flush()
+        txt.flush()
+        self.lat, self.txt = TensorStore(root / "lat", "bf16"), TensorStore(root / "txt", "bf16")
+
+    def contents(self) -> list:
+        return []
+
+    def step_image_tokens(self, step: int) -> int:
+        return self.shapes.per * self.shapes.image_tokens
+
+    def flush(self) -> None:
+        pass
+
+    def _moved(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def make(self, keys: list[str], step: int):
+        """One step's micro-batch as ``Trainer.make_inputs`` makes one: read from the caches,
+        through page-locked memory, queued behind the device's work."""
+        x0 = self._moved(torch.cat([self.lat.get(k) for k in keys]).float())
+        texts = [self.txt.get(k) for k in keys]
+        layout = build_layout([(self.shapes.grid,) * 2] * len(keys), [len(t) for t in texts]).to(self.device)
+        text = self._moved(torch.cat(texts))
+        g = torch.Generator(device=self.device).manual_seed(step)
+        sigma = torch.rand(len(keys), device=self.device, generator=g)
+        eps = torch.randn(x0.shape, device=self.device, generator=g)
+        z, target = noised(x0, eps, sigma[layout.seg_img])
+        batch = types.SimpleNamespace(micro=0, rank=0, captions=keys, global_index=step)
+        return batch, StepInputs(z, target, text, sigma, layout, torch.ones_like(sigma), layout.n_img)
+
+    def ahead(self, first: int = 0) -> Ahead:
+        per = self.shapes.per
+        loader = iter([self.keys[i:i + per] for i in range(first * per, len(self.keys), per)])
+        return Ahead(loader, self.make, first, 1)
+
+
+# -- one measurement -------------------------------------------------------------------------
+def build_trainer(p: Params, config, shapes: Shapes, data: SyntheticData, root: Path,
+                  kernels: dict, tuned: dict, compile_blocks: bool):
+    """A ``Trainer`` of ``p`` on a model of random weights, built as ``build_components``
+    builds a run's model side; with its resolved profile."""
+    device = resolve_device(p.train.device)
+    batch = [(shapes.image_tokens, shapes.text + 3)] * shapes.per
+    profile = resolve_profile(p, batch, device, config=config)
+    engines = dataclasses.replace(engine_plan(p, device, memory=profile.engines),
+                                  kernels=kernels, tuned=tuned)
+    model = random_transformer(config, device, bf16_exact=True)
+    parts = build_training(p, engines, model, device)
+    if compile_blocks:  # each block with its adapters through torch.compile (dynamic tokens)
+        from kohakumoss.memory import repeated_blocks
+
+        blocks = [b for _, b in repeated_blocks(model)]
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+        for block in blocks:
+            block.compile(dynamic=True)
+        model.engines.register(Handle("compiled blocks", blocks=tuple(blocks)))  # they run whole
+    components = Components(device=device, timesteps=None, plan=data, caches=data, encoder=data,
+                            batches=data, **{f.name: getattr(parts, f.name)
+                                             for f in dataclasses.fields(parts)})
+    paths = RunPaths(root / "plan", root / "catalog", root / "txt", root / "lat", root / "run")
+    return Trainer(p, paths, components), profile
+
+
+def measure(p: Params, config, shapes: Shapes, steps: int, rate: float, root: Path, *,
+            kernels: dict, tuned: dict, chain: bool, cap: float, compile_blocks: bool,
+            profiled: bool) -> dict:
+    device = resolve_device(p.train.device)
+    cuda = device.type == "cuda"
+    data = SyntheticData(root, shapes, steps + 2 + profiled, device)
+    gc.collect()  # the previous run's model (LyCORIS's wrappers hold cycles)
+    if cuda:
+        torch.cuda.empty_cache()
+    trainer, profile = build_trainer(p, config, shapes, data, root, kernels, tuned, compile_blocks)
+    model = trainer.model
+    model.chain_adds = chain
+    out = {"budget_samples": shapes.per, "profile": profile.name, "memory": profile.engines.describe(),
+           "why": profile.why, "estimate_gib": profile.estimate.peak / 2**30, "chain": chain,
+           "cap_gib": cap, "op_table": trainer.components.applied.kernels,
+           "base": trainer.components.applied.quantized or "keep", "card": None}
+    if cap and cuda:  # the allocator capped from here on (the model was built on the card uncapped)
+        torch.cuda.set_per_process_memory_fraction(cap * 2**30 / torch.cuda.mem_get_info()[1])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    card = CardLog(torch.cuda.current_device()) if cuda else None
+    times, held = [], 0.0
+    ahead = data.ahead()
+    try:
+        with card or contextlib.nullcontext():
+            for s in range(steps + 2):
+                sync()
+                t0 = time.perf_counter()
+                trainer.step(s, ahead)
+                sync()
+                held = max(held, held_gib()) if cuda else 0.0
+                if s >= 2:
+                    times.append(time.perf_counter() - t0)
+            trainer.stepper.wait()
+    except torch.OutOfMemoryError as e:
+        out.update(error="out of memory", detail=str(e).splitlines()[0][:200],
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        return _released(out, trainer, cuda)
+    layout = build_layout([(shapes.grid,) * 2] * shapes.per, [shapes.text] * shapes.per)
+    t = statistics.median(times)
+    flops = train_flops(config, layout, full=p.adapter.full)
+    ring = model.engines.state("weight streaming")
+    offloader = model.engines.state("activation offload")
+    if profiled:
+        out["profile_step"] = profile_step(lambda: trainer.step(steps + 2, ahead))
+    out.update(step_s=t, step_times_s=[round(x, 4) for x in times], samples_per_s=shapes.per / t,
+               model_tflops_per_step=flops / 1e12, mfu=flops / t / rate if rate else None,
+               trainable_params=sum(x.numel() for x in trainer.stepper.tensors),
+               host_peak_gib=host_peak_gib(), card=card.summary() if card else None)
+    if cuda:
+        out.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                   reserved_gib=torch.cuda.max_memory_reserved() / 2**30, device_used_gib=held)
+    if ring is not None:
+        out.update(loads_per_step=ring.loads / (steps + 2 + profiled), host_weights_gib=ring.host_bytes() / 2**30)
+    if offloader is not None:
+        out["offloaded_gib_per_step"] = offloader.bytes / 2**30
+    return _released(out, trainer, cuda)
+
+
+def _released(out: dict, trainer: Trainer, cuda: bool) -> dict:
+    trainer.components = trainer.model = trainer.trainable = trainer.stepper = trainer.optimizer = None
+    gc.collect()
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    return out
 
 
 def host_peak_gib() -> float:
@@ -116,34 +303,6 @@ def held_gib() -> float:
     return (total - free) / 2**30
 
 
-# --bases: (precision.base, precision.fp8_compute)
-_BASES = {"keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
-          "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "fast"),
-          "fp8-full-rows": ("fp8", "full"), "fp8-full-kept": ("fp8", "full")}
-# fp8-full-fast: precision.fp8_compute fast (full with fast accumulation in the input-gradient
-# GEMMs); fp8-full-rows: full with the LoRA's narrow products made inside the row quantization
-# (fp8_lora_linears' scaled_mm_rows, chosen by name); fp8-full-kept: full with the codes'
-# transposes kept between steps (memory.fp8_transposes, which profile speed sets)
-_BASE_BACKENDS = {"fp8-full-rows": {"fp8_lora_linears": ["scaled_mm_rows", "scaled_mm"]}}
-
-
-def random_base(full: bool, base: str = "keep") -> MOSSImageTransformer:
-    """The base flavor with random weights and a training run's engines (bf16 compute);
-    ``base``: keep, int8, fp8 (weight-only), fp8-compute, fp8-full or fp8-full-fast
-    (``precision.base`` and ``precision.fp8_compute`` on / full / fast), or a variant of full."""
-    model = random_transformer(FLAVORS["base"], "cuda")
-    policy = precision_policy("bf16", full=full, **decode(*_BASES[base]).policy_args())
-    applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy,
-                                              kernels=KERNEL_CHOICES, tuned=TUNED, **ENGINES))
-    if base == "fp8-full-kept":
-        keep_fp8_transposes(model)
-    torch.cuda.empty_cache()
-    model.chain_adds = CHAIN[0]
-    print(json.dumps({"op_table": applied.kernels, "base": applied.quantized or base,
-                      "chain_adds": model.chain_adds}), flush=True)
-    return model
-
-
 def matmul_rate() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -155,75 +314,6 @@ def matmul_rate() -> float:
         a @ b
     torch.cuda.synchronize()
     return 2 * 8192**3 * 10 / (time.perf_counter() - t0)
-
-
-def fill_caches(root: str, n: int, text_len: int) -> tuple[TensorStore, TensorStore]:
-    lat, txt = TensorStore(f"{root}/lat", "bf16"), TensorStore(f"{root}/txt", "bf16")
-    g = torch.Generator().manual_seed(0)
-    for i in range(n):
-        lat.add(f"{i:032x}", torch.randn(4096, 128, generator=g))
-        txt.add(f"{i:032x}", torch.randn(text_len + i % 7, 4096, generator=g))
-    lat.flush()
-    txt.flush()
-    return TensorStore(f"{root}/lat", "bf16"), TensorStore(f"{root}/txt", "bf16")
-
-
-def step_inputs(lat, txt, keys, step, device="cuda"):
-    """One step's batch on the device as ``kmoss train`` makes it (``training.ahead``): read
-    from the caches, through page-locked memory, queued behind the device's work."""
-    x0 = torch.cat([lat.get(k) for k in keys]).pin_memory().to(device, non_blocking=True)
-    texts = [txt.get(k) for k in keys]
-    layout = build_layout([(64, 64)] * len(keys), [len(t) for t in texts]).to(device)
-    text = torch.cat(texts).pin_memory().to(device, non_blocking=True)
-    g = torch.Generator(device=device).manual_seed(step)
-    sigma = torch.rand(len(keys), device=device, generator=g)
-    eps = torch.randn(x0.shape, device=device, generator=g)
-    z, target = noised(x0, eps, sigma[layout.seg_img])
-    return z, target, text, sigma, layout
-
-
-def step_fn(model, opt, batch, update=None, upcoming=None, stepper=None):
-    """One step on ``batch`` (``step_inputs``); ``upcoming()`` makes the next step's batch
-    while the device runs this backward, as the trainer does; ``stepper``: the step in
-    backward or the streamed states (``memory.stepping``). Returns the layout and it."""
-
-    z, target, text, sigma, layout = batch
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        pred = model(z, text, sigma, layout)
-    loss = flow_loss(pred, target, layout.seg_img, torch.ones(len(sigma), device=z.device), layout.n_img)
-    if isinstance(stepper, FusedStep):
-        stepper.arm()
-    loss.backward()
-    following = upcoming() if upcoming is not None else None
-    if update is not None:  # memory.optimizer host: the gradients gathered on the host
-        update.finish_backward()
-        update.step(opt)  # overlapped: beside the next step's forward
-    elif isinstance(stepper, FusedStep):
-        stepper.finish()
-    else:
-        if stepper is not None:
-            stepper.step()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-    return layout, following
-
-
-def predicted_peak(batch: list[tuple[int, int]], full: bool, base: str = "keep") -> float:
-    """The memory estimator's peak (GiB) for this bench's run: the base flavor, rank-32 LoRA
-    (or a full finetune), bf16, AdamW, the --checkpointing engines, the base held as ``base``
-    (fp8-full-kept: with the codes' transposes kept, as the run holds them)."""
-    from kohakumoss.params import parse_params
-    from kohakumoss.training.estimate import GiB, estimate
-
-    precision = {"base": _BASES[base][0], "fp8_compute": _BASES[base][1]}
-    p = parse_params({"data": {"datasets": [{"source": "kohya", "path": "unused"}]},
-                      "adapter": {"algo": "full"} if full else {"algo": "lora", "dim": 32, "alpha": 32.0},
-                      "train": {"dtype": "bf16"}, "precision": precision}, "bench")
-    engines = ENGINES.get("memory", MemoryEngines())
-    if base == "fp8-full-kept":
-        engines = dataclasses.replace(engines, fp8_transposes=True)
-    return estimate(p, batch, engines, config=FLAVORS["base"]).peak / GiB
 
 
 def stream_gaps(trace: str) -> dict:
@@ -324,289 +414,73 @@ def profile_step(run_step, rows: int = 45) -> dict:
             "cpu_top": [{"op": name[:80], "ms": round(t / 1e3, 2), "calls": c} for name, t, c in cpu[:rows]]}
 
 
-def bench_lora(budget: int, steps: int, text_len: int, rate: float, root: str,
-               profiled: bool = False, base: str = "keep") -> dict:
-    from kohakumoss.adapters import apply_adapters
 
-    per = max(1, budget // (4096 + text_len + 3))
-    lat, txt = fill_caches(root, per * (steps + 2), text_len)
-    gc.collect()  # the previous run's model (LyCORIS's wrappers hold cycles)
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
-    model = random_base(full=False, base=base)
-    weights = (torch.cuda.memory_allocated() - before) / 2**30  # the model as held, no adapter
-    adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
-    ring = None
-    memory = ENGINES.get("memory", MemoryEngines())
-    if memory.stream_slots:
-        from kohakumoss.memory.streaming import apply_weight_streaming
-
-        ring = apply_weight_streaming(model, torch.device("cuda"), memory.stream_slots,
-                                      resident=memory.resident_blocks)
-        torch.cuda.empty_cache()
-    if CAP[0]:  # the allocator capped from here on (the model was built on the card uncapped)
-        torch.cuda.set_per_process_memory_fraction(CAP[0] * 2**30 / torch.cuda.mem_get_info()[1])
-    if COMPILE_BLOCKS[0]:
-        compile_blocks(model)
-    named = list(adapters.named_trainable())
-    update = None
-    if memory.optimizer == "host":
-        from kohakumoss.adapters.inject import lora_name
-        from kohakumoss.memory.host_update import HostUpdate
-        from kohakumoss.memory.overlap import OverlappedUpdate
-
-        update = HostUpdate(named, torch.device("cuda")) if NO_OVERLAP[0] else \
-            OverlappedUpdate(named, torch.device("cuda"), model, renamed=lora_name)
-        opt = build_optimizer(update.named_masters, OptimConfig(lr=1e-4))
-        update.attach(opt)
-    else:
-        opt = build_optimizer(named, OptimConfig(lr=1e-4))
-    stepper = None
-    if memory.optimizer in ("fused", "streamed"):
-        stepper = FusedStep(named, opt) if memory.optimizer == "fused" else \
-            StreamedStates(named, opt, torch.device("cuda"))
-    keys = [f"{i:032x}" for i in range(per * (steps + 2))]
-    times, segments = [], []  # each timed step's time and its samples' joint lengths
-    torch.cuda.reset_peak_memory_stats()
-    held = 0.0
-    card = CardLog(torch.cuda.current_device())
-    try:
-        batch = step_inputs(lat, txt, keys[:per], 0)
-        with card:  # the card's clock and power over the steps
-            for s in range(steps + 2):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                upcoming = (lambda s=s: step_inputs(lat, txt, keys[(s + 1) * per:(s + 2) * per], s + 1)) \
-                    if s + 1 < steps + 2 else None
-                layout, batch = step_fn(model, opt, batch, update, upcoming, stepper)
-                torch.cuda.synchronize()
-                held = max(held, held_gib())
-                if s >= 2:
-                    times.append(time.perf_counter() - t0)
-                    segments.append(list(layout.joint_len))
-            if update is not None:
-                update.wait()
-    except torch.OutOfMemoryError as e:
-        out = {"budget": budget, "samples_per_step": per, "cap_gib": CAP[0], "error": "out of memory",
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-               "estimate_gib": predicted_peak([(4096, 104)] * per, full=False, base=base),
-               "detail": str(e).splitlines()[0][:200]}
-        del model, opt, adapters, ring, update, stepper
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
-        return out
-    t = statistics.median(times)
-    flops = train_flops(FLAVORS["base"], layout, full=False)
-    est = predicted_peak([(n, 104) for n in layout.img_len], full=False, base=base)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    reserved = torch.cuda.max_memory_reserved() / 2**30
-    if profiled:  # the step as the loop runs it: its batch made before, the next one inside
-        batch = step_inputs(lat, txt, keys[:per], 0)
-        prof = profile_step(lambda: step_fn(model, opt, batch, update,
-                                            lambda: step_inputs(lat, txt, keys[per:2 * per], 1),
-                                            stepper))
-    else:
-        prof = None
-    streamed = {"stream_slots": memory.stream_slots, "loads_per_step": ring.loads / (steps + 2 + bool(prof)),
-                "host_weights_gib": ring.host_bytes() / 2**30} if ring else {}
-    offloaded = getattr(model, "offloader", None)
-    if offloaded is not None:
-        streamed["offloaded_gib_per_step"] = offloaded.bytes / 2**30
-    del model, opt, adapters, ring, update, stepper
-    torch.cuda.set_per_process_memory_fraction(1.0)
-    torch.cuda.empty_cache()
-    return {"budget": budget, "base": base, "weights_gib": weights,
-            "samples_per_step": per, "joint_tokens": layout.n_joint, "cap_gib": CAP[0],
-            "step_s": t, "step_times_s": [round(x, 4) for x in times],
-            "step_segments": segments, "card": card.summary(), "samples_per_s": per / t,
-            "peak_gib": peak, "estimate_gib": est,
-            "reserved_gib": reserved, "device_used_gib": held, "host_peak_gib": host_peak_gib(),
-            **streamed,
-            "model_tflops_per_step": flops / 1e12, "mfu": flops / t / rate, "trainable_params":
-            sum(p.numel() for _, p in named), **({"profile": prof} if prof else {})}
-
-
-def bench_full(text_len: int, root: str, steps: int = 3) -> dict:
-    """A full finetune, one 1 MP sample per step (fp32 masters, bf16 autocast, AdamW), with
-    the --memory-profile / knobs' engines: streamed blocks and the host update when set
-    (the model is built on the card, then its blocks move to the host; --cap applies from
-    then on)."""
-    lat, txt = fill_caches(root + "/full", steps + 2, text_len)
-    model = random_base(full=True)
-    named = list(model.named_parameters())
-    memory = ENGINES.get("memory", MemoryEngines())
-    update = None
-    if memory.optimizer == "host":
-        from kohakumoss.memory.host_update import HostUpdate
-
-        update = HostUpdate(named, torch.device("cuda"))  # streamed blocks: not overlapped
-        named = update.named_masters
-    if memory.stream_slots:
-        from kohakumoss.memory.streaming import apply_weight_streaming
-
-        ring = apply_weight_streaming(model, torch.device("cuda"), memory.stream_slots, trainable=True,
-                                      dtype=torch.bfloat16)
-        if update is not None:
-            update.before_push.append(ring.invalidate)
-    torch.cuda.empty_cache()
-    if CAP[0]:
-        torch.cuda.set_per_process_memory_fraction(CAP[0] * 2**30 / torch.cuda.mem_get_info()[1])
-    opt = build_optimizer(named, OptimConfig(lr=1e-5))
-    if update is not None:
-        update.attach(opt)
-    torch.cuda.reset_peak_memory_stats()
-    times, held = [], 0.0
-    try:
-        batch = step_inputs(lat, txt, [f"{0:032x}"], 0)
-        for s in range(steps + 1):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            upcoming = (lambda s=s: step_inputs(lat, txt, [f"{s + 1:032x}"], s + 1)) if s < steps else None
-            _, batch = step_fn(model, opt, batch, update, upcoming)
-            torch.cuda.synchronize()
-            held = max(held, held_gib())
-            if s >= 1:
-                times.append(time.perf_counter() - t0)
-        out = {"samples": 1, "step_s": statistics.median(times), "samples_per_s": 1 / statistics.median(times),
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-               "reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "device_used_gib": held}
-    except torch.OutOfMemoryError as e:
-        out = {"error": str(e).splitlines()[0][:200], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    out.update(cap_gib=CAP[0], memory=memory.describe(), host_peak_gib=host_peak_gib(),
-               estimate_gib=predicted_peak([(4096, 104)], full=True))
-    del model, opt, update
-    torch.cuda.set_per_process_memory_fraction(1.0)
-    torch.cuda.empty_cache()
-    return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--budgets", type=int, nargs="*", default=[8192, 16384],
-                    help="LoRA token budgets to measure (none: only --full)")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--text", type=int, default=100)
-    ap.add_argument("--full", action="store_true")
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=Path, default=PARAMS, help="the run's params file")
+    ap.add_argument("-S", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="section.key=value over the params file (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], metavar="'KEY=VALUE ...'",
+                    help="a set of overrides measured in turn, on top of -S (repeatable; a "
+                         "variant may come twice: A B A B shows the card's drift)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16800],
+                    help="tokens a step holds (16,800: four 1 MP samples)")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up ones)")
+    ap.add_argument("--text", type=int, default=100, help="caption tokens a sample")
+    ap.add_argument("--grid", type=int, default=64, help="latent grid side (64: 1 MP)")
+    ap.add_argument("--flavor", default="base", choices=sorted(FLAVORS), help="the model's size")
     ap.add_argument("--kernels", nargs="*", default=[],
-                    help="backends to prefer for every op that has them, in order (e.g. triton "
-                         "compile); none: the references")
-    ap.add_argument("--checkpointing", default="none",
-                    help="activation checkpointing mode: none, block, sub-block, selective, partial")
-    ap.add_argument("--checkpoint-blocks", type=int, default=0, help="partial: blocks per list")
-    ap.add_argument("--no-recompute", action="store_true",
-                    help="keep the elementwise ops' intermediates instead of recomputing them")
-    ap.add_argument("--compile-blocks", action="store_true",
-                    help="torch.compile each block with its adapters (dynamic token counts)")
-    ap.add_argument("--offload", action="store_true",
-                    help="with --checkpointing block / sub-block: the kept inputs (and attention "
-                         "outputs) in host memory")
-    ap.add_argument("--host-optimizer", action="store_true",
-                    help="the optimizer on the host (gradients offloaded, AdamW on the CPU)")
-    ap.add_argument("--optimizer", choices=["fused", "streamed"], default=None,
-                    help="the adapter's update placed as memory.optimizer fused (the step in "
-                         "backward) or streamed (states from the host), over any engines")
-    ap.add_argument("--stream-slots", type=int, default=0,
-                    help="stream the frozen base's block weights through this many device slots")
-    ap.add_argument("--memory-profile", default="",
-                    help="a profile's engines (speed, balanced, low, minimal) instead of the knobs")
-    ap.add_argument("--cap", type=float, nargs="*", default=[0.0],
-                    help="cap the allocator at this many GiB (set_per_process_memory_fraction) "
-                         "for the steps; several: each budget is measured under each cap")
-    ap.add_argument("--bases", nargs="*", default=["keep"],
-                    help="the frozen base as held: keep (bf16), int8, fp8, fp8-compute, fp8-full, "
-                         "fp8-full-fast (precision.fp8_compute fast: fast accumulation in its "
-                         "input gradients too), "
-                         "fp8-full-rows (the narrow products inside the row quantization), "
-                         "fp8-full-kept (the codes' transposes kept between steps); each "
-                         "budget is measured with each, in one run")
-    ap.add_argument("--narrow", nargs="*", default=["cublas"],
-                    choices=["cublas", *KERNELS.names("narrow_mm")[1:]],  # cublas: the reference
-                    help="how the LoRA nodes' narrow products (x A^T, dy B) are made (ops.narrow_mm's "
-                         "backends, kernels/narrow.py; cublas: the reference); "
-                         "several: each base and budget is measured with each")
-    ap.add_argument("--chain", nargs="*", choices=["on", "off"], default=["on"],
-                    help="the joint blocks chained (each half's closing add made by the next "
-                         "norm, the model's default: on) or block by block (off); several: each "
-                         "base and budget is measured with each")
-    ap.add_argument("--quant-backends", nargs="*", default=[],
-                    help="a quantized base's quant_linear backends, in order (default: the "
-                         "engines' own, dequant_mm from 1024 rows, else the fused triton kernel)")
-    ap.add_argument("--resident-blocks", type=int, default=0,
-                    help="streaming: the first blocks' weights stay on the device (auto fills this)")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="with the host optimizer: the update between steps, not beside the next "
-                         "forward (kmoss train overlaps an adapter's)")
-    ap.add_argument("--fixed-segments", action="store_true",
-                    help="leave the allocator as it is (by default a streamed or offloaded run "
-                         "takes expandable segments, as kmoss train does)")
-    ap.add_argument("--linear-backend", default="tilelang", help="the backend --linear-shapes forces")
-    ap.add_argument("--linear-shapes", nargs="*", default=[], metavar="KxO",
-                    help="the block linears of these shapes on --linear-backend (untuned)")
+                    help="backends to prefer for every op that has them, in order (fa4 triton "
+                         "compile), or op=backend,backend; none: the references")
     ap.add_argument("--tune", action="store_true",
                     help="the per-shape ops (the block linears' GEMM) as the tuner picks them")
     ap.add_argument("--tune-backends", nargs="*", default=[],
                     help="with --tune: the backends it times (opt-in ones: tilelang)")
-    ap.add_argument("--name", default="", help="the report's file name under $OUT")
+    ap.add_argument("--chain", nargs="+", choices=["on", "off"], default=["on"],
+                    help="the joint blocks chained (the model's default) or block by block")
+    ap.add_argument("--cap", type=float, nargs="+", default=[0.0],
+                    help="cap the allocator at this many GiB for the steps (0: none)")
+    ap.add_argument("--compile-blocks", action="store_true",
+                    help="torch.compile each block with its adapters (dynamic token counts)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile one step per budget: kernels by CUDA time, shares by family")
-    a = ap.parse_args()
-    KERNEL_CHOICES.update(kernel_choices(a.kernels))
-    if a.tune:
-        TUNED.update(tune_per_shape([[(4096, a.text)] * (b // 4200) for b in a.budgets], a.tune_backends))
-    for shape in a.linear_shapes:  # "KxO": that backend there, whatever the tuner would say
-        from kohakumoss.kernels.problems import PROBLEMS
-
-        K, O = (int(v) for v in shape.split("x"))
-        for b in a.budgets:
-            key = PROBLEMS["linear"].key({"N": b, "K": K, "O": O})
-            TUNED[f"linear/bfloat16/{key}"] = [a.linear_backend, "reference"]
-    if a.quant_backends:
-        KERNEL_CHOICES["quant_linear"] = a.quant_backends
-    ENGINES["memory"] = MemoryEngines(a.checkpointing, a.checkpoint_blocks, not a.no_recompute,
-                                      a.stream_slots, optimizer="host" if a.host_optimizer else "device",
-                                      offload=a.offload)
-    if a.memory_profile:
-        from kohakumoss.memory.profiles import PROFILE_ENGINES
-
-        ENGINES["memory"] = PROFILE_ENGINES[a.memory_profile]
-    if a.resident_blocks:
-        ENGINES["memory"] = dataclasses.replace(ENGINES["memory"], resident_blocks=a.resident_blocks)
-    if a.optimizer:
-        ENGINES["memory"] = dataclasses.replace(ENGINES["memory"], optimizer=a.optimizer)
-    expandable = False if a.fixed_segments else tight_allocator(ENGINES["memory"], torch.device("cuda"))
-    caps = a.cap or [0.0]
-    COMPILE_BLOCKS[0] = a.compile_blocks
-    NO_OVERLAP[0] = a.no_overlap
-    rate = matmul_rate()
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": a.kernels,
-           "checkpointing": a.checkpointing, "checkpoint_blocks": a.checkpoint_blocks,
-           "recompute": not a.no_recompute, "memory": ENGINES["memory"].describe(),
-           "memory_profile": a.memory_profile, "cap_gib": caps, "quant_backends": a.quant_backends,
-           "compile_blocks": a.compile_blocks, "expandable_segments": expandable,
-           "overlapped_update": not a.no_overlap,
-           "date": time.strftime("%Y-%m-%d"), "bf16_matmul_tflops": rate / 1e12, "lora": []}
-    with tempfile.TemporaryDirectory() as root:
-        for cap in caps:
-            CAP[0] = cap
-            for i, base in enumerate(a.bases):  # a base may come twice (A B A B: the card's drift)
-                for op in ("fp8_linear", "fp8_lora_linears"):
-                    KERNEL_CHOICES.pop(op, None)
-                KERNEL_CHOICES.update(_BASE_BACKENDS.get(base, {}))
-                for how, chain in [(h, c) for h in a.narrow for c in a.chain or ["on"]]:
-                    CHAIN[0] = chain == "on"  # each way asked; cublas: the reference
-                    KERNEL_CHOICES.pop("narrow_mm", None)
-                    if how != "cublas":
-                        KERNEL_CHOICES["narrow_mm"] = [how]
-                    for b in a.budgets:
-                        res["lora"].append({**bench_lora(b, a.steps, a.text, rate,
-                                                         f"{root}/{cap:g}-{b}-{base}-{i}-{how}-{chain}",
-                                                         a.profile, base),
-                                            "narrow": how, "chain": chain})
-                        print(json.dumps(res["lora"][-1]), flush=True)
-        if a.full:
-            res["full"] = bench_full(a.text, root, a.steps)
-            print(json.dumps(res["full"]), flush=True)
+                    help="also profile one step: kernels by CUDA time, shares by family")
+    ap.add_argument("--name", default="", help="the report's file name under $OUT")
+    a = ap.parse_args(argv)
+    config = FLAVORS[a.flavor]
+    variants = [shlex.split(v) for v in a.variant] or [[]]
+    first = bench_params(a.params, a.overrides + variants[0])
+    device = resolve_device(first.train.device)
+    cuda = device.type == "cuda"
+    kernels = kernel_choices(a.kernels)
+    shapes = [Shapes(a.grid, a.text, max(1, b // (a.grid * a.grid + a.text + 3)), config.latent_channels,
+                     config.text_dim) for b in a.budgets]
+    # the allocator as the first variant's run sets it (once a process: before the model)
+    first_profile = resolve_profile(first, [(a.grid * a.grid, a.text)] * shapes[0].per, device, config=config)
+    expandable = tight_allocator(first_profile.engines, device)
+    tuned = tune_per_shape([[(a.grid * a.grid, a.text)] * s.per for s in shapes], a.tune_backends,
+                           config=config, device=device) if a.tune else {}
+    rate = matmul_rate() if cuda else 0.0
+    res = {"device": torch.cuda.get_device_name() if cuda else str(device), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "params": str(a.params), "overrides": a.overrides,
+           "kernels": kernels, "tuned": bool(tuned), "expandable_segments": expandable,
+           "compile_blocks": a.compile_blocks, "bf16_matmul_tflops": rate / 1e12, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        n = 0
+        for cap in a.cap:
+            for variant in variants:
+                p = bench_params(a.params, a.overrides + variant)
+                for chain in a.chain:
+                    for shape, budget in zip(shapes, a.budgets):
+                        n += 1
+                        row = {"variant": " ".join(variant), "budget": budget,
+                               **measure(p, config, shape, a.steps, rate, Path(tmp) / str(n),
+                                         kernels=kernels, tuned=tuned, chain=chain == "on", cap=cap,
+                                         compile_blocks=a.compile_blocks, profiled=a.profile)}
+                        res["runs"].append(row)
+                        print(json.dumps(row), flush=True)
     report(res, a.name or "bench_train")
+    return res
 
 
 if __name__ == "__main__":

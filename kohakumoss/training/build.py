@@ -143,36 +143,32 @@ def node_copies(dist: Dist, device: torch.device, params: Params) -> NodeCopies 
                       lambda: barrier(dist), pin=True)
 
 
-def build_components(params: Params, paths: RunPaths,
-                     engines: EnginePlan | None = None, dist: Dist = Dist()) -> Components:
-    """The run's components; ``engines`` defaults to ``engine_plan(params, device)``. With
-    ``paths.kernels`` (and no tuned choices in ``engines``) the op table follows the tuning
-    table there, the shapes it lacks measured first (``tuned_kernels``). ``dist``: this
-    process among the data-parallel ones (``kohakumoss.parallel``): the batches it reads."""
+@dataclasses.dataclass
+class Training:
+    """The model side of a run (``build_training``): what trains and how it steps."""
+
+    engines: EnginePlan
+    applied: AppliedEngines
+    model: MOSSImageTransformer
+    trainable: Trainable
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: EMA | None
+    stepper: Stepper
+
+
+def build_training(params: Params, engines: EnginePlan, model: MOSSImageTransformer,
+                   device: torch.device, dist: Dist = Dist(), offloaded: bool = False,
+                   stored: Callable | None = None) -> Training:
+    """A built base ``model`` made into what a run trains, in ``build_components``' order:
+    the engines applied (``stored``: a quantized checkpoint's weights by name), the
+    sharding of a full finetune over ranks (``offloaded``: FSDP2's host offload), the
+    trainable set, the host masters (``memory.optimizer: host``), placement, the optimizer,
+    schedule, EMA and the stepper. A benchmark builds a run's model side with this on a
+    model of random weights (``bench/bench_train.py``)."""
     p = params
-    device = resolve_device(p.train.device)
-    plan_rows, plan = read_plan(paths.plan)
-    engines = engines if engines is not None else engine_plan(p, device, memory=run_memory(
-        p, plan_token_batches(plan_rows), device))
-    sharded = dist.group and p.adapter.full
-    offloaded = sharded and engines.memory.optimizer == "host"
-    if offloaded:  # FSDP2 keeps each rank's shard on the host and gathers the blocks itself
-        engines = dataclasses.replace(engines, memory=dataclasses.replace(
-            engines.memory, optimizer="device", stream_slots=0, resident_blocks=0))
-        log.info("sharded full finetune with the optimizer on the host: FSDP2 offloads each "
-                 "rank's 1/%d of the masters, gradients and optimizer states to host memory and "
-                 "gathers each block onto the device for its forward and backward", dist.world)
-    # loaded straight in the dtype the precision policy holds the weights in (on the host when
-    # its block weights will stream or be quantized: the device never holds them all)
-    quantized = engines.precision.base != "keep"
-    model = load_dit(p.model.transformer, engines.precision.weights, torch.device("cpu")
-                     if engines.memory.stream_slots or quantized or offloaded else device)
-    if paths.kernels is not None and not engines.tuned:
-        engines = dataclasses.replace(engines, tuned=run_kernels(
-            paths.run / RUN_KERNELS, engines, plan.content_hash,
-            lambda: tuned_kernels(p, engines, paths.kernels, model.config,
-                                  plan_token_batches(plan_rows))))
-    applied = apply_engines(model, engines, stored_weights(p.model.transformer) if quantized else None)
+    sharded = bool(dist.group and p.adapter.full)
+    applied = apply_engines(model, engines, stored)
     if sharded:  # before the trainable set: sharding replaces the parameters
         from kohakumoss.memory import repeated_blocks
         from kohakumoss.parallel.fsdp import shard_model
@@ -208,6 +204,40 @@ def build_components(params: Params, paths: RunPaths,
         scaler=loss_scaler(p.precision, engines.precision.compute), host=update, sharded=sharded,
         fused=FusedStep(named, optimizer) if engines.memory.optimizer == "fused" else None,
         streamed=StreamedStates(named, optimizer, device) if engines.memory.optimizer == "streamed" else None)
+    return Training(engines, applied, model, trainable, optimizer, scheduler, ema, stepper)
+
+
+def build_components(params: Params, paths: RunPaths,
+                     engines: EnginePlan | None = None, dist: Dist = Dist()) -> Components:
+    """The run's components; ``engines`` defaults to ``engine_plan(params, device)``. With
+    ``paths.kernels`` (and no tuned choices in ``engines``) the op table follows the tuning
+    table there, the shapes it lacks measured first (``tuned_kernels``). ``dist``: this
+    process among the data-parallel ones (``kohakumoss.parallel``): the batches it reads."""
+    p = params
+    device = resolve_device(p.train.device)
+    plan_rows, plan = read_plan(paths.plan)
+    engines = engines if engines is not None else engine_plan(p, device, memory=run_memory(
+        p, plan_token_batches(plan_rows), device))
+    sharded = dist.group and p.adapter.full
+    offloaded = sharded and engines.memory.optimizer == "host"
+    if offloaded:  # FSDP2 keeps each rank's shard on the host and gathers the blocks itself
+        engines = dataclasses.replace(engines, memory=dataclasses.replace(
+            engines.memory, optimizer="device", stream_slots=0, resident_blocks=0))
+        log.info("sharded full finetune with the optimizer on the host: FSDP2 offloads each "
+                 "rank's 1/%d of the masters, gradients and optimizer states to host memory and "
+                 "gathers each block onto the device for its forward and backward", dist.world)
+    # loaded straight in the dtype the precision policy holds the weights in (on the host when
+    # its block weights will stream or be quantized: the device never holds them all)
+    quantized = engines.precision.base != "keep"
+    model = load_dit(p.model.transformer, engines.precision.weights, torch.device("cpu")
+                     if engines.memory.stream_slots or quantized or offloaded else device)
+    if paths.kernels is not None and not engines.tuned:
+        engines = dataclasses.replace(engines, tuned=run_kernels(
+            paths.run / RUN_KERNELS, engines, plan.content_hash,
+            lambda: tuned_kernels(p, engines, paths.kernels, model.config,
+                                  plan_token_batches(plan_rows))))
+    parts = build_training(p, engines, model, device, dist, offloaded,
+                           stored_weights(p.model.transformer) if quantized else None)
     timesteps = make_timesteps(p)
     check_sources(p, paths.text_cache, paths.latent_cache)
     caches = BatchCaches(p, load_catalogs(paths.catalog, p.data.datasets), paths.text_cache,
@@ -216,7 +246,6 @@ def build_components(params: Params, paths: RunPaths,
     batches = PlanBatches(paths.plan, p.data.datasets, p.resolution, paths.catalog,
                           rank=dist.rank, world=dist.world, plan_world=p.parallel.world_size,
                           pixels=p.cache.latents != "offline", max_pixels=p.data.max_image_pixels)
-    return Components(device=device, engines=engines, applied=applied, model=model,
-                      trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
+    return Components(device=device, **{f.name: getattr(parts, f.name) for f in dataclasses.fields(parts)},
                       timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
-                      batches=batches, stepper=stepper, dist=dist)
+                      batches=batches, dist=dist)
