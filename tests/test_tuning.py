@@ -79,8 +79,9 @@ def test_plan_problems_follow_the_model():
 
 
 def test_plan_calls_are_the_calls_the_model_makes():
-    """``plan_calls`` writes the model's structure out by hand: held here to what the tiny
-    model's forward calls, op by op and bucket by bucket."""
+    """``plan_calls`` is the structure recorded from the model's own forward on the meta
+    device (``call_structure``), at a batch's sizes: held here to what the tiny model's real
+    forward calls on the CPU, op by op and bucket by bucket."""
     c = FLAVORS["tiny"]
     samples = [(12, 6), (10, 0), (1, 3)]
     layout = build_layout([(3, 4), (2, 5), (1, 1)], [6, 0, 3])

@@ -11,9 +11,10 @@ For each tunable op of the op table (``kohakumoss.model.ops``) a ``Problem`` say
   frozen base gives them none).
 
 ``plan_problems(config, batches)`` lists the shapes a plan's batches give each op of the
-MOSS-Image DiT (``kohakumoss.model.dit``): text blocks over the text tokens, joint blocks over
-image + text tokens, the final norm over the image tokens; ``plan_calls`` how many calls the
-run makes in each shape bucket (what a backend's build is weighed against). An op with no
+MOSS-Image DiT (``kohakumoss.model.dit``), as recorded from the model's own forward on the
+meta device (``call_structure``: text blocks over the text tokens, joint blocks over image +
+text tokens, the final norm over the image tokens, the loss); ``plan_calls`` how many calls
+the run makes in each shape bucket (what a backend's build is weighed against). An op with no
 ``Problem`` is not tuned (its backend is chosen statically, or it is the reference).
 
 Legend: N tokens, B samples, D width, F ffn width, K x O a linear's input x output width, H
@@ -24,6 +25,8 @@ L longest segment.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -176,39 +179,95 @@ def call_dtype(args: Sequence) -> torch.dtype:
     return next(a.dtype for a in args if isinstance(a, torch.Tensor))
 
 
-def batch_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[tuple[str, Dims, int]]:
-    """The op calls one training use of a batch makes (``samples``: each sample's
-    ``(image_tokens, text_tokens)``), as ``(op, dims, calls)``: the MOSS-Image DiT's structure
-    (``kohakumoss.model.dit``), held to the model's own calls by ``tests/test_tuning.py``."""
-    D, F, H, Dh = config.dim, config.ffn_dim, config.heads, config.head_dim
+def batch_quantities(samples: Sequence[tuple[int, int]]) -> Dims:
+    """The sizes a batch's op calls are made of (``samples``: each sample's ``(image_tokens,
+    text_tokens)``): image, text and joint tokens, samples, and the text's and the joint
+    stream's longest segment and segment count (every sample has a joint segment)."""
     img = [int(i) for i, _ in samples]
     txt = [int(t) for _, t in samples]
-    B, n_img, n_txt = len(samples), sum(img), sum(txt)
-    out: list[tuple[str, Dims, int]] = []
-    if not B:
-        return out
-    if config.text_blocks and n_txt:  # per text block: two norms, q and k, one attention...
-        S, L, tb = sum(1 for t in txt if t), max(txt), config.text_blocks
-        out += [("rms_norm", {"N": n_txt, "D": D}, 2 * tb),
-                ("qk_norm_rope", {"N": n_txt, "H": H, "Dh": Dh}, 2 * tb),
-                ("varlen_attention", {"N": n_txt, "H": H, "Dh": Dh, "L": L, "S": S}, tb),
-                ("residual", {"N": n_txt, "D": D}, 2 * tb),
-                ("situ", {"N": n_txt, "F": F}, tb)]
     joint = [i + t for i, t in zip(img, txt)]
-    n, depth = sum(joint), config.depth
-    if n:  # per joint block: two modulated norms, q and k, two gated adds, six linears...
-        out += [("modulated_rms_norm", {"N": n, "D": D, "B": B}, 2 * depth),
-                ("qk_norm_rope", {"N": n, "H": H, "Dh": Dh}, 2 * depth),
-                ("varlen_attention", {"N": n, "H": H, "Dh": Dh, "L": max(joint),
-                                      "S": sum(1 for j in joint if j)}, depth),
-                ("gated_residual", {"N": n, "D": D, "B": B}, 2 * depth),
-                ("situ", {"N": n, "F": F}, depth),
-                ("linear", {"N": n, "K": D, "O": D}, 4 * depth),  # q, k, v and o
-                ("linear", {"N": n, "K": D, "O": 2 * F}, depth),  # up|gate
-                ("linear", {"N": n, "K": F, "O": D}, depth)]  # down
-    if n_img:  # the final norm and the loss
-        out += [("modulated_rms_norm", {"N": n_img, "D": D, "B": B}, 1),
-                ("flow_loss", {"N": n_img, "C": config.latent_channels, "B": B}, 1)]
+    return {"n_img": sum(img), "n_txt": sum(txt), "n_joint": sum(joint), "B": len(samples),
+            "L_txt": max(txt, default=0), "S_txt": sum(1 for t in txt if t),
+            "L_joint": max(joint, default=0)}
+
+
+# two batches whose quantities differ from each other's and from every model size, so each
+# size of a recorded call is found to be one quantity, or a constant (a model size)
+PROBES = ([(101, 0), (211, 13), (307, 29)], [(103, 0), (223, 17), (331, 37), (449, 41)])
+
+
+def _meta_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[tuple[str, Dims]]:
+    """The tunable op calls of one training use of ``samples`` in call order, recorded from
+    the DiT's forward on the meta device (no memory, no arithmetic) through a counting table,
+    and the loss the trainer computes on its output."""
+    from kohakumoss.model.dit import MOSSImageTransformer
+    from kohakumoss.model.layout import build_layout
+
+    with torch.device("meta"):
+        model = MOSSImageTransformer(config)
+    calls: list[tuple[str, Dims]] = []
+
+    def recording(op: str, fn: Callable) -> Callable:
+        def call(*args):
+            calls.append((op, PROBLEMS[op].dims(*args)))
+            return fn(*args)
+        return call
+
+    for op in PROBLEMS:
+        model.ops.override(op, recording(op, getattr(model.ops, op)))
+    layout = build_layout([(1, i) for i, _ in samples], [t for _, t in samples]).to("meta")
+    meta = dict(device="meta")
+    with torch.no_grad():
+        v = model(torch.empty(layout.n_img, config.latent_channels, **meta),
+                  torch.empty(layout.n_txt, config.text_dim, **meta),
+                  torch.empty(len(samples), **meta), layout)
+        model.ops.flow_loss(v, v, layout.seg_img, torch.empty(len(samples), **meta), layout.n_img,
+                            "mse", 1.0)
+    return calls
+
+
+Structure = tuple[tuple[str, tuple[tuple[str, str | None, int], ...], int], ...]
+
+
+@functools.lru_cache(maxsize=16)
+def call_structure(config: DiTConfig) -> Structure:
+    """``(op, sizes, calls)`` of one training use of any batch, each size ``(name, quantity,
+    value)``: a ``batch_quantities`` name, or None and the constant model size. Recorded once
+    per model config from two meta forwards (``PROBES``): the same calls, each size either
+    the same in both (a model size) or the quantity it equals in both."""
+    (a, b), (qa, qb) = (_meta_calls(config, p) for p in PROBES), (batch_quantities(p) for p in PROBES)
+    if [op for op, _ in a] != [op for op, _ in b]:
+        raise RuntimeError("the DiT's op calls depend on the batch beyond its sizes: the probes' "
+                           "forwards call different ops")
+    counted: Counter = Counter()
+    for (op, da), (_, db) in zip(a, b):
+        sizes = []
+        for k in da:
+            if da[k] == db[k]:
+                sizes.append((k, None, da[k]))
+                continue
+            names = [q for q in qa if qa[q] == da[k] and qb[q] == db[k]]
+            if not names:
+                raise RuntimeError(f"{op}'s size {k} ({da[k]}, {db[k]}) is none of a batch's "
+                                   f"quantities ({', '.join(qa)}): add it to batch_quantities")
+            sizes.append((k, names[0], 0))
+        counted[(op, tuple(sizes))] += 1
+    return tuple((op, sizes, n) for (op, sizes), n in counted.items())
+
+
+def batch_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[tuple[str, Dims, int]]:
+    """The op calls one training use of a batch makes (``samples``: each sample's
+    ``(image_tokens, text_tokens)``), as ``(op, dims, calls)``: the recorded structure of the
+    DiT's own forward (``call_structure``) at the batch's sizes; a call on no tokens (the text
+    ops of a batch without text) is none."""
+    if not samples:
+        return []
+    q = batch_quantities(samples)
+    out = []
+    for op, sizes, n in call_structure(config):
+        dims = {k: q[name] if name is not None else value for k, name, value in sizes}
+        if all(q[name] for _, name, _ in sizes if name is not None):
+            out.append((op, dims, n))
     return out
 
 
