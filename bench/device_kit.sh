@@ -17,7 +17,7 @@
 # A --target install runs no .pth file, so `path` names the CuTe DSL's package folder (which
 # nvidia-cutlass-dsl's .pth would add to sys.path) beside the two install folders.
 #
-# The versions are the ones measured in docs/performance.md (the tenth pass on): flash-attn-4
+# The versions are the ones measured in docs/performance.md: flash-attn-4
 # 4.0.0b40, nvidia-cutlass-dsl 4.8.1 with its cu13 libraries, for the machine's Python 3.12.
 set -euo pipefail
 

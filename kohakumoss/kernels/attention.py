@@ -12,8 +12,8 @@ within each contiguous segment of ``lengths`` tokens, scale ``1 / sqrt(Dh)``.
   with ``torch.compile`` on CUDA (fp32/bf16/fp16); on the CPU it runs eagerly, forward only
   (torch has no CPU flex backward).
 
-Inputs a backend cannot take (an odd head dim, say) fall back to the reference, said once
-in the log: the registry chooses a backend by device and dtype only.
+Inputs a backend cannot take (an odd head dim, say) are passed over by the dispatch
+(``fits``); a backend called directly gives them to the reference, said once in the log.
 
 Legend: N packed tokens, H heads, Dh head dim, S segments.
 """

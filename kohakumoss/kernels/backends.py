@@ -24,9 +24,8 @@
 Triton, TileLang and FA4 are imported lazily, on the first availability question or call: a
 machine without them, or one where they fail to import, reports these backends unavailable
 (the reason is logged once) and ``kohakumoss`` imports as ever. The attention backends declare their
-head-dim limits (``fits``, used by the tuned dispatch); a static choice is made by device
-and dtype alone, so inputs outside the limits fall back to the reference inside the
-backend, said once in the log.
+head-dim limits (``fits``): the dispatch, tuned or static, passes a backend over for a call
+it does not take; called directly, a backend gives such inputs to the reference itself.
 """
 
 from __future__ import annotations

@@ -4,17 +4,17 @@ bf16 node, ``adapters/folded.py``; the fp8 node, ``kernels/fp8_compute.py``).
 
 Each reads a whole activation or gradient ([tokens, 3,072-16,384]) to make a [tokens, r]
 result, so it is bound by memory; cuBLAS runs some at about half the memory's speed
-(docs/performance.md, "LoRA products"). The reference is ``torch.mm``; these make it other
-ways, chosen by ``kernels.backends`` (``bench/bench_train.py --narrow`` for a run):
+(docs/history.md, "Tried and not kept"). The reference is ``torch.mm``; these make it other
+ways, chosen by name (``bench/bench_train.py --kernels narrow_mm=triton`` for a run):
 
 - ``cublas-t``: the transposed product ``(w^T x^T)^T``, a [tokens, r] view with other tiles;
 - ``triton``: ``triton_narrow.narrow_mm`` where Triton runs, in bf16 or fp16 (interpreted:
   also fp32), r up to 256; other calls, and those a compiler or a dispatch mode watches (they
   see aten ops), go to ``torch.mm`` inside the backend.
 
-Neither is the default until a step measures it (``bench/bench_lora_products.py`` times the
-three alone). A backend that fails is said once and the next choice runs (the registry's
-fallback).
+Neither is a default: measured in a step, neither beat ``torch.mm`` (docs/history.md;
+``bench/bench_lora_products.py`` times the three alone). A backend that raises is a
+``dispatch.BackendFailed``.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ reference and to the backends that may replace it, each declaring where it can r
   error even where the backend could not have run anyway;
 - else, with a tuning table (``tuned``: ``{"op/dtype/shape key": [backend, ...]}``, fastest
   first, from ``kohakumoss.kernels.tuning``): a ``TunedOp`` that buckets each call's shape,
-  looks its entry up and calls the fastest backend that can run, falling back to the next
-  (and last to the reference) when one raises, saying why once;
+  looks its entry up and calls the fastest backend that takes the shape (the reference
+  last); one that raises is a ``dispatch.BackendFailed`` naming the knob that leaves it out;
 - else the reference.
 
 The dispatch is logged once per distinct ``(device, dtype, dispatch)``. ``docs/engines.md``

@@ -1,4 +1,4 @@
-"""The CUDA caching allocator's settings for tight profiles (``docs/memory.md#allocator``).
+"""The CUDA caching allocator's settings for tight profiles (``docs/memory.md, "The allocator"``).
 
 Streamed and offloaded steps allocate buffers of many sizes (weight slots, each part's
 input on its way to the host, per-sample activations) and free them out of order, on side

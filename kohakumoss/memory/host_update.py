@@ -1,5 +1,5 @@
 """The optimizer on the host: gradients leave the device as backward makes them, and the
-update runs on the CPU over host copies of the trained tensors (``docs/memory.md#host-update``).
+update runs on the CPU over host copies of the trained tensors (``docs/memory.md, "The host update"``).
 
 ``HostUpdate(named, device)`` acts on the trained parameters from outside:
 

@@ -1,5 +1,5 @@
 """Activation offload: block checkpointing whose kept inputs wait in host memory
-(``docs/memory.md#activation-offload``).
+(``docs/memory.md, "Activation offload"``).
 
 ``apply_activation_offload(model, device)`` checkpoints every repeated block as ``block``
 checkpointing does (forward keeps only the block's input, backward runs the block again),

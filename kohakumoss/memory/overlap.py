@@ -1,4 +1,4 @@
-"""The host update, overlapped with the next forward (``docs/memory.md#overlapped-update``).
+"""The host update, overlapped with the next forward (``docs/memory.md, "Overlapped update"``).
 
 ``HostUpdate``'s step runs on the CPU between two steps, and the GPU waits for it: the
 masters' AdamW over every trained tensor, then their copies back to the device.

@@ -1,6 +1,6 @@
 """Rebuilt outputs: the outputs of the cheap elementwise ops (the norms, RoPE, SiTU) are
 not kept for backward; whoever saves one gets a recipe instead, and backward runs the op
-again on its inputs (``docs/memory.md#rebuilt-outputs``).
+again on its inputs (``docs/memory.md, "Rebuilt outputs"``).
 
 A LoRA's down product keeps its input (a norm's output) for its gradient; the attention
 keeps q and k (RoPE's outputs); the down projection's adapter keeps SiTU's output. Those

@@ -1,4 +1,4 @@
-"""What activation offload's recomputation need not run again (``docs/memory.md#activation-offload``).
+"""What activation offload's recomputation need not run again (``docs/memory.md, "Activation offload"``).
 
 Backward recomputes a checkpointed part (a block, or half of one) to get what autograd saves
 for its backward. Two things in it are only there for their values, and both can be had

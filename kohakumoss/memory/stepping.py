@@ -1,4 +1,4 @@
-"""Where a device optimizer's update runs (``docs/memory.md#the-step-in-backward`` and
+"""Where a device optimizer's update runs (``docs/memory.md, "The step in backward"`` and
 ``#streamed-states``): two placements beside the plain step and the host update.
 
 - ``FusedStep`` (``memory.optimizer: fused``): each trained tensor is updated inside the

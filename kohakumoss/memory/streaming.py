@@ -1,5 +1,5 @@
 """Weight streaming: the frozen base's block weights live in (pinned) host memory and pass
-through a ring of ``slots`` block-sized buffers on the device (``docs/memory.md#streaming``).
+through a ring of ``slots`` block-sized buffers on the device (``docs/memory.md, "Weight streaming"``).
 
 ``apply_weight_streaming(model, device, slots)`` acts on a built model from outside, as
 its ``weight streaming`` engine (``model/engines.py``); ``stream_weights`` does the same for

@@ -1,6 +1,6 @@
 """A full finetune over several ranks: FSDP2 (``fully_shard``) on every repeated block and the
 model, each rank holding a 1/world shard of the fp32 masters, gradients and optimizer states
-(``docs/parallel.md#full-finetunes``).
+(``docs/parallel.md, "Full finetunes"``).
 
 Checkpoints hold the whole model, optimizer and EMA state, gathered to rank 0 and written
 in the run's verified, pickle-free format (``kohakumoss.formats.checkpoint``): a sharded run

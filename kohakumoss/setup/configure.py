@@ -34,7 +34,7 @@ TEXT_TOKENS = 104  # a typical caption's text tokens, for the estimate
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """What ``--vram`` sets (``docs/config.md#presets``)."""
+    """What ``--vram`` sets (``docs/config.md, "Presets"``)."""
 
     vram_gib: int
     profile: str

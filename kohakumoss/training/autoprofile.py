@@ -2,7 +2,7 @@
 memory estimate (``kohakumoss.training.estimate``) fits the memory the device has free, in
 the order ``kohakumoss.memory.profiles.slowdown`` predicts (``speed``; ``balanced``'s
 rebuilt outputs; ``partial`` checkpointing of 1, 2, ... blocks; on CUDA, checkpointing with
-activation offload, ``minimal`` and ``low``; ``block``), and why (``docs/memory.md#estimator``).
+activation offload, ``minimal`` and ``low``; ``block``), and why (``docs/memory.md, "The estimator"``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The memory estimator: a training step's predicted peak (torch allocator) for the params'
 model, adapter, precision and memory engines, at a micro-batch's token counts, before any
-weight is loaded (``docs/memory.md#estimator``).
+weight is loaded (``docs/memory.md, "The estimator"``).
 
 Nothing is guessed from tables: the transformer and its adapter are built on the meta
 device (no storage), so parameter counts are the real ones, and one joint block and one
@@ -49,7 +49,7 @@ OPTIMIZER_STATES = {"adamw": 2, "muon": 1}  # fp32 states per trained parameter
 # the backward's working set, in units of one block's widest activation row (the MLP's
 # up-gate output and two model-width rows) per token: gradients of the MLP half's
 # intermediates, cuBLAS workspaces and allocator slack, calibrated on the H200 LoRA steps of
-# docs/performance.md ("Estimates, recalibrated": 4200 to 16800 tokens, every profile).
+# docs/performance.md ("Memory profiles": 4200 to 16800 tokens, every profile).
 # With nothing checkpointed it rides on everything kept; a recomputed block is freed as its
 # backward walks it, so on top of it ("block") or of a recomputed half ("sub-block") less.
 WORKING_SET = 6
@@ -57,7 +57,7 @@ RECOMPUTED_WORKING_SET = {"block": 0.25, "sub-block": 1.7}
 # streamed steps: device buffers the side streams (weight slots, offloaded inputs, gradients
 # leaving for the host) still hold until the copy stream has passed them: a constant and
 # rows per token (fitted on `low` and `minimal`, 1 and 4 samples, H200: docs/performance.md,
-# "The capped table, rerun")
+# "Memory profiles")
 SIDE_STREAM_BYTES = int(0.07 * 2**30)
 SIDE_STREAM_ROWS = 0.5
 

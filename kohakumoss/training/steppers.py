@@ -1,5 +1,5 @@
 """Steppers: how one optimiser step's gradients become the update (``memory.optimizer`` and
-``parallel``; ``docs/engines.md#steppers``).
+``parallel``; ``docs/engines.md, "Adding a stepper"``).
 
 A ``Stepper`` owns everything between the loss and the next step: the backward of each
 micro-batch, the gradients' reduction over the data-parallel ranks, clipping and the
