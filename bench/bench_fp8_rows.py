@@ -12,11 +12,6 @@ writes one byte a column. Per shape and config (block, rows a program walks, the
 pipeline stages, warps): the median time, every config timed once a round
 (``_report.rounds_ms``), the bytes moved at one read over the time, and the fastest config against the one ``rows_launch`` picks.
 Prints one JSON object (``$OUT/bench_fp8_rows.json`` on the device machine).
-
-``--narrow``: the same rows with their LoRA's narrow product (``h = x A^T`` forward, ``t =
-[dy_1 B_1 | ...]`` in backward) made inside the quantization (``triton_fp8_narrow.rows_narrow``,
-over its launch configs) against today's two launches (the product by cuBLAS, then
-``fp8_rows_joined`` with it as the tail).
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ import itertools
 import torch
 import triton
 
-from kohakumoss.kernels import triton_fp8, triton_fp8_narrow
+from kohakumoss.kernels import triton_fp8
 from _report import report, rounds_ms  # bench/_report.py (the script's folder is on sys.path)
 
 # name: (sources, width, column factors, tail rank as a multiple of --rank)
@@ -49,76 +44,14 @@ def configs(K: int, n: int):
 
 # --narrow: rows a block, columns a step, warps; each with one program a block and with 1 or 2
 # programs an SM walking the blocks (the rows a program just read then fit L2 for its second read)
-NARROW_CONFIGS = list(itertools.product((16, 32, 64), (64, 128), (4, 8)))  # 24 builds a shape
-NARROW_PROGRAMS_PER_SM = (0, 1, 2)
-
-
-def narrow_inputs(name: str, tokens: int, rank: int, g: torch.Generator, device: torch.device):
-    """``--narrow``'s inputs at one shape: the sources, their narrow factors (forward: the
-    node's down matrices transposed; backward: each source's up matrix [K, rank]), the
-    column factors and the tail's maxima."""
-    n, K, cols, r = SHAPES[name]
-    bf16 = torch.bfloat16
-    xs = [torch.randn(tokens, K, generator=g, device=g.device).to(device, bf16) for _ in range(n)]
-    cs = (torch.rand(n * K, generator=g, device=g.device) + 0.5).to(device) if cols else None
-    if cols:
-        factors = [(torch.randn(K, rank, generator=g, device=g.device) * 0.02).to(device, bf16) for _ in range(n)]
-    else:
-        factors = [(torch.randn(r * rank, K, generator=g, device=g.device) * 0.02).to(device, bf16).t()]
-    amax = (torch.rand(sum(f.shape[1] for f in factors), generator=g, device=g.device) * 4).to(device)
-    return xs, factors, cs, amax
-
-
-def narrow_rows(name: str, tokens: int, rank: int, g: torch.Generator) -> dict:
-    """``--narrow`` at one shape: the fused launch's configs against cuBLAS + the row kernel."""
-    n = SHAPES[name][0]
-    xs, factors, cs, amax = narrow_inputs(name, tokens, rank, g, torch.device("cuda"))
-    R = amax.numel()
-
-    def apart():
-        h = torch.cat([x @ f for x, f in zip(xs, factors)], 1) if n > 1 else xs[0] @ factors[0]
-        return (h, *triton_fp8.fp8_rows_joined(xs, cs, (h, amax)))
-
-    fns = {"apart": apart}
-    rows = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (bm, bk, warps), per_sm in itertools.product(NARROW_CONFIGS, NARROW_PROGRAMS_PER_SM):
-        cfg = (bm, bk, warps, per_sm * sms)
-        fn = (lambda cfg=cfg: triton_fp8_narrow.rows_narrow(xs, factors, amax, cs, launch=cfg))
-        try:
-            h, q, s = fn()
-            same = torch.equal(q.view(torch.uint8), triton_fp8.fp8_rows_joined(xs, cs, (h, amax))[0].view(torch.uint8))
-        except Exception as e:  # a config that does not build (registers, shared memory)
-            rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
-            continue
-        fns[cfg] = fn
-        rows.append({"config": cfg, "same_codes_given_h": same})
-    ms = rounds_ms(fns, reps=10)
-    for x in rows:
-        if "error" not in x:
-            x["us"] = round(ms[x["config"]] * 1e3, 1)
-    timed = sorted((x for x in rows if "us" in x), key=lambda x: x["us"])
-    picked = triton_fp8_narrow.narrow_launch(R)
-    return {"apart_us": round(ms["apart"] * 1e3, 1), "picked": next((x for x in timed if x["config"] == picked), None),
-            "best": timed[0] if timed else None, "all": timed[:8], "failed": [x for x in rows if "error" in x][:4]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=16794)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--only", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--narrow", action="store_true",
-                    help="time the rows with their narrow product made inside (rows_narrow)")
     a = ap.parse_args()
     dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
     out = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "rank": a.rank, "shapes": {}}
-    if a.narrow:
-        for name in a.only:
-            out["shapes"][name] = narrow_rows(name, a.tokens, a.rank, g)
-            print(name, out["shapes"][name]["apart_us"], out["shapes"][name]["best"], flush=True)
-        report(out, "bench_fp8_rows_narrow")
-        return
     for name in a.only:
         n, K, cols, r = SHAPES[name]
         xs = [torch.randn(a.tokens, K, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(n)]

@@ -21,7 +21,7 @@ modulation gradients), ``fp16`` (LoRA, fp16 compute, the stream scaled), ``fp32`
 and ``fp8`` (weight-only bases), ``fp8-full`` (fp8 compute with fp8 input gradients),
 ``sample`` (no gradients, a prompt and a negative packed), ``sample-fp8`` (the same over fp8
 GEMMs, as ``kmoss sample`` with ``precision.fp8_compute: on``); and ``sweeps``: every launch
-config the GPU sweeps time (fp8 rows, the norm's row kernels, the narrow products), so a
+config the GPU sweeps time (fp8 rows, the norm's row kernels), so a
 config that cannot build is known before device time is spent on it. The Triton the
 machine has does the compiling: its version is printed (the H200 image has 3.6: install
 that one beside, ``pip install --target DIR triton==3.6.0`` and ``PYTHONPATH=DIR:.``).
@@ -182,7 +182,6 @@ def _model(run: str, blocks: int):
     policy = precision_policy(dtype, full=run == "full", base=base,
                               fp8_compute=run in ("fp8-full", "sample-fp8"), fp8_grad=run == "fp8-full")
     kernels = {op: ["triton"] for op in TRITON_OPS if op != "quant_linear"}
-    kernels["narrow_mm"] = ["triton"]
     apply_engines(model, EnginePlan(torch.device("cpu"), policy, kernels=kernels))
     if run != "full" and not run.startswith("sample"):
         apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
@@ -215,13 +214,11 @@ def step(run: str, blocks: int = 2, image: int = 64, text: int = 24) -> None:
 
 def sweeps() -> None:
     """The launches the GPU sweeps time, each made once on a few rows (the launches depend on
-    the widths): ``bench_fp8_rows.py``'s configs at its five shapes (with ``--narrow`` too),
-    ``bench_norm_launch.py``'s for each row kernel of the norm, and ``bench_lora_products.py``'s
-    for the narrow kernel."""
+    the widths): ``bench_fp8_rows.py``'s configs at its five shapes,
+    and ``bench_norm_launch.py``'s for each row kernel of the norm."""
     import bench_fp8_rows
-    import bench_lora_products
     import bench_norm_launch
-    from kohakumoss.kernels import triton_fp8, triton_fp8_narrow, triton_norm, triton_narrow
+    from kohakumoss.kernels import triton_fp8, triton_norm
 
     g, rows, bf16 = torch.Generator().manual_seed(0), 8, torch.bfloat16
     for name, (n, K, cols, r) in bench_fp8_rows.SHAPES.items():
@@ -230,12 +227,6 @@ def sweeps() -> None:
         tail = (torch.randn(rows, r * 32, generator=g).to(bf16), torch.rand(r * 32, generator=g))
         for config in bench_fp8_rows.configs(K, n):
             triton_fp8.fp8_rows_joined(xs, cs, tail, launch=config)
-        # --narrow: the rows with their narrow product, one program a block and the walk (300
-        # rows: more blocks than the one program walking them, at every block height)
-        xs, factors, cs, amax = bench_fp8_rows.narrow_inputs(name, 300, 32, g, torch.device("cpu"))
-        for config in bench_fp8_rows.NARROW_CONFIGS:
-            for programs in (0, 1):
-                triton_fp8_narrow.rows_narrow(xs, factors, amax, cs, launch=(*config, programs))
     D = bench_norm_launch.D
     x, y, go, res = (torch.randn(rows, D, generator=g).to(bf16) for _ in range(4))
     w, mod = torch.randn(D, generator=g).to(bf16), torch.randn(2, 6, D, generator=g)
@@ -247,10 +238,6 @@ def sweeps() -> None:
                 call()
             finally:
                 triton_norm.LAUNCH.pop(kind, None)
-    for K, R in ((3072, 32), (3072, 96), (8192, 32), (16384, 32)):  # h = x A^T (q|k|v: 3 x 32), t = dy B
-        for config in bench_lora_products.TRITON_CONFIGS:
-            triton_narrow.narrow_mm(torch.randn(rows, K, generator=g).to(bf16),
-                                    torch.randn(K, R, generator=g).to(bf16), config)
 
 
 def problem(k: Compiled, arch: int) -> str:
@@ -276,7 +263,7 @@ def main() -> None:
                              "86 (RTX 30), 89 (Ada)")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=[*RUNS, "sweeps"],
                         help="the steps to compile (default: all); sweeps: the launches "
-                             "bench_fp8_rows, bench_norm_launch and bench_lora_products time")
+                             "bench_fp8_rows and bench_norm_launch time")
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--json", help="also write every compiled kernel here")
     parser.add_argument("--e4m3-bytes", choices=["auto", "on", "off"], default="auto",

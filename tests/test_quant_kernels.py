@@ -320,51 +320,6 @@ def test_fp8_lora_linears_over_held_codes_are_bit_identical(n):
 
 
 @triton_test
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_rows_with_their_narrow_product(n):
-    """``rows_narrow``: the narrow product made while the rows are read (the forward's ``x
-    A^T`` over one source, the backward's ``[dy_1 B_1 | ...]`` over several with their
-    column scales) within one rounding of the float32 product, and everything after it
-    ``fp8_rows_joined``'s, code for code; over rows past one block, a zero row, columns past
-    one step and ranks that are not a multiple of 16, and the launches the bench sweeps."""
-    needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
-    tn = pytest.importorskip("kohakumoss.kernels.triton_fp8_narrow")
-    g = torch.Generator().manual_seed(17)
-    M, K = 37, 40
-    ranks = [5, 8, 3][:n]
-    xs = [leaf(g, M, K, dtype=torch.bfloat16, grad=False) for _ in range(n)]
-    xs[0][7] = 0
-    if n > 1:
-        xs[1][7] = 0
-        xs[2 % n][7] = 0
-    if n == 1:  # the forward's factor: down^T, a transposed view
-        factors = [leaf(g, 5, K, dtype=torch.bfloat16, grad=False).t()]
-        cols = None
-    else:  # the backward's: each up matrix [N, r]
-        factors = [leaf(g, K, r, dtype=torch.bfloat16, grad=False) for r in ranks]
-        cols = (torch.rand(n * K, generator=g) * 0.02 + 1e-3).to(DEVICE)
-    R = sum(ranks)
-    amax = (torch.rand(R, generator=g) + 0.5).to(DEVICE)
-    h, q, s = tn.rows_narrow(xs, factors, amax, cols)
-    want_h = torch.cat([x.float() @ f.float() for x, f in zip(xs, factors)], 1)
-    assert h.dtype == torch.bfloat16 and h.shape == (M, R)
-    assert (h.float() - want_h).abs().max() <= 2 ** -7 * want_h.abs().max()
-    want_q, want_s = tq.fp8_rows_joined(xs, cols, (h, amax))
-    assert q.shape == want_q.shape == (M, n * K + tq.slot_width(R))
-    assert torch.equal(s, want_s) and s[7] == 1.0 and not q[7].float().any()
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    # the bench's sweep: rows a block, columns a step, warps, programs (2: walking 3 blocks)
-    for launch in ((32, 64, 8, 0), (64, 16, 4, 0), (16, 16, 4, 2)):
-        h2, q2, s2 = tn.rows_narrow(xs, factors, amax, cols, launch=launch)
-        assert (h2.float() - want_h).abs().max() <= 2 ** -7 * want_h.abs().max()
-        want_q, want_s = tq.fp8_rows_joined(xs, cols, (h2, amax))
-        assert torch.equal(s2, want_s) and torch.equal(q2.view(torch.uint8), want_q.view(torch.uint8))
-    with pytest.raises(ValueError, match="factors"):
-        tn.rows_narrow(xs, [f.t() for f in factors], amax, cols)
-
-
-@triton_test
 def test_fp8_rows_joined_and_transposed_codes():
     """Quantizing several sources as one row equals quantizing their concatenation; the codes'
     transposes side by side equal torch's, byte for byte."""
@@ -460,43 +415,6 @@ def _on_grid(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     factors are exact in any order of their sums, and in bf16."""
     v = (torch.randint(-2, 3, t.shape, generator=g) / 4).to(t.dtype).to(DEVICE)
     return v.requires_grad_(t.requires_grad)
-
-
-@triton_test
-@pytest.mark.parametrize("n", [1, 3])
-def test_fp8_lora_linears_with_the_narrow_products_in_the_rows(n):
-    """``full`` by the ``scaled_mm_rows`` backend (``h`` and ``t`` made inside the row
-    quantization, ``rows_narrow``), never through the table's narrow product: against the
-    reference within e4m3's rounding (a last-bit difference of ``h`` may move a row's scale),
-    and where the narrow products are exact in any order, bit for bit ``scaled_mm``, output
-    and every gradient; without ``full`` it is ``scaled_mm`` itself."""
-    needs_triton()
-    g = torch.Generator().manual_seed(18)
-    x, layers = fp8_loras(g, n, 37, 48, 32, 4)
-    leaves = {"x": x, **{f"{w}{i}": t for i, (_, _, d, u) in enumerate(layers)
-                         for w, t in (("down", d), ("up", u))}}
-    narrowed = []
-
-    def narrow(a, b):
-        narrowed.append(tuple(b.shape))
-        return torch.mm(a, b)
-
-    rows = KERNELS.backend("fp8_lora_linears", "scaled_mm_rows").fn
-    plain = KERNELS.backend("fp8_lora_linears", "scaled_mm").fn
-    compare(_joined(lambda *a: rows(*a, narrow=narrow)), _joined(ops.fp8_lora_linears), (x, layers, True),
-            leaves, 3e-2)
-    assert narrowed == []
-    x = _on_grid(x, g)
-    layers = [(c, s, _on_grid(d, g), _on_grid(u, g)) for c, s, d, u in layers]
-    leaves = [x, *(t for _, _, d, u in layers for t in (d, u))]
-    dy = [_on_grid(torch.empty(37, 32, dtype=torch.bfloat16), g) for _ in range(n)]
-    for full in (True, False):
-        runs = []
-        for fn in (rows, plain):
-            ys = fn(x, layers, full)
-            runs.append([y.detach() for y in ys] + list(torch.autograd.grad(ys, leaves, dy)))
-        for a, b in zip(*runs):
-            assert torch.equal(a, b)
 
 
 def test_fp8_lora_linears_reference_is_the_separate_ops():
@@ -627,35 +545,6 @@ def test_fp8_rows_at_the_real_widths(K):
     codes, scale = tq.fp8_rows_joined([x], None, (h, amax))
     want_codes, want_scale = ops.fp8_rows(torch.cat([x.float(), h.float() * (amax / 448)], dim=1))
     assert torch.equal(scale, want_scale) and torch.equal(codes.float(), want_codes.float())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,K,rank", [(1, 3072, 96), (1, 8192, 32), (3, 3072, 32), (1, 16384, 32)], ids=str)
-def test_rows_narrow_at_the_real_sizes(n, K, rank):
-    """The rows with their narrow product at the widths and ranks of the model's nodes
-    (forward: q|k|v's input with three rank-32 down matrices, ffn_down's; backward: q|k|v's
-    three gradients, up|gate's), compiled: ``h`` within a rounding of the float32 product,
-    the codes ``fp8_rows_joined``'s given it; then a rank-32 q, k, v node by the
-    ``scaled_mm_rows`` backend against the reference."""
-    if not CUDA or torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("needs CUDA sm89+")
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
-    tn = pytest.importorskip("kohakumoss.kernels.triton_fp8_narrow")
-    g = torch.Generator().manual_seed(19)
-    xs = [leaf(g, 300, K, dtype=torch.bfloat16, grad=False) for _ in range(n)]
-    factors = [leaf(g, K, rank, dtype=torch.bfloat16, scale=0.02, grad=False) for _ in range(n)]
-    cols = (torch.rand(n * K, generator=g) + 0.5).to(DEVICE) if n > 1 else None
-    amax = (torch.rand(n * rank, generator=g) * 4).to(DEVICE)
-    h, q, s = tn.rows_narrow(xs, factors, amax, cols)
-    want_h = torch.cat([x.float() @ f.float() for x, f in zip(xs, factors)], 1)
-    assert rel(h, want_h) < 4e-3
-    want_q, want_s = tq.fp8_rows_joined(xs, cols, (h, amax))
-    assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    if n == 3:
-        x, layers = fp8_loras(torch.Generator().manual_seed(20), 3, 1000, K, K, rank)
-        fn = KERNELS.backend("fp8_lora_linears", "scaled_mm_rows").fn
-        compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, True),
-                {"x": x, "down0": layers[0][2], "up0": layers[0][3]}, 3e-2)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,6 @@ from kohakumoss.kernels.registry import KERNELS, KernelError, KernelRegistry, bu
 from kohakumoss.kernels import compiled  # noqa: E402,F401  (registers the compile backend)
 from kohakumoss.kernels import backends  # noqa: E402,F401  (registers Triton, flash varlen, flex)
 from kohakumoss.kernels import fp8_compute  # noqa: E402,F401  (registers scaled_mm)
-from kohakumoss.kernels import narrow  # noqa: E402,F401  (registers the narrow products' ways)
 
 __all__ = ["KERNELS", "REFERENCE_NAME", "Backend", "KernelError", "KernelRegistry", "TunedOp",
            "build_op_table", "entry_key", "register_backend"]

@@ -115,20 +115,17 @@ class _Fp8Loras(torch.autograd.Function):
     ``A^T / g'`` beside them (``transposed_codes`` with a slot)."""
 
     @staticmethod
-    def forward(ctx, x2, ranks, full, narrow, held_t, in_rows, fast_grad, down, *tensors):
+    def forward(ctx, x2, ranks, full, narrow, held_t, fast_grad, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         t8 = triton_module("triton_fp8")
-        ctx.narrow, ctx.held_t, ctx.in_rows, ctx.fast_grad = narrow, held_t, in_rows, fast_grad
+        ctx.narrow, ctx.held_t, ctx.fast_grad = narrow, held_t, fast_grad
         outs = []
         if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
             width, c0 = t8.slot_width(sum(ranks)), 0
             amax = t8.lora_amax(ups, scales)
-            if in_rows:
-                h, xq, xs = triton_module("triton_fp8_narrow").rows_narrow([x2], [down.t()], amax)
-            else:
-                h = narrow(x2, down.t())
-                xq, xs = t8.fp8_rows_joined([x2], None, (h, amax))
+            h = narrow(x2, down.t())
+            xq, xs = t8.fp8_rows_joined([x2], None, (h, amax))
             for c, s, up in zip(codes, scales, ups):
                 w = t8.slot_view(c, width)  # codes held widened: their slot written in place
                 w = t8.widened_codes(c, up, s, amax, c0, width) if w is None else \
@@ -153,8 +150,8 @@ class _Fp8Loras(torch.autograd.Function):
         x2, h, down, *rest = ctx.saved_tensors
         n = len(ctx.ranks)
         codes, scales, ups = rest[:n], rest[n:2 * n], rest[2 * n:]
-        need_x, need_down = ctx.needs_input_grad[0], ctx.needs_input_grad[7]
-        need_up = ctx.needs_input_grad[8 + 2 * n:]
+        need_x, need_down = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
+        need_up = ctx.needs_input_grad[7 + 2 * n:]
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
         dx = t = None
@@ -164,11 +161,8 @@ class _Fp8Loras(torch.autograd.Function):
             # Triton launch: this backward is bound by its host (ops.fp8_lora_linears)
             amax = torch.linalg.vector_norm(down, float("inf"), dim=1, dtype=torch.float32)
             cols = torch.cat(scales) if n > 1 else scales[0]
-            if ctx.in_rows:
-                t, gq, gs = triton_module("triton_fp8_narrow").rows_narrow(dys, list(ups), amax, cols)
-            else:
-                t = _narrow_t(ctx.narrow, dys, ups)
-                gq, gs = t8.fp8_rows_joined(dys, cols, (t, amax))
+            t = _narrow_t(ctx.narrow, dys, ups)
+            gq, gs = t8.fp8_rows_joined(dys, cols, (t, amax))
             ct = t8.transposed_codes(list(codes), (down, amax), ctx.held_t)
             dx = torch._scaled_mm(gq, ct.t(), scale_a=gs[:, None], scale_b=_ones(ct.shape[0], x2.device),
                                   out_dtype=x2.dtype, use_fast_accum=ctx.fast_grad)
@@ -181,7 +175,7 @@ class _Fp8Loras(torch.autograd.Function):
         d_down = torch.mm(t.t(), x2) if need_down else None
         d_up = [torch.mm(dy.t(), hi) if need else None
                 for dy, hi, need in zip(dys, h.split(ctx.ranks, dim=1), need_up)]
-        return (dx, None, None, None, None, None, None, d_down, *([None] * 2 * n), *d_up)
+        return (dx, None, None, None, None, None, d_down, *([None] * 2 * n), *d_up)
 
 
 def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
@@ -191,15 +185,12 @@ def _narrow_t(narrow, dys: list[torch.Tensor], ups) -> torch.Tensor:
 
 def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
                      full: bool = False, narrow=torch.mm, held_t: torch.Tensor | None = None,
-                     in_rows: bool = False, fast_grad: bool = False) -> list[torch.Tensor]:
+                     fast_grad: bool = False) -> list[torch.Tensor]:
     """``ops.fp8_lora_linears`` as one node (``_Fp8Loras``): fp8 GEMMs, the LoRAs' products in
     bf16 accumulated in place, or with ``full`` inside the GEMMs; the narrow products
     (``x A^T``, ``dy B``) through ``narrow`` (the model's ``ops.narrow_mm``). ``held_t``
     (``full``): the codes' transposes side by side, kept between steps
-    (``transposed_codes``' ``held``), so that backward writes only their slot. ``in_rows``
-    (``full``; the ``scaled_mm_rows`` backend): the narrow products ``h`` and ``t`` made inside
-    the row quantization of the same rows (``triton_fp8_narrow.rows_narrow``: one read of each
-    activation or gradient row for both) instead of by ``narrow`` first. ``fast_grad``
+    (``transposed_codes``' ``held``), so that backward writes only their slot. ``fast_grad``
     (``full``; the ``scaled_mm_fast`` backends): the input gradient's GEMM accumulates fast."""
     if not 1 <= len(layers) <= 3 or len({c.shape[0] for c, _, _, _ in layers}) != 1:
         raise ValueError(f"fp8_lora_linears (scaled_mm): one to three linears of one width, got "
@@ -213,7 +204,7 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     ranks = tuple(down.shape[0] for _, _, down, _ in layers)
     down = torch.cat([d for _, _, d, _ in layers]) if len(layers) > 1 else layers[0][2]
-    ys = _Fp8Loras.apply(x2, ranks, full, narrow, held_t if full else None, in_rows and full, fast_grad, down,
+    ys = _Fp8Loras.apply(x2, ranks, full, narrow, held_t if full else None, fast_grad, down,
                          *(c for c, _, _, _ in layers),
                          *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
     return [y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1]) for y in ys]
@@ -224,13 +215,9 @@ register_backend("fp8_lora_linears", "scaled_mm", fp8_lora_linears, available)
 # the same with fast accumulation in the input gradients' GEMMs too (fp8_compute: fast). The
 # plain backends promote those GEMMs' partial sums to fp32 along the way (Transformer Engine's
 # split accumulation for the gradients); precision.fp8_compute fast takes these (quant/plan.py:
-# FAST_GRAD_BACKENDS); bench_train.py --bases fp8-full-fast / fp8-full and bench_precision.py
+# FAST_GRAD_BACKENDS); bench_train.py -S precision.fp8_compute=fast / full and bench_precision.py
 # --grads measure the step and the LoRA gradients' error of each
 register_backend("fp8_linear", "scaled_mm_fast", functools.partial(fp8_linear, fast_grad=True), available,
                  keeps_inputs_only=True)
 register_backend("fp8_lora_linears", "scaled_mm_fast", functools.partial(fp8_lora_linears, fast_grad=True),
                  available)
-# the same node with its narrow products inside the row quantization: chosen by name
-# (``bench/bench_train.py --bases fp8-full-rows``) until a step measures it on a GPU
-register_backend("fp8_lora_linears", "scaled_mm_rows", functools.partial(fp8_lora_linears, in_rows=True),
-                 lambda device, dtype: available(device, dtype) and triton_module("triton_fp8_narrow") is not None)

@@ -181,8 +181,8 @@ def flow_loss(pred_NC: torch.Tensor, target_NC: torch.Tensor, seg_N: torch.Tenso
 def narrow_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w`` for a tall x [M, K] and a narrow w [K, R]: a LoRA's ``x A^T`` and ``dy B``,
     made inside its nodes (``adapters/folded.py``, the fp8 node), rounded once to x's dtype.
-    Bound by memory (a whole activation read for an r-wide result): backends make it their
-    own way (``kernels/narrow.py``)."""
+    Bound by memory (a whole activation read for an r-wide result); cuBLAS's own is the one
+    there is (``docs/history.md``: the other ways measured, none faster in a step)."""
     return torch.mm(x, w)
 
 
