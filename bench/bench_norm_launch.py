@@ -32,26 +32,24 @@ LAUNCHES = tuple(itertools.product((1, 2, 4), (2, 4, 8, 16)))  # (rows a program
 
 
 def row_calls(norm, x, y, go, res, w, mod, seg) -> dict:
-    """Each row kernel of the norm as a call (``kind``: ``triton_norm.LAUNCH``'s keys) on
-    rows ``x``, ``y`` (the added branch), ``go`` and ``res`` [N, D], a CFG pair's ``mod``."""
+    """Each row kernel of the norm as a call of a launch (``kind``: ``triton_norm.LAUNCH``'s
+    keys; ``launch``: rows per program and warps, None the default) on rows ``x``, ``y`` (the
+    added branch), ``go`` and ``res`` [N, D], a CFG pair's ``mod``."""
     return {
-        "forward": lambda: [norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True)],
-        "added": lambda: list(norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True, (y, mod[:, 2]))),
-        "rows": lambda: [norm._backward(go, x, w, mod[:, 1], seg, 1e-6, True, False, False, res)[0]],
-        "gated": lambda: list(norm.backward_added(go, x, w, mod[:, 1], seg, 1e-6, res, mod[:, 2],
-                                                  torch.bfloat16)),
+        "forward": lambda launch=None: [norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True,
+                                                      launch=launch)],
+        "added": lambda launch=None: list(norm._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True,
+                                                        (y, mod[:, 2]), launch=launch)),
+        "rows": lambda launch=None: [norm._backward(go, x, w, mod[:, 1], seg, 1e-6, True, False, False,
+                                                    res, launch=launch)[0]],
+        "gated": lambda launch=None: list(norm.backward_added(go, x, w, mod[:, 1], seg, 1e-6, res,
+                                                              mod[:, 2], torch.bfloat16, launch=launch)),
     }
 
 
 def launched(norm, kind: str, launch: tuple[int, int], call):
-    """``call`` under ``launch`` for ``kind`` (``triton_norm.LAUNCH``), the default restored after."""
-    def run():
-        norm.LAUNCH[kind] = launch
-        try:
-            return call()
-        finally:
-            norm.LAUNCH.pop(kind, None)
-    return run
+    """``call`` under ``launch`` (rows per program, warps) for ``kind``."""
+    return lambda: call(launch)
 
 
 def main() -> None:

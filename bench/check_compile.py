@@ -233,11 +233,7 @@ def sweeps() -> None:
     seg = torch.tensor([0] * (rows // 2) + [1] * (rows - rows // 2))
     for kind, call in bench_norm_launch.row_calls(triton_norm, x, y, go, res, w, mod, seg).items():
         for launch in bench_norm_launch.LAUNCHES:
-            triton_norm.LAUNCH[kind] = launch
-            try:
-                call()
-            finally:
-                triton_norm.LAUNCH.pop(kind, None)
+            call(launch)
 
 
 def problem(k: Compiled, arch: int) -> str:

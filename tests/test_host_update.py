@@ -124,11 +124,11 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
     lean = Trainer(p, paths, build_components(p, paths, _lean()))
     from kohakumoss.memory.overlap import OverlappedUpdate
 
-    assert isinstance(lean.update, OverlappedUpdate)  # an adapter's update: beside the forward
+    assert lean.stepper.kind == "host" and isinstance(lean.stepper.host, OverlappedUpdate)  # beside the forward
     assert lean.run(progress=False).start_step == 0
     other = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "b")
     plain = Trainer(p, other, build_components(p, other, EnginePlan(CPU, precision_policy("fp32", full=False))))
-    assert plain.update is None
+    assert plain.stepper.kind == "device"
     plain.run(progress=False)
     _same_checkpoints(paths.checkpoints / "step-000004", other.checkpoints / "step-000004")
     resumed = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / "c")

@@ -312,10 +312,10 @@ def test_a_chained_training_step_is_the_blockwise_one(trained, dtype):
 @triton_test
 @pytest.mark.parametrize("launch", [(2, 2), (4, 8)], ids=str)
 def test_every_row_launch_of_the_norms_gives_their_results(launch, monkeypatch):
-    """``triton_norm.LAUNCH`` (rows per program, warps; what ``bench/bench_norm_launch.py``
-    picks) for each kind of row kernel: the norm, the norm that makes the add, dx alone, dx with
-    the branch's gradient; the results are the default launch's (row counts that leave a
-    partial last tile, samples shuffled)."""
+    """A row kernel's launch (rows per program, warps; what ``bench/bench_norm_launch.py``
+    sweeps, and ``triton_norm.LAUNCH`` would hold) for each kind: the norm, the norm that
+    makes the add, dx alone, dx with the branch's gradient; the results are the default
+    launch's (row counts that leave a partial last tile, samples shuffled)."""
     needs_triton()
     module = backends.triton_module("triton_norm")
     g = torch.Generator().manual_seed(31)
@@ -326,11 +326,14 @@ def test_every_row_launch_of_the_norms_gives_their_results(launch, monkeypatch):
     mod = leaf(g, B, 3, D, scale=0.5, grad=False)
     seg = seg_of(lengths, True, g)
     calls = {
-        "forward": lambda: [module._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True)],
-        "added": lambda: list(module._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True, (y, mod[:, 2]))),
-        "rows": lambda: [module._backward(go, x, w, mod[:, 1], seg, 1e-6, True, False, False, res)[0]],
-        "gated": lambda: list(module.backward_added(go, x, w, mod[:, 1], seg, 1e-6, res, mod[:, 2],
-                                                    torch.bfloat16)),
+        "forward": lambda launch=None: [module._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True,
+                                                        launch=launch)],
+        "added": lambda launch=None: list(module._forward(x, w, mod[:, 0], mod[:, 1], seg, 1e-6, True,
+                                                          (y, mod[:, 2]), launch=launch)),
+        "rows": lambda launch=None: [module._backward(go, x, w, mod[:, 1], seg, 1e-6, True, False,
+                                                      False, res, launch=launch)[0]],
+        "gated": lambda launch=None: list(module.backward_added(go, x, w, mod[:, 1], seg, 1e-6, res,
+                                                                mod[:, 2], torch.bfloat16, launch=launch)),
     }
     seen = []
 
@@ -348,10 +351,8 @@ def test_every_row_launch_of_the_norms_gives_their_results(launch, monkeypatch):
         monkeypatch.setattr(module, name, Spy(getattr(module, name)))
     for kind, call in calls.items():
         want = call()
-        monkeypatch.setitem(module.LAUNCH, kind, launch)
-        got = call()
+        got = call(launch)
         assert seen[-1] == (-(-N // launch[0]), *launch), (kind, seen[-1])
-        monkeypatch.delitem(module.LAUNCH, kind)
         assert all(rel(a, b) <= TOL[torch.bfloat16] for a, b in zip(got, want)), kind
         if INTERPRETED:  # numpy's row sums do not depend on the launch
             assert all(torch.equal(a, b) for a, b in zip(got, want)), kind

@@ -14,6 +14,8 @@ atomics). Legend: N packed tokens, H heads, Dh head dim.
 from __future__ import annotations
 
 import math
+import types
+from collections.abc import Mapping
 
 import torch
 from flash_attn.cute import interface as _fa4
@@ -22,10 +24,11 @@ from kohakumoss.kernels import attention
 from kohakumoss.kernels.custom import entry, like
 
 
-FWD_LAUNCH: dict = {}
+FWD_LAUNCH: Mapping = types.MappingProxyType({})
 """The forward's launch arguments of ``_flash_attn_fwd`` (``tile_mn``, ``mma_pv_is_rs``,
-``intra_wg_overlap``); empty: the package's own choice (for head dim 128 on sm90, 128 x 128
-tiles). ``bench/bench_fa4_configs.py --passes fwd`` times the others."""
+``intra_wg_overlap``): none, the package's own choice (for head dim 128 on sm90, 128 x 128
+tiles), as ``bench/bench_fa4_configs.py --passes fwd`` found the others within the spread in
+a sampling run (docs/history.md, "Attention")."""
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,

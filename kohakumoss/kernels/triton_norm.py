@@ -13,6 +13,9 @@ Legend: R rows, D features, B samples, K chunks per sample, P = B K programs.
 
 from __future__ import annotations
 
+import types
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -150,28 +153,29 @@ def _tile(D: int) -> tuple[int, int]:
     return max(1, min(64, 4096 // block_d)), block_d
 
 
-LAUNCH: dict[str, tuple[int, int]] = {}
-"""(rows per program, warps) of a row kernel's launch, by kind, where one was measured better
-than the default (``_tile``'s rows, ``row_warps``): ``forward`` (the norm), ``added`` (the
-norm that makes the closing add), ``rows`` (dx alone), ``gated`` (dx and the branch's
-gradient). ``bench/bench_norm_launch.py`` sweeps them at the model's sizes."""
+LAUNCH: Mapping[str, tuple[int, int]] = types.MappingProxyType({})
+"""(rows per program, warps) of a row kernel's launch, by kind (``forward``: the norm,
+``added``: the norm that makes the closing add, ``rows``: dx alone, ``gated``: dx and the
+branch's gradient), where one is better than the default (``_tile``'s rows, ``row_warps``):
+none, as ``bench/bench_norm_launch.py`` measured at the model's sizes on the H200."""
 
 
-def _launch(kind: str, D: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, warps) of a row kernel of ``kind`` (``LAUNCH``)."""
+def _launch(kind: str, D: int, launch: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, warps) of a row kernel of ``kind``: ``launch`` (rows per program,
+    warps: a sweep's), else ``LAUNCH``'s, else the default."""
     block_r, block_d = _tile(D)
-    block_r, warps = LAUNCH.get(kind, (block_r, row_warps(block_r * block_d)))
+    block_r, warps = launch or LAUNCH.get(kind, (block_r, row_warps(block_r * block_d)))
     return block_r, block_d, warps
 
 
-def _forward(x, w, shift, scale, seg, eps, has_mod, added=None):
+def _forward(x, w, shift, scale, seg, eps, has_mod, added=None, launch=None):
     """The norm's output; with ``added`` = (y, gate), (the norm of x + gate y, x + gate y)."""
     R, D = x.shape
     out = torch.empty((R, D), dtype=x.dtype, device=x.device)
     y, gate = added if added is not None else (x, x)
     xn = torch.empty((R, D), dtype=x.dtype, device=x.device) if added is not None else out
     if R > 0:
-        block_r, block_d, warps = _launch("forward" if added is None else "added", D)
+        block_r, block_d, warps = _launch("forward" if added is None else "added", D, launch)
         s_sh, s_sc = (shift.stride(0), scale.stride(0)) if has_mod else (0, 0)
         _norm_fwd[(triton.cdiv(R, block_r),)](
             x, w, shift, scale, seg, out, R, D, x.stride(0), s_sh, s_sc, eps, y, gate, xn,
@@ -180,7 +184,7 @@ def _forward(x, w, shift, scale, seg, eps, has_mod, added=None):
     return out if added is None else (out, xn)
 
 
-def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None):
+def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None, launch=None):
     """(dx, dw or [0], dshift and dscale in fp32 or [0, D]). Without a reduction to make,
     every program takes one tile of rows in token order (``_norm_bwd_rows``, which adds
     ``res`` [R, D], x's gradient by another path, where given); with one, B K programs walk
@@ -194,7 +198,7 @@ def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None
     if not (weight_grad or (has_mod and mod_grad)):  # dx alone: rows in order, no partials
         if R > 0:
             res = None if res is None else rows2d(res, D)
-            rows, _, warps = _launch("rows", D)
+            rows, _, warps = _launch("rows", D, launch)
             _norm_bwd_rows[(triton.cdiv(R, rows),)](
                 g, x, w, scale, seg, g if res is None else res, dx, R, D, g.stride(0),
                 x.stride(0), scale.stride(0) if has_mod else 0, 0 if res is None else res.stride(0),
@@ -224,7 +228,7 @@ def _backward(g, x, w, scale, seg, eps, has_mod, weight_grad, mod_grad, res=None
     return dx, dw, psh.view(B, K, D).sum(1), psc.view(B, K, D).sum(1)  # fp32: cast by autograd
 
 
-def backward_added(g, s, w, scale, seg, eps, res, gate, y_dtype):
+def backward_added(g, s, w, scale, seg, eps, res, gate, y_dtype, launch=None):
     """The backward of ``(norm(s), s)`` with ``s = x + gate y`` (the forward's ``added``), when
     only x and y take gradients: ``(ds, dy)``, ``ds`` the norm's gradient of s plus ``res`` (s's
     gradient by the later add; None: none), which is x's gradient too, and ``dy = gate ds``;
@@ -235,7 +239,7 @@ def backward_added(g, s, w, scale, seg, eps, res, gate, y_dtype):
     ds = torch.empty((R, D), dtype=s.dtype, device=s.device)
     dy = torch.empty((R, D), dtype=y_dtype, device=s.device)
     if R > 0:
-        block_r, block_d, warps = _launch("gated", D)
+        block_r, block_d, warps = _launch("gated", D, launch)
         _norm_bwd_rows[(triton.cdiv(R, block_r),)](
             g, s, w, scale, seg, g if res is None else res, ds, R, D, g.stride(0), s.stride(0),
             scale.stride(0), 0 if res is None else res.stride(0), eps, gate, dy, gate.stride(0),
