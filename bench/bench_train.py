@@ -213,9 +213,8 @@ def build_trainer(p: Params, config, shapes: Shapes, data: SyntheticData, root: 
         for block in blocks:
             block.compile(dynamic=True)
         model.engines.register(Handle("compiled blocks", blocks=tuple(blocks)))  # they run whole
-    components = Components(device=device, timesteps=None, plan=data, caches=data, encoder=data,
-                            batches=data, **{f.name: getattr(parts, f.name)
-                                             for f in dataclasses.fields(parts)})
+    components = Components(**vars(parts), device=device, timesteps=None, plan=data, caches=data,
+                            encoder=data, batches=data)
     paths = RunPaths(root / "plan", root / "catalog", root / "txt", root / "lat", root / "run")
     return Trainer(p, paths, components), profile
 

@@ -69,23 +69,6 @@ class RunPaths:
         return self.run / "checkpoints"
 
 
-@dataclasses.dataclass
-class Components:
-    device: torch.device
-    engines: EnginePlan
-    applied: AppliedEngines
-    model: MOSSImageTransformer
-    trainable: Trainable
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    ema: EMA | None
-    timesteps: MossTimesteps | UniformTimesteps | LogitNormalTimesteps
-    plan: Manifest  # the plan's manifest: its content hash names the data order
-    caches: BatchCaches
-    encoder: BatchEncoder
-    batches: PlanBatches
-    stepper: Stepper  # how gradients become the update (memory.optimizer, parallel)
-    dist: Dist = Dist()  # this process among the data-parallel ones
 
 
 RUN_KERNELS = "kernels.json"  # runs/<name>/: the op-table choices the run trains with
@@ -154,7 +137,20 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ema: EMA | None
-    stepper: Stepper
+    stepper: Stepper  # how gradients become the update (memory.optimizer, parallel)
+
+
+@dataclasses.dataclass
+class Components(Training):
+    """A run: its model side (``Training``) and its data side."""
+
+    device: torch.device
+    timesteps: MossTimesteps | UniformTimesteps | LogitNormalTimesteps
+    plan: Manifest  # the plan's manifest: its content hash names the data order
+    caches: BatchCaches
+    encoder: BatchEncoder
+    batches: PlanBatches
+    dist: Dist = Dist()  # this process among the data-parallel ones
 
 
 def build_training(params: Params, engines: EnginePlan, model: MOSSImageTransformer,
@@ -246,6 +242,6 @@ def build_components(params: Params, paths: RunPaths,
     batches = PlanBatches(paths.plan, p.data.datasets, p.resolution, paths.catalog,
                           rank=dist.rank, world=dist.world, plan_world=p.parallel.world_size,
                           pixels=p.cache.latents != "offline", max_pixels=p.data.max_image_pixels)
-    return Components(device=device, **{f.name: getattr(parts, f.name) for f in dataclasses.fields(parts)},
+    return Components(**vars(parts), device=device,
                       timesteps=timesteps, plan=plan, caches=caches, encoder=encoder,
                       batches=batches, dist=dist)
