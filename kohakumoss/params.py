@@ -157,6 +157,11 @@ def check_memory(p: Params) -> None:
              "host)")
     if m.optimizer == "fused":
         _check_fused(p)
+    if m.optimizer == "streamed" and p.adapter.full and p.parallel.world_size > 1:
+        fail(f"{where}.optimizer", "streamed",
+             f"device or host with a full finetune over parallel.world_size = "
+             f"{p.parallel.world_size} (FSDP2 shards the optimizer states, 1/{p.parallel.world_size} "
+             f"a rank, and host offloads each rank's shard; the streamed states would not stream)")
     if m.offload and m.checkpointing not in ("block", "sub-block"):
         fail(f"{where}.offload", m.offload,
              f"false with checkpointing: {m.checkpointing} (activation offload moves what "

@@ -97,6 +97,10 @@ REFUSED = {
                                            "optim": {"grad_clip": 0}, "parallel": {"world_size": 2}},
                                           ["memory.optimizer = 'fused'", "parallel.world_size = 2",
                                            "summed after backward"]),
+    "streamed states of a sharded full finetune": ({"profile": "manual", "memory": {"optimizer": "streamed"},
+                                                    "adapter": {"algo": "full"}, "parallel": {"world_size": 2}},
+                                                   ["memory.optimizer = 'streamed'", "FSDP2 shards",
+                                                    "device or host"]),
 }
 
 
