@@ -73,14 +73,14 @@ def test_apply_engines_in_order(test_backend):
     assert all(p.dtype == torch.float32 for n in FP32_MODULES
                for p in model.get_submodule(n).parameters())
     # 2. kernels, then 3. recompute wrapping what step 2 chose, then block checkpointing
-    assert [b.fn for b in model.ops.rms_norm.wrapped.backends] == [backend]
+    assert [b.fn for b in model.ops.rms_norm.wraps.fn.backends] == [backend]
     assert applied.recomputed == list(ELEMENTWISE)
     assert applied.kernels["rms_norm"] == "recomputed(chosen(rms_norm: test, reference))"
     assert applied.checkpointed == [f"text_embedder.blocks.{i}" for i in range(2)] + \
         [f"layers.{i}" for i in range(FLAVORS["tiny"].depth)]
     assert applied.precision == {"compute": "bf16", "weights": "bf16"}
     other = tiny_transformer()
-    assert other.ops.rms_norm is ops.rms_norm  # another model is untouched
+    assert other.ops.rms_norm.fn is ops.rms_norm  # another model is untouched
 
 
 def test_every_engine_together_keeps_the_math(test_backend):

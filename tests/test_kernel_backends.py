@@ -155,7 +155,7 @@ def test_a_halfs_norm_sums_the_closing_adds_gradient_in_its_kernel(lengths, dtyp
             return gated(x_res, y @ m, gate, seg)
         return run
 
-    mine, ref = half(fn, triton_fn("gated_residual")), half(ops.modulated_rms_norm, ops.gated_residual)
+    mine, ref = half(KERNELS.backend("modulated_rms_norm", "triton").entry(), triton_fn("gated_residual")), half(ops.modulated_rms_norm, ops.gated_residual)
     for shuffle, wants in ((False, []), (True, []), (True, ["weight", "shift", "scale"])):
         x, m = leaf(g, N, D, dtype=dtype), leaf(g, D, D, dtype=dtype, scale=D ** -0.5, grad=False)
         w = leaf(g, D, dtype=dtype, grad="weight" in wants)
@@ -177,7 +177,7 @@ def test_the_norm_that_makes_the_closing_add(lengths, dtype):
     references make it (samples in order and shuffled; shift, scale and gate as the model's
     strided columns of one tensor)."""
     needs_triton()
-    form = triton_fn("modulated_rms_norm").added
+    form = KERNELS.backend("modulated_rms_norm", "triton").forms["added"]
     g = torch.Generator().manual_seed(23)
     N, D, B = sum(lengths), 48, len(lengths)
     for shuffle in (False, True):
@@ -201,7 +201,7 @@ def test_the_added_form_gives_x_and_y_their_gradients_and_declines_the_rest(dtyp
     add then norm, with s also used by a later add); where the weight, the modulation or the
     gate needs a gradient it returns None, and the caller makes the add and the norm apart."""
     needs_triton()
-    form = triton_fn("modulated_rms_norm").added
+    form = KERNELS.backend("modulated_rms_norm", "triton").forms["added"]
     g = torch.Generator().manual_seed(24)
     lengths = [5, 1, 9]
     N, D, B = sum(lengths), 48, len(lengths)
@@ -628,12 +628,12 @@ def test_recomputation_leaves_the_triton_ops_alone_and_would_not_change_them():
     shift, scale = leaf(g, 2, 64), leaf(g, 2, 64)
     seg = seg_of([6, 7])
     fn = triton_fn("modulated_rms_norm")
-    assert fn.keeps_inputs_only
+    assert KERNELS.backend("modulated_rms_norm", "triton").keeps_inputs_only
     model = tiny_transformer()
     model.ops = build_op_table(DEVICE, torch.float32, {"modulated_rms_norm": "triton"})
     wrapped_ops = apply_recompute(model)
     assert "modulated_rms_norm" not in wrapped_ops and "rms_norm" in wrapped_ops
-    assert [b.fn for b in model.ops.modulated_rms_norm.backends] == [fn]  # the choice, unwrapped
+    assert [b.fn for b in model.ops.modulated_rms_norm.fn.backends] == [fn]  # the choice, unwrapped
     assert model.ops.modulated_rms_norm.keeps_inputs_only
     args = (x, w, shift, scale, seg, 1e-6)
     plain, wrapped = fn(*args), recomputed(fn, 5)(*args)
@@ -662,7 +662,7 @@ def test_a_recomputed_norm_keeps_its_stream_form():
         model.ops = build_op_table(DEVICE, torch.float32, {"modulated_rms_norm": choice})
         wrapped = apply_recompute(model) if recompute else []
         assert ("modulated_rms_norm" in wrapped) == recompute
-        assert callable(getattr(model.ops.modulated_rms_norm, "added", None))  # inference's form too
+        assert callable(model.ops.modulated_rms_norm.form("added"))  # inference's form too
         v = model(img, text, sigma, layout)
         assert "_StreamNormBackward" in _graph(v)
         v.square().mean().backward()
@@ -754,7 +754,7 @@ def test_the_norm_that_makes_the_add_at_the_real_sizes(dtype):
     x, y = leaf(g, N, D, dtype=dtype), leaf(g, N, D, dtype=dtype, scale=0.1)
     w = leaf(g, D, dtype=dtype, grad=False)
     mod = leaf(g, 2, 6, D, scale=0.5, grad=False)
-    form = triton_fn("modulated_rms_norm").added
+    form = KERNELS.backend("modulated_rms_norm", "triton").forms["added"]
 
     def mine(x, y):
         out, s = form(x, w, mod[:, 3], mod[:, 4], seg, 1e-6, y, mod[:, 2])
@@ -946,7 +946,7 @@ def test_every_backend_is_registered_and_says_where_it_runs():
         if CUDA:
             assert not available(DEVICE, torch.float32)  # 16-bit only
     table = build_op_table("cpu", torch.float64, {op: "triton" for op in ELEMENTWISE})
-    assert all(getattr(table, op) is ops.REFERENCE[op] for op in ELEMENTWISE)
+    assert all(getattr(table, op).fn is ops.REFERENCE[op] for op in ELEMENTWISE)
 
 
 def test_kohakumoss_imports_and_reports_triton_unavailable_without_triton():

@@ -48,8 +48,8 @@ def registry():
 def test_a_backend_that_can_run_is_selected_and_used(registry):
     table = registry.build_op_table(CPU, torch.float32, {"rms_norm": "test"})
     backend = registry.backend("rms_norm", "test").fn
-    assert [b.fn for b in table.rms_norm.backends] == [backend]
-    assert all(getattr(table, n) is f for n, f in ops.REFERENCE.items() if n != "rms_norm")
+    assert [b.fn for b in table.rms_norm.fn.backends] == [backend]
+    assert all(getattr(table, n).fn is f for n, f in ops.REFERENCE.items() if n != "rms_norm")
     model = tiny_transformer()
     model.ops = table
     reference = tiny_transformer()
@@ -65,7 +65,7 @@ def test_a_backend_that_can_run_is_selected_and_used(registry):
 def test_a_backend_that_cannot_run_falls_back_to_the_reference(registry, caplog):
     with caplog.at_level(logging.INFO, "kohakumoss.kernels"):
         table = registry.build_op_table(CPU, torch.bfloat16, {"rms_norm": "test"})
-    assert table.rms_norm is ops.rms_norm
+    assert table.rms_norm.fn is ops.rms_norm
     assert "rms_norm: test cannot run here" in caplog.text and "every op reference" in caplog.text
     # an ordered choice: the first that can run wins
     chosen, unable = registry.dispatch(CPU, torch.float32, {"rms_norm": ["gpu_only", "test"]})
@@ -119,11 +119,9 @@ def test_a_backends_stream_form_runs_and_a_failing_one_is_an_error():
         raise RuntimeError("no kernel image for this device")
 
     good = Counting(ops.modulated_rms_norm)
-    good.stream = stream
     bad = Counting(ops.modulated_rms_norm)
-    bad.stream = failing
-    r.register("modulated_rms_norm", "good", good, _cpu_fp32)
-    r.register("modulated_rms_norm", "bad", bad, _cpu_fp32)
+    r.register("modulated_rms_norm", "good", good, _cpu_fp32, forms={"stream": stream})
+    r.register("modulated_rms_norm", "bad", bad, _cpu_fp32, forms={"stream": failing})
     r.register("modulated_rms_norm", "plain", plain, _cpu_fp32)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 8, generator=g), torch.randn(8, generator=g)
@@ -194,8 +192,8 @@ def test_two_models_tables_are_independent(registry):
     b.ops = registry.build_op_table(CPU, torch.float32, {"rms_norm": "test"})
     assert a.ops is not b.ops
     a.ops.override("situ", Counting(ops.situ))
-    assert b.ops.situ is ops.situ
-    assert MOSSImageTransformer(FLAVORS["tiny"]).ops.rms_norm is ops.rms_norm
+    assert b.ops.situ.fn is ops.situ
+    assert MOSSImageTransformer(FLAVORS["tiny"]).ops.rms_norm.fn is ops.rms_norm
 
 
 def test_the_dispatch_is_logged_once(registry, caplog):

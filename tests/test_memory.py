@@ -290,8 +290,8 @@ def test_recompute_acts_on_that_models_table_only_and_once():
     assert apply_recompute(a) == list(ELEMENTWISE)
     assert apply_recompute(a) == []  # idempotent
     for name in ELEMENTWISE:
-        assert getattr(a.ops, name).wrapped is ops.REFERENCE[name]
-        assert getattr(b.ops, name) is ops.REFERENCE[name]
+        assert getattr(a.ops, name).wraps.fn is ops.REFERENCE[name]
+        assert getattr(b.ops, name).fn is ops.REFERENCE[name]
     x = torch.randn(3, 8)
     with torch.no_grad():  # inference runs the op itself
         assert torch.equal(a.ops.rms_norm(x, torch.ones(8), 1e-6), ops.rms_norm(x, torch.ones(8), 1e-6))
@@ -302,8 +302,7 @@ def test_recompute_leaves_kernels_that_keep_only_their_inputs_alone():
     buy nothing); a per-call answer (a tuned op) runs those calls directly and recomputes
     the others."""
     model = _tiny(torch.float32)
-    lean = lambda x, w, eps: ops.rms_norm(x, w, eps)  # noqa: E731
-    lean.keeps_inputs_only = True
+    lean = ops.OpEntry(lambda x, w, eps: ops.rms_norm(x, w, eps), "lean", keeps=True)
     model.ops.override("rms_norm", lean)
     done = apply_recompute(model)
     assert "rms_norm" not in done and model.ops.rms_norm is lean
@@ -315,8 +314,7 @@ def test_recompute_leaves_kernels_that_keep_only_their_inputs_alone():
         calls.append(x.shape[0])
         return ops.residual(x, y)
 
-    per_call.keeps_inputs_only_for = lambda x, y: x.shape[0] > 4
-    wrapped = recomputed(per_call, 2)
+    wrapped = recomputed(ops.OpEntry(per_call, "per_call", keeps=lambda x, y: x.shape[0] > 4), 2)
     for n, recomputes in ((8, False), (3, True)):
         calls.clear()
         x, y = torch.randn(n, 4, requires_grad=True), torch.randn(n, 4, requires_grad=True)

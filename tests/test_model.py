@@ -179,8 +179,8 @@ def test_token_subset_keeps_cell_positions():
 def test_each_model_has_its_own_op_table():
     a, b = MOSSImageTransformer(FLAVORS["tiny"]), MOSSImageTransformer(FLAVORS["tiny"])
     assert a.ops is not b.ops and a.ops.names() == b.ops.names()
-    assert all(getattr(a.ops, n) is f for n, f in ops.REFERENCE.items())  # plain references
+    assert all(getattr(a.ops, n).fn is f for n, f in ops.REFERENCE.items())  # plain references
     a.ops.override("situ", lambda u, g: ops.situ(u, g))
-    assert b.ops.situ is ops.situ and a.ops.situ is not ops.situ
+    assert b.ops.situ.fn is ops.situ and a.ops.situ.fn is not ops.situ
     with pytest.raises(KeyError, match="unknown op 'nope'"):
         a.ops.override("nope", ops.situ)

@@ -11,6 +11,7 @@ import torch
 from kohakumoss.memory import apply_checkpointing, repeated_blocks
 from kohakumoss.memory.offload import apply_activation_offload
 from kohakumoss.memory.replay import is_attention_kernel
+from kohakumoss.model import ops
 from kohakumoss.model import FLAVORS, MOSSImageTransformer, build_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -184,13 +185,13 @@ def test_forward_keeps_no_graph_of_the_recorded_attention_under_an_outer_pack_ho
     c = FLAVORS["tiny"]
     layout = build_layout([(3, 4), (2, 5)], [4, 6])
     made = []  # the inputs the recording runs the attention on: its graph saves them
-    inner = model.ops.varlen_attention.attention
+    inner = model.ops.varlen_attention.fn.attention
 
     def spy(q, k, v, lengths):
         made.extend(weakref.ref(t) for t in (q, k, v))
         return inner(q, k, v, lengths)
 
-    model.ops.varlen_attention.attention = spy
+    model.ops.varlen_attention.fn.attention = ops.OpEntry.of(spy)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         model(torch.randn(layout.n_img, c.latent_channels, generator=g),
               torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(2, generator=g), layout)
@@ -204,7 +205,7 @@ def test_a_backend_the_mode_cannot_see_is_recomputed_as_before():
     the attention again, the gradients are still plain autograd's."""
     plain = _model(preset="attn-mlp")
     model, aset, off = _model(offload=True, preset="attn-mlp")
-    reference = model.ops.varlen_attention.attention
+    reference = model.ops.varlen_attention.fn.attention
 
     class Flexish:
         def backend_for(self, *args):
@@ -213,7 +214,7 @@ def test_a_backend_the_mode_cannot_see_is_recomputed_as_before():
         def __call__(self, *args):
             return reference(*args)
 
-    model.ops.varlen_attention.attention = Flexish()
+    model.ops.varlen_attention.fn.attention = ops.OpEntry(Flexish(), "flexish", chooser=Flexish().backend_for)
     for _ in range(2):
         _same(_step(model, aset), _step(*plain[:2]))
     c = FLAVORS["tiny"]
@@ -290,7 +291,7 @@ def test_an_attention_backend_of_custom_ops_is_replayed(halves):
     autograd's bit for bit."""
     plain = _model(preset="attn-mlp")
     model, aset, _ = _model(offload=True, preset="attn-mlp", halves=halves)
-    model.ops.varlen_attention.attention = SEEN
+    model.ops.varlen_attention.fn.attention = ops.OpEntry.of(SEEN)
     plain[0].ops.override("varlen_attention", SEEN)
     for _ in range(2):
         _same(_step(model, aset), _step(*plain[:2]))

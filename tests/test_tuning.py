@@ -294,7 +294,7 @@ def test_tuned_dispatch_per_bucket_and_the_nearest_shape_said_once(caplog):
              entry_key("situ", F32, "N=64,F=8"): ["reference", "a"]}
     with caplog.at_level(logging.INFO, "kohakumoss.kernels"):
         table = r.build_op_table(CPU, F32, tuned=tuned)
-    assert isinstance(table.situ, TunedOp) and "situ=a on 1/4 shapes, b on 1/4 shapes, small on 1/4 shapes" in caplog.text
+    assert isinstance(table.situ.fn, TunedOp) and "situ=a on 1/4 shapes, b on 1/4 shapes, small on 1/4 shapes" in caplog.text
 
     def call(n):
         u, g = torch.randn(n, 8), torch.randn(n, 8)
@@ -339,7 +339,7 @@ def test_tuned_dispatch_per_bucket_and_the_nearest_shape_said_once(caplog):
     assert not t.keeps_inputs_only_for(torch.randn(30, 8), torch.randn(30, 8))
     assert not t.keeps_inputs_only_for(torch.randn(60, 8), torch.randn(60, 8))  # nearest: N=32
     # an entry naming no backend that can run here leaves the plain reference
-    assert r.build_op_table(CPU, torch.bfloat16, tuned={entry_key("situ", F32, "N=16,F=8"): ["reference"]}).situ is ops.situ
+    assert r.build_op_table(CPU, torch.bfloat16, tuned={entry_key("situ", F32, "N=16,F=8"): ["reference"]}).situ.fn is ops.situ
 
 
 def test_a_compile_failure_at_run_time_is_an_error_naming_the_knob():
@@ -416,7 +416,7 @@ def small_plan(tmp_path):
 def test_the_table_module_is_what_train_reads():
     assert table_mod.KIND == "kernel_table" and KernelTable().why_not(device_signature(CPU)) == \
         "it holds no measurements"
-    assert build_op_table(CPU, F32, tuned={}).situ is ops.situ
+    assert build_op_table(CPU, F32, tuned={}).situ.fn is ops.situ
 
 
 # -- the stored tiny-run curve through a table on disk (the train stage's path) ------------------
@@ -449,7 +449,7 @@ def _table_run(tmp_path, entries: dict[str, list[str]]) -> list[float]:
     p = load_params(params)
     paths = dataclasses.replace(_prepare(tmp_path, params), kernels=tmp_path / "kernels")
     components = build_components(p, paths)
-    assert all(getattr(components.model.ops, op).wrapped.__class__ is TunedOp for op in COMPILED)
+    assert all(getattr(components.model.ops, op).wraps.fn.__class__ is TunedOp for op in COMPILED)
     return Trainer(p, paths, components).run(progress=False).losses
 
 
@@ -515,13 +515,13 @@ def test_the_sampler_runs_the_kernels_the_table_chose_for_training_shapes(tmp_pa
     p = make_params(ds)
     table = sampling_ops(p, CPU, F32, tmp_path / "kernels")
     u, g = torch.randn(1000, c.ffn_dim), torch.randn(1000, c.ffn_dim)
-    assert isinstance(table.situ, TunedOp) and table.situ.backend_for(u, g) == "compile"
-    assert table.rms_norm is ops.rms_norm
+    assert isinstance(table.situ.fn, TunedOp) and table.situ.backend_for(u, g) == "compile"
+    assert table.rms_norm.fn is ops.rms_norm
     with caplog.at_level(logging.WARNING, "kohakumoss"):
-        assert sampling_ops(p, CPU, F32, tmp_path / "none").situ is ops.situ
+        assert sampling_ops(p, CPU, F32, tmp_path / "none").situ.fn is ops.situ
     assert "no kernel tuning table in" in caplog.text
     off = make_params(ds, kernels={"table": "off"})
-    assert sampling_ops(off, CPU, F32, tmp_path / "kernels").situ is ops.situ
+    assert sampling_ops(off, CPU, F32, tmp_path / "kernels").situ.fn is ops.situ
 
 
 def test_a_norms_added_form_runs_through_either_dispatch_and_a_failing_one_is_an_error():
@@ -543,12 +543,10 @@ def test_a_norms_added_form_runs_through_either_dispatch_and_a_failing_one_is_an
     def broken_added(*args):
         raise RuntimeError("no added form here")
 
-    norm.added = added
     other = Counting(fn=ops.modulated_rms_norm)
-    other.added = broken_added
     r = KernelRegistry()
-    r.register("modulated_rms_norm", "fused", norm, _cpu)
-    r.register("modulated_rms_norm", "other", other, _cpu)
+    r.register("modulated_rms_norm", "fused", norm, _cpu, forms={"added": added})
+    r.register("modulated_rms_norm", "other", other, _cpu, forms={"added": broken_added})
     g = torch.Generator().manual_seed(3)
     seg = torch.tensor([0] * 5 + [1] * 9)
     x, y = torch.randn(14, 8, generator=g), torch.randn(14, 8, generator=g)

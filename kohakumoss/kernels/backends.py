@@ -115,10 +115,9 @@ TRITON_FORMS = {"modulated_rms_norm": {
 }}
 
 for _op in TRITON_OPS:  # each kernel's autograd saves its inputs; backward recomputes the rest
-    _fn = _triton_fn(_op)
-    for _form, (_module, _name) in TRITON_FORMS.get(_op, {}).items():
-        setattr(_fn, _form, _triton_fn(_op, _name, _module))
-    register_backend(_op, "triton", _fn, _triton_available(_op), keeps_inputs_only=True)
+    register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op), keeps_inputs_only=True,
+                     forms={form: _triton_fn(_op, name, module)
+                            for form, (module, name) in TRITON_FORMS.get(_op, {}).items()})
 
 DEQUANT_ROWS = 1024
 """From this many rows a quantized linear dequantizes the layer's weight into a transient

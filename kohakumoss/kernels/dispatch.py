@@ -4,10 +4,11 @@ tuned op choosing by ``(dtype, shape bucket)`` (``TunedOp``) or a static choice
 (``ChosenOp``). What may run is decided when the table is built (a backend that cannot run
 on the device or in the dtype is left out there, and the table logs it; ``fits`` passes a
 backend over for a shape it does not take). A backend that raises at run time, in a call
-or in one of its forms (``model.ops.FORMS``: the norm's ``stream`` and ``added``), is a
+or in one of its forms (``Backend.forms``: the norm's ``stream`` and ``added``), is a
 ``BackendFailed`` naming the op, the backend and the knob that leaves it out
 (``kernels.backends``), never a silent fall-back for the rest of the run. A form that
-declines (returns None) runs the plain calls.
+declines (returns None) runs the plain calls. ``entry(op)`` makes either an ``OpEntry`` of the
+table (its forms, what it keeps, its per-call choice).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.utils.checkpoint
 
 from kohakumoss.kernels.problems import PROBLEMS, Dims, Problem, call_dtype
 from kohakumoss.errors import KohakuError
-from kohakumoss.model.ops import REFERENCE
+from kohakumoss.model.ops import FORMS, REFERENCE, OpEntry
 
 REFERENCE_NAME = "reference"
 
@@ -43,9 +44,15 @@ class Backend:
     # devices where the tuner times it only when ``kernels.backends`` names it (a backend
     # whose first build is slow, where others cover the op); None: timed everywhere
     opt_in: Callable[[torch.device], bool] | None = None
+    # its other forms (``model.ops.FORMS``: form -> callable on the op's arguments first)
+    forms: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
 
     def takes(self, dims: Mapping[str, int]) -> bool:
         return self.fits is None or bool(self.fits(dims))
+
+    def entry(self) -> OpEntry:
+        """This backend alone as a table entry (its forms, what it keeps), for any shape."""
+        return OpEntry(self.fn, f"{self.name}.{self.op}", self.forms, self.keeps_inputs_only)
 
 
 def entry_key(op: str, dtype: torch.dtype, key: str) -> str:
@@ -178,8 +185,8 @@ class ChosenOp:
         self.shaped = self.problem is not None and any(b.fits is not None for b in backends)
         self.reference = REFERENCE[op]
         self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
-        if all(b.keeps_inputs_only for b in backends) and not self.shaped:
-            self.keeps_inputs_only = True  # every call that does not fail
+        # every call that does not fail keeps only its inputs
+        self.keeps_inputs_only = all(b.keeps_inputs_only for b in backends) and not self.shaped
         self.__qualname__ = f"chosen({op}: {', '.join([*(b.name for b in backends), REFERENCE_NAME])})"
 
     def _usable(self, args) -> list[Backend]:
@@ -216,11 +223,11 @@ _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 
 
 def _form(op: TunedOp | ChosenOp, backend: Backend, name: str, args: tuple):
-    """``backend``'s form ``name`` of the op (``model.ops.FORMS``, its function's attribute:
+    """``backend``'s form ``name`` of the op (``Backend.forms``:
     ``stream``, the norm of a block's half that also returns x, summing x's two gradients in
     its backward; ``added``, the norm that first makes the previous half's closing add) run on
     ``args``; None where it has none or declines. One that raises is a ``BackendFailed``."""
-    form = getattr(backend.fn, name, None)
+    form = backend.forms.get(name)
     if form is None:
         return None
     try:
@@ -245,3 +252,12 @@ def _run_first(op: TunedOp | ChosenOp, backends: list[Backend], dims: Dims | Non
         except Exception as e:
             raise BackendFailed(op.op, b.name, e) from e
     return op.reference(*args)
+
+
+def entry(op: TunedOp | ChosenOp) -> OpEntry:
+    """``op`` as a table entry: the forms its backends have (asked per call), what its calls
+    keep for backward, the backend each call picks."""
+    backends = op.backends if isinstance(op, ChosenOp) else [b for c in op.chains.values() for b in c]
+    forms = {name: getattr(op, name) for name in FORMS if any(name in b.forms for b in backends)}
+    keeps = True if getattr(op, "keeps_inputs_only", False) else op.keeps_inputs_only_for
+    return OpEntry(op, op.__qualname__, forms, keeps, op.backend_for)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from kohakumoss.model.config import DiTConfig
-from kohakumoss.model.ops import compute_dtype
+from kohakumoss.model.ops import OpEntry, compute_dtype
 
 Dims = dict[str, int]
 MIN_BUCKET = 16
@@ -207,11 +207,11 @@ def _meta_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[t
         model = MOSSImageTransformer(config)
     calls: list[tuple[str, Dims]] = []
 
-    def recording(op: str, fn: Callable) -> Callable:
+    def recording(op: str, entry: OpEntry) -> OpEntry:
         def call(*args):
             calls.append((op, PROBLEMS[op].dims(*args)))
-            return fn(*args)
-        return call
+            return entry.fn(*args)
+        return entry.wrap(call, "recorded")
 
     for op in PROBLEMS:
         model.ops.override(op, recording(op, getattr(model.ops, op)))

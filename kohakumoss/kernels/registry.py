@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kohakumoss.kernels.dispatch import (REFERENCE_NAME, Backend, ChosenOp, Fits, KernelError,  # noqa: F401
-                                        TunedOp, parse_entry_key)
+                                        TunedOp, entry, parse_entry_key)
 from kohakumoss.kernels.problems import PROBLEMS
-from kohakumoss.model.ops import REFERENCE, OpTable
+from kohakumoss.model.ops import REFERENCE, OpEntry, OpTable
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +49,19 @@ class KernelRegistry:
     def register(self, op: str, name: str, fn: Callable,
                  available: Callable[[torch.device, torch.dtype], bool],
                  fits: Fits | None = None, keeps_inputs_only: bool = False,
-                 opt_in: Callable[[torch.device], bool] | None = None) -> Backend:
+                 opt_in: Callable[[torch.device], bool] | None = None,
+                 forms: Mapping[str, Callable] | None = None) -> Backend:
         """Add backend ``name`` of ``op``: ``fn`` has the reference's signature and results;
         ``available(device, dtype)`` says whether it can run there; ``fits(dims)`` whether it
         takes a problem shape (``kohakumoss.kernels.problems``; None: any);
-        ``keeps_inputs_only``: its autograd saves only the op's inputs (set on ``fn`` too,
-        for the memory engines); ``opt_in(device)``: there the tuner times it only when
-        named (``eligible``)."""
+        ``keeps_inputs_only``: its autograd saves only the op's inputs (the memory engines
+        read it from the table's entry); ``opt_in(device)``: there the tuner times it only
+        when named (``eligible``); ``forms``: its other forms (``model.ops.FORMS``)."""
         backends = self._op(op)
         if name == REFERENCE_NAME or name in backends:
             raise KernelError(f"op {op!r} already has a backend named {name!r}; pick another name")
-        if keeps_inputs_only:
-            fn.keeps_inputs_only = True
-        backends[name] = Backend(op, name, fn, available, fits, keeps_inputs_only, opt_in)
+        backends[name] = Backend(op, name, fn, available, fits, keeps_inputs_only, opt_in,
+                                 dict(forms or {}))
         return backends[name]
 
     def unregister(self, op: str, name: str) -> None:
@@ -115,14 +115,14 @@ class KernelRegistry:
         return chosen, unable
 
     def chosen_op(self, op: str, device: torch.device, dtype: torch.dtype,
-                  names: str | Sequence[str]) -> ChosenOp:
-        """A ``ChosenOp`` over the named backends of ``op`` that can run here, in order (up
-        to the reference, when named)."""
+                  names: str | Sequence[str]) -> OpEntry:
+        """The table entry of a ``ChosenOp`` over the named backends of ``op`` that can run
+        here, in order (up to the reference, when named)."""
         names = [names] if isinstance(names, str) else list(names)
         if REFERENCE_NAME in names:
             names = names[:names.index(REFERENCE_NAME)]
         backends = [self.backend(op, n) for n in names]
-        return ChosenOp(op, [b for b in backends if b.available(device, dtype)], self.note)
+        return entry(ChosenOp(op, [b for b in backends if b.available(device, dtype)], self.note))
 
     def tuned_op(self, op: str, device: torch.device | str, tuned: Tuned) -> TunedOp | None:
         """A ``TunedOp`` for ``op`` from the table's entries, or None when no entry names a
@@ -164,7 +164,7 @@ class KernelRegistry:
             elif tuned and op not in (choices or {}):
                 t = self.tuned_op(op, device, tuned)
                 if t is not None:
-                    table.override(op, t)
+                    table.override(op, entry(t))
                     picked.append(_tuned_summary(t))
         notes = [f"{op}: {', '.join(names)} cannot run here" for op, names in unable.items()]
         key = (str(device), dtype, tuple(picked), tuple(notes))
@@ -194,8 +194,9 @@ KERNELS = KernelRegistry()
 def register_backend(op: str, name: str, fn: Callable,
                      available: Callable[[torch.device, torch.dtype], bool],
                      fits: Fits | None = None, keeps_inputs_only: bool = False,
-                     opt_in: Callable[[torch.device], bool] | None = None) -> Backend:
-    return KERNELS.register(op, name, fn, available, fits, keeps_inputs_only, opt_in)
+                     opt_in: Callable[[torch.device], bool] | None = None,
+                     forms: Mapping[str, Callable] | None = None) -> Backend:
+    return KERNELS.register(op, name, fn, available, fits, keeps_inputs_only, opt_in, forms)
 
 
 def build_op_table(device: torch.device | str, dtype: torch.dtype,

@@ -258,5 +258,6 @@ def apply_activation_offload(model: MOSSImageTransformer, device: torch.device |
             tail = block.get_submodule(tail) if tail else None
             engines.wrap_part(handle, block, part,
                               lambda fn, tail=tail: offloaded(fn, offloader, tail, engines))
-    model.ops.override("varlen_attention", KeptAttention(model.ops.varlen_attention, offloader))
+    attention = model.ops.varlen_attention
+    model.ops.override("varlen_attention", attention.wrap(KeptAttention(attention, offloader), "kept"))
     return offloader

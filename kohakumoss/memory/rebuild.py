@@ -30,6 +30,7 @@ import torch
 
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.model.engines import Handle
+from kohakumoss.model.ops import OpEntry
 
 ENGINE = "rebuild"
 REBUILT = ("rms_norm", "modulated_rms_norm", "qk_norm_rope", "situ")
@@ -66,7 +67,9 @@ class Rebuilder:
         self.made: dict[int, tuple] = {}  # output storage -> (ref, its version, fn, args, their versions, autocast)
         self.rebuilt_bytes = 0  # what the last forward did not keep (a benchmark reads it)
 
-    def wrap(self, fn: Callable) -> Callable:
+    def wrap(self, entry: OpEntry) -> OpEntry:
+        fn = entry.fn
+
         def run(*args):
             out = fn(*args)
             if self.active and isinstance(out, torch.Tensor) and out.requires_grad:
@@ -75,11 +78,7 @@ class Rebuilder:
                     _autocast(out.device.type))
             return out
 
-        run.__qualname__ = f"rebuilt({getattr(fn, '__qualname__', repr(fn))})"  # the op table's names
-        for name in ("keeps_inputs_only", "keeps_inputs_only_for"):
-            if hasattr(fn, name):
-                setattr(run, name, getattr(fn, name))
-        return run
+        return entry.wrap(run, "rebuilt")
 
     def recipe(self, t: torch.Tensor) -> _Recipe | None:
         """A recipe for saved tensor ``t`` when it is (a view of) a noted output that has

@@ -9,9 +9,10 @@ every other model are left alone. Outputs and gradients are exactly those of pla
 
 A kernel whose own autograd keeps only the op's inputs (a fused backward recomputes what it
 needs: the Triton kernels) has nothing to gain from this and would only pay a second
-forward. It says so with ``fn.keeps_inputs_only = True`` and is not wrapped; an op that
-picks its kernel per call (a tuned op) answers per call with
-``fn.keeps_inputs_only_for(*args)``, and the wrapper runs such calls directly.
+forward. Its table entry says so (``OpEntry.keeps`` True) and is not wrapped; an op that
+picks its kernel per call (a tuned op) answers per call (``entry.keeps_inputs_only_for``),
+and the wrapper runs such calls directly. The wrap is ``entry.wrap``: the entry's forms and
+its per-call choice stay.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.model.engines import Handle
-from kohakumoss.model.ops import FORMS
+from kohakumoss.model.ops import OpEntry
 
 ENGINE = "recompute"
 
@@ -58,34 +59,22 @@ class _Recompute(torch.autograd.Function):
         return (None, None, *[next(grads) if t.requires_grad else None for t in inputs])
 
 
-def keeps_inputs_only(fn: Callable) -> bool:
-    """Whether ``fn``'s own autograd keeps only its inputs, for every call."""
-    return getattr(fn, "keeps_inputs_only", False) is True
-
-
-def recomputed(fn: Callable, n_tensors: int) -> Callable:
-    """``fn(*tensors, *static)`` with its first ``n_tensors`` arguments as autograd inputs;
-    ``.wrapped`` is ``fn``. Without grad (inference), and for the calls ``fn`` says keep
-    only their inputs anyway (``fn.keeps_inputs_only_for``), it is ``fn`` itself."""
-    per_call = getattr(fn, "keeps_inputs_only_for", None)
+def recomputed(fn: Callable | OpEntry, n_tensors: int) -> OpEntry:
+    """``fn``'s entry wrapped: ``fn(*tensors, *static)`` with its first ``n_tensors``
+    arguments as autograd inputs; ``.wraps`` is ``fn``'s entry. Without grad (inference), and
+    for the calls the entry says keep only their inputs anyway, it runs ``fn`` itself. The
+    norm's forms stay: ``stream`` (``ops.stream_norm``) runs only a kernel that keeps its
+    inputs alone, and ``added`` (``ops.added_norm``) is inference only."""
+    inner = OpEntry.of(fn)
 
     def op(*args):
         tensors, static = args[:n_tensors], args[n_tensors:]
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) \
-                and not (per_call is not None and per_call(*args)):
-            return _Recompute.apply(fn, static, *tensors)
-        return fn(*args)
+                and not inner.keeps_inputs_only_for(*args):
+            return _Recompute.apply(inner.fn, static, *tensors)
+        return inner.fn(*args)
 
-    op.__qualname__ = f"recomputed({getattr(fn, '__qualname__', repr(fn))})"
-    op.wrapped = fn
-    for form in FORMS:
-        # a half's norm keeps its forms: ``stream`` (``ops.stream_norm``) runs only a kernel
-        # that keeps its inputs alone, and without it autograd sums x's two gradients in a
-        # pass of its own (a table choosing Triton with compile after it was wrapped so);
-        # ``added`` (``ops.added_norm``) is inference only, where the wrap is ``fn`` itself
-        if getattr(fn, form, None) is not None:
-            setattr(op, form, getattr(fn, form))
-    return op
+    return inner.wrap(op, ENGINE, label=f"recomputed({inner.label})")
 
 
 def apply_recompute(model: MOSSImageTransformer) -> list[str]:
@@ -95,7 +84,7 @@ def apply_recompute(model: MOSSImageTransformer) -> list[str]:
     done = []
     for name, n_tensors in ELEMENTWISE.items():
         fn = getattr(model.ops, name)
-        if getattr(fn, "wrapped", None) is None and not keeps_inputs_only(fn):
+        if not fn.wrapped_by(ENGINE) and not fn.keeps_inputs_only:
             model.ops.override(name, recomputed(fn, n_tensors))
             done.append(name)
     if done and model.engines.get(ENGINE) is None:

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from kohakumoss.model.engines import EngineRegistry, Handle
+from kohakumoss.model.ops import OpEntry
 
 
 def is_attention_kernel(func) -> bool:
@@ -85,14 +86,13 @@ class KeptAttention:
     """``ops.varlen_attention`` whose kernels' outputs wait with the part's offloaded input
     (see the module): forward records them, the recomputation replays them."""
 
-    def __init__(self, attention: Callable, offloader):
-        self.attention, self.offloader = attention, offloader
-        self.__qualname__ = f"kept({getattr(attention, '__qualname__', repr(attention))})"
+    def __init__(self, attention: OpEntry, offloader):
+        self.attention, self.offloader = OpEntry.of(attention), offloader
+        self.__qualname__ = f"kept({attention.label})"
 
     def __call__(self, q, k, v, lengths):
         part = self.offloader.part
-        chosen = getattr(self.attention, "backend_for", None)  # a kernel table's op
-        if part is None or (part[1] is None and chosen is not None and chosen(q, k, v, lengths) in UNSEEN):
+        if part is None or (part[1] is None and self.attention.backend_for(q, k, v, lengths) in UNSEEN):
             return self.attention(q, k, v, lengths)  # (nothing recorded: the part recomputes it)
         index, kept = part
         if kept is None:  # forward (without grad): run as backward will need it, and record

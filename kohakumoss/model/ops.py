@@ -15,8 +15,10 @@ each token; per-sample modulation vectors ``shift``/``scale``/``gate`` are float
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -95,16 +97,99 @@ def gated_residual(x_ND: torch.Tensor, y_ND: torch.Tensor, gate_BD: torch.Tensor
     return (_up(x_ND, cd) + _up(gate_BD, cd)[seg_N] * _up(y_ND, cd)).to(x_ND.dtype)
 
 
+FORMS = ("stream", "added")
+"""The other forms a table entry may carry (``OpEntry.forms``; ``stream_norm``,
+``added_norm``): each takes the op's own arguments first; None, or no form, runs the plain
+calls."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpEntry:
+    """One entry of a model's op table: a typed record that wrappers compose without losing
+    fields (``wrap``).
+
+    - ``fn``: the call, with the reference's signature and results;
+    - ``label``: what it is (``recomputed(tuned(situ: compile, reference))``), for logs;
+    - ``forms``: its other forms (``FORMS``), each a callable on the op's arguments first,
+      returning None where it declines the call;
+    - ``keeps``: what its autograd keeps for backward: True when only the op's inputs, for
+      every call (a fused backward recomputes the rest); False; or a per-call answer
+      ``keeps(*args) -> bool`` (a tuned op: the backend it picks for that shape);
+    - ``chooser``: ``chooser(*args) -> backend name`` where a kernel table picks per call
+      (None: the entry is what runs);
+    - ``by``, ``wraps``: the engine that wrapped an inner entry, and that entry.
+    """
+
+    fn: Callable
+    label: str
+    forms: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    keeps: bool | Callable[..., bool] = False
+    chooser: Callable[..., str] | None = None
+    by: str | None = None
+    wraps: "OpEntry | None" = None
+
+    def __post_init__(self):
+        unknown = set(self.forms) - set(FORMS)
+        if unknown:
+            raise ValueError(f"{self.label}: unknown forms {sorted(unknown)}; forms: {', '.join(FORMS)}")
+        object.__setattr__(self, "forms", MappingProxyType(dict(self.forms)))
+
+    @classmethod
+    def of(cls, fn: "Callable | OpEntry") -> "OpEntry":
+        """``fn`` as an entry (an entry as it is; a plain callable with no forms, keeping what
+        autograd keeps)."""
+        return fn if isinstance(fn, OpEntry) else cls(fn, getattr(fn, "__qualname__", repr(fn)))
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    @property
+    def keeps_inputs_only(self) -> bool:
+        """Whether every call keeps only the op's inputs for backward."""
+        return self.keeps is True
+
+    def keeps_inputs_only_for(self, *args) -> bool:
+        """Whether this call keeps only the op's inputs for backward."""
+        return self.keeps is True or (callable(self.keeps) and bool(self.keeps(*args)))
+
+    def backend_for(self, *args) -> str | None:
+        """The backend a call with these arguments runs (None where the table does not
+        choose: the entry itself runs)."""
+        return self.chooser(*args) if self.chooser is not None else None
+
+    def form(self, name: str) -> Callable | None:
+        return self.forms.get(name)
+
+    def wrap(self, fn: Callable, by: str, **changes) -> "OpEntry":
+        """A new entry calling ``fn`` (which calls this one) for engine ``by``, with every
+        other field of this one unless ``changes`` says otherwise."""
+        return dataclasses.replace(self, **{"fn": fn, "label": f"{by}({self.label})", "by": by,
+                                            "wraps": self, **changes})
+
+    def wrapped_by(self, by: str) -> bool:
+        """Whether engine ``by`` wrapped this entry or one inside it."""
+        entry = self
+        while entry is not None:
+            if entry.by == by:
+                return True
+            entry = entry.wraps
+        return False
+
+
+def _form(fn: Callable, name: str) -> Callable | None:
+    return fn.form(name) if isinstance(fn, OpEntry) else None
+
+
 def stream_norm(norm: Callable, x_ND: torch.Tensor, weight: torch.Tensor, shift_BD: torch.Tensor,
                 scale_BD: torch.Tensor, seg_N: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x, ...), x)``: a block half's modulated norm of the residual stream ``x`` (``norm``
     a table's ``modulated_rms_norm``), and ``x`` for the add that closes the half. Where the
     call runs a backend with a ``stream`` form (the Triton kernels': its backward adds the
     closing add's gradient of x to the norm's own in one pass, where autograd would sum them in
-    a pass of its own), x comes back through that node (``norm.stream``: None where there is
-    none, or where it declines the call); else x itself."""
+    a pass of its own), x comes back through that node (``norm.form("stream")``: None where
+    there is none, or where it declines the call); else x itself."""
     args = (x_ND, weight, shift_BD, scale_BD, seg_N, eps)
-    stream = getattr(norm, "stream", None)
+    stream = _form(norm, "stream")
     out = stream(*args) if stream is not None else None
     return out if out is not None else (norm(*args), x_ND)
 
@@ -118,16 +203,11 @@ def added_norm(norm: Callable, add: Callable, x_ND: torch.Tensor, y_ND: torch.Te
     ``modulated_rms_norm`` and ``gated_residual``). Where the norm's call runs a backend with
     an ``added`` form (the Triton kernels': one pass that writes s and reads it once, and one
     for its gradients), that form; else the add, then the norm through ``stream_norm``."""
-    form = getattr(norm, "added", None)
+    form = _form(norm, "added")
     out = None if form is None else form(x_ND, weight, shift_BD, scale_BD, seg_N, eps, y_ND, gate_BD)
     if out is not None:
         return out
     return stream_norm(norm, add(x_ND, y_ND, gate_BD, seg_N), weight, shift_BD, scale_BD, seg_N, eps)
-
-
-FORMS = ("stream", "added")
-"""The other forms a table entry may carry as attributes (``stream_norm``, ``added_norm``):
-each takes the op's own arguments first; None, or no attribute, runs the plain calls."""
 
 
 def varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tensor,
@@ -229,31 +309,31 @@ REFERENCE: dict[str, Callable] = {
 
 
 class OpTable:
-    """Name -> implementation; starts as the references, backends override entries.
+    """Name -> ``OpEntry``; starts as the references, backends and engines override entries.
 
     Every model holds its own table (``MOSSImageTransformer(config).ops``): overriding an op
-    of one model never changes another's.
+    of one model never changes another's. ``table.<name>`` is the entry (called as the op);
+    ``override`` takes an entry, or a plain callable (an entry with no forms).
     """
 
     __slots__ = ("_ops",)
 
-    def __init__(self, ops: dict[str, Callable] | None = None):
-        self._ops = dict(REFERENCE if ops is None else ops)
+    def __init__(self, ops: Mapping[str, Callable] | None = None):
+        self._ops = {k: OpEntry.of(v) for k, v in (REFERENCE if ops is None else ops).items()}
 
-    def __getattr__(self, name: str) -> Callable:  # called only for the op names
+    def __getattr__(self, name: str) -> OpEntry:  # called only for the op names
         try:
             return object.__getattribute__(self, "_ops")[name]
         except KeyError:
             raise AttributeError(f"op {name!r} is not in the op table") from None
 
-    def override(self, name: str, fn: Callable) -> None:
-        if name not in REFERENCE:
-            raise KeyError(f"unknown op {name!r}; ops: {', '.join(REFERENCE)}")
-        self._ops[name] = fn
+    def override(self, name: str, fn: Callable | OpEntry) -> None:
+        if name not in self._ops:
+            raise KeyError(f"unknown op {name!r}; ops: {', '.join(self._ops)}")
+        self._ops[name] = OpEntry.of(fn)
 
     def names(self) -> dict[str, str]:
-        return {k: getattr(v, "__qualname__", repr(v)) for k, v in self._ops.items()}
+        return {k: v.label for k, v in self._ops.items()}
 
     def __repr__(self) -> str:
         return f"OpTable({self.names()})"
-
