@@ -145,7 +145,6 @@ def test_a_halfs_norm_sums_the_closing_adds_gradient_in_its_kernel(lengths, dtyp
     half ``x + gate * (norm(x) m)`` against the references' (samples in order and shuffled;
     only x trained, as a LoRA run; then weight and modulation too)."""
     needs_triton()
-    fn = triton_fn("modulated_rms_norm")
     g = torch.Generator().manual_seed(21)
     N, D, B = sum(lengths), 48, len(lengths)
 
