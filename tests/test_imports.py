@@ -18,7 +18,8 @@ LAYERS: list[set[str]] = [
     {"kohakumoss", "errors", "faults", "seeding", "device", "progress"},
     {"configlib", "artifacts", "precision", "quant", "images"},
     {"config", "tokenizer", "model"},
-    {"kernels", "memory", "diffusion", "adapters", "parallel"},
+    {"diffusion"},  # the objective's ops are a contract the kernel registry serves too
+    {"kernels", "memory", "adapters", "parallel"},
     {"formats"},
     {"encoders", "data"},  # neither imports the other: tokenizer/ is below both
     {"cache"},

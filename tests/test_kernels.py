@@ -167,7 +167,7 @@ def test_checkpointings_early_stop_passes_through_a_chosen_backend(mode):
 
 
 def test_unknown_names_are_clear_errors(registry):
-    with pytest.raises(KernelError, match="unknown op 'rms_nrom'; the op table has rms_norm, "):
+    with pytest.raises(KernelError, match="unknown op 'rms_nrom'; the op tables have rms_norm, "):
         registry.build_op_table(CPU, torch.float32, {"rms_nrom": "test"})
     # a typo is an error even where the backend could not have run anyway
     with pytest.raises(KernelError, match="op 'rms_norm' has no backend 'tset'; it has "
@@ -207,3 +207,27 @@ def test_the_dispatch_is_logged_once(registry, caplog):
         registry.build_op_table(CPU, torch.float32)  # another dispatch: logged, once
         registry.build_op_table(CPU, torch.float32, {})
     assert [r.getMessage() for r in caplog.records][1:] == ["kernels on cpu/float32: every op reference"]
+
+
+def test_the_loss_is_the_objectives_op_not_the_dits():
+    """The model's table holds the DiT's math only; the loss is the objective's op
+    (``diffusion.objective.OBJECTIVE``), a table of its own built by the same registry: a
+    backend chosen for it runs there, and the DiT's table never sees the choice."""
+    from kohakumoss.diffusion.objective import OBJECTIVE, flow_loss, reference_flow_loss
+
+    assert "flow_loss" not in ops.REFERENCE and set(OBJECTIVE) == {"flow_loss"}
+    with pytest.raises(AttributeError, match="op 'flow_loss' is not in the op table"):
+        MOSSImageTransformer(FLAVORS["tiny"]).ops.flow_loss
+    r = KernelRegistry()
+    fused = Counting(reference_flow_loss)
+    r.register("flow_loss", "fused", fused, _cpu_fp32)
+    choice = {"flow_loss": ["fused"], "situ": ["reference"]}
+    model_table = r.build_op_table(CPU, torch.float32, choice)
+    objective = r.build_op_table(CPU, torch.float32, choice, contract=OBJECTIVE)
+    assert model_table.names().keys() == ops.REFERENCE.keys()
+    assert objective.names() == {"flow_loss": "chosen(flow_loss: fused, reference)"}
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(7, 4, generator=g), torch.randn(7, 4, generator=g)
+    seg, weight = torch.tensor([0, 0, 0, 1, 1, 1, 1]), torch.tensor([1.0, 0.5])
+    got = flow_loss(pred, target, seg, weight, 7, ops=objective)
+    assert fused.calls == 1 and torch.equal(got, reference_flow_loss(pred, target, seg, weight, 7))

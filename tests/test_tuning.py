@@ -13,6 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kohakumoss.diffusion.objective import OBJECTIVE
 from kohakumoss.errors import IntegrityError
 from kohakumoss.kernels import KernelRegistry, TunedOp, build_op_table, entry_key
 from kohakumoss.kernels import table as table_mod
@@ -95,14 +96,16 @@ def test_plan_calls_are_the_calls_the_model_makes():
             return fn(*args, **kwargs)
         return call
 
+    objective = ops.OpTable(OBJECTIVE)
     for op in PROBLEMS:
-        if op in ops.REFERENCE and op != "quant_linear":
-            model.ops.override(op, counting(op, getattr(model.ops, op)))
+        table = objective if op in OBJECTIVE else model.ops
+        if op != "quant_linear":
+            table.override(op, counting(op, getattr(table, op)))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         pred = model(torch.randn(layout.n_img, c.latent_channels, generator=g),
                      torch.randn(layout.n_txt, c.text_dim, generator=g), torch.rand(3, generator=g), layout)
-        model.ops.flow_loss(pred, pred, layout.seg_img, torch.ones(3), layout.n_img, "mse", 1.0)
+        objective.flow_loss(pred, pred, layout.seg_img, torch.ones(3), layout.n_img, "mse", 1.0)
     assert seen == plan_calls(c, [samples])
     assert plan_calls(c, [samples, samples])["situ"] == {k: 2 * v for k, v in seen["situ"].items()}
 
@@ -133,7 +136,7 @@ def _slow_reference(monkeypatch, ms: float):
     def situ(u, g):
         time.sleep(ms / 1e3)
         return ops.situ(u, g)
-    monkeypatch.setitem(tuning.REFERENCE, "situ", situ)
+    monkeypatch.setitem(tuning.REFERENCES, "situ", situ)
 
 
 class Building(Counting):

@@ -9,9 +9,12 @@ micro-batches, all ranks), so the loss is a per-token mean however the step is s
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from kohakumoss.model.ops import REFERENCE, OpTable
+import torch
+import torch.nn.functional as F
+
+from kohakumoss.model.ops import OpTable
 
 
 def noised(x0_NC: torch.Tensor, eps_NC: torch.Tensor, sigma_N: torch.Tensor
@@ -34,10 +37,38 @@ def sigma_weight(sigma_B: torch.Tensor, weighting: str = "none") -> torch.Tensor
     raise ValueError(f"unknown weighting {weighting!r}; one of none, x0, eps")
 
 
+LOSSES = ("mse", "l1", "huber")
+
+
+def reference_flow_loss(pred_NC: torch.Tensor, target_NC: torch.Tensor, seg_N: torch.Tensor,
+                        weight_B: torch.Tensor, n_tokens: int, loss: str = "mse", delta: float = 1.0
+                        ) -> torch.Tensor:
+    """The training loss of a micro-batch (``docs/diffusion.md#training-objective``): each
+    token's error ``e(pred - target)`` averaged over the channels, weighted by its sample's
+    ``weight``, summed and divided by the step's loss-token count ``n_tokens``; float32,
+    0-d. ``e``: ``mse`` d^2, ``l1`` |d|, ``huber`` 0.5 d^2 within ``delta``, else
+    delta (|d| - 0.5 delta)."""
+    d = pred_NC.float() - target_NC.float()
+    if loss == "mse":
+        e = d.square()
+    elif loss == "l1":
+        e = d.abs()
+    elif loss == "huber":
+        e = F.huber_loss(d, torch.zeros_like(d), reduction="none", delta=delta)
+    else:
+        raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)}")
+    return (e.mean(dim=-1) * weight_B.float()[seg_N]).sum() / max(1, n_tokens)
+
+
+OBJECTIVE: dict[str, Callable] = {"flow_loss": reference_flow_loss}
+"""The objective's ops and their references: a table of its own (``OpTable(OBJECTIVE)``,
+made by the kernel registry as the DiT's is), which the trainer holds beside the model's."""
+
+
 def flow_loss(pred_NC: torch.Tensor, target_NC: torch.Tensor, seg_N: torch.Tensor,
               sample_weight_B: torch.Tensor, n_tokens_step: int, loss: str = "mse",
               delta: float = 1.0, ops: OpTable | None = None) -> torch.Tensor:
     """This micro-batch's share of the step's per-token mean loss (backward it as is):
-    ``ops.flow_loss`` of the model's op table (its reference without one)."""
-    fn = ops.flow_loss if ops is not None else REFERENCE["flow_loss"]
+    ``ops.flow_loss`` of an objective table (``OBJECTIVE``; its reference without one)."""
+    fn = ops.flow_loss if ops is not None else reference_flow_loss
     return fn(pred_NC, target_NC, seg_N, sample_weight_B, n_tokens_step, loss, delta)

@@ -24,9 +24,14 @@ import torch.utils.checkpoint
 
 from kohakumoss.kernels.problems import PROBLEMS, Dims, Problem, call_dtype
 from kohakumoss.errors import KohakuError
+from kohakumoss.diffusion.objective import OBJECTIVE
 from kohakumoss.model.ops import FORMS, REFERENCE, OpEntry
 
 REFERENCE_NAME = "reference"
+
+REFERENCES: Mapping[str, Callable] = {**REFERENCE, **OBJECTIVE}
+"""Every op a backend may replace, with its reference: the DiT's (``model.ops.REFERENCE``)
+and the objective's (``diffusion.objective.OBJECTIVE``), each contract a table of its own."""
 
 Fits = Callable[[Mapping[str, int]], bool]
 
@@ -107,7 +112,7 @@ class TunedOp:
                  note: Callable[..., None]):
         self.op, self.problem, self.chains, self._note = op, problem, chains, note
         self._resolved: dict[tuple[torch.dtype, str], list[Backend] | None] = {}
-        self.reference = REFERENCE[op]
+        self.reference = REFERENCES[op]
         self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
         names = sorted({b.name for chain in chains.values() for b in chain})
         self.__qualname__ = f"tuned({op}: {', '.join([*names, REFERENCE_NAME])})"
@@ -183,7 +188,7 @@ class ChosenOp:
         self.op, self.backends, self._note = op, backends, note
         self.problem = PROBLEMS.get(op)
         self.shaped = self.problem is not None and any(b.fits is not None for b in backends)
-        self.reference = REFERENCE[op]
+        self.reference = REFERENCES[op]
         self.arity = len(inspect.signature(self.reference).parameters)  # a form's first args
         # every call that does not fail keeps only its inputs
         self.keeps_inputs_only = all(b.keeps_inputs_only for b in backends) and not self.shaped

@@ -200,11 +200,14 @@ def _meta_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[t
     """The tunable op calls of one training use of ``samples`` in call order, recorded from
     the DiT's forward on the meta device (no memory, no arithmetic) through a counting table,
     and the loss the trainer computes on its output."""
+    from kohakumoss.diffusion.objective import OBJECTIVE
     from kohakumoss.model.dit import MOSSImageTransformer
     from kohakumoss.model.layout import build_layout
+    from kohakumoss.model.ops import OpTable
 
     with torch.device("meta"):
         model = MOSSImageTransformer(config)
+    objective = OpTable(OBJECTIVE)
     calls: list[tuple[str, Dims]] = []
 
     def recording(op: str, entry: OpEntry) -> OpEntry:
@@ -214,14 +217,15 @@ def _meta_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[t
         return entry.wrap(call, "recorded")
 
     for op in PROBLEMS:
-        model.ops.override(op, recording(op, getattr(model.ops, op)))
+        table = objective if op in OBJECTIVE else model.ops
+        table.override(op, recording(op, getattr(table, op)))
     layout = build_layout([(1, i) for i, _ in samples], [t for _, t in samples]).to("meta")
     meta = dict(device="meta")
     with torch.no_grad():
         v = model(torch.empty(layout.n_img, config.latent_channels, **meta),
                   torch.empty(layout.n_txt, config.text_dim, **meta),
                   torch.empty(len(samples), **meta), layout)
-        model.ops.flow_loss(v, v, layout.seg_img, torch.empty(len(samples), **meta), layout.n_img,
+        objective.flow_loss(v, v, layout.seg_img, torch.empty(len(samples), **meta), layout.n_img,
                             "mse", 1.0)
     return calls
 

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kohakumoss.kernels.dispatch import (REFERENCE_NAME, Backend, ChosenOp, Fits, KernelError,  # noqa: F401
-                                        TunedOp, entry, parse_entry_key)
+from kohakumoss.kernels.dispatch import (REFERENCE_NAME, REFERENCES, Backend, ChosenOp, Fits,  # noqa: F401
+                                        KernelError, TunedOp, entry, parse_entry_key)
 from kohakumoss.kernels.problems import PROBLEMS
 from kohakumoss.model.ops import REFERENCE, OpEntry, OpTable
 
@@ -38,12 +38,12 @@ Tuned = Mapping[str, Sequence[str]]  # "op/dtype/shape key" -> backend names, fa
 
 class KernelRegistry:
     def __init__(self):
-        self._backends: dict[str, dict[str, Backend]] = {op: {} for op in REFERENCE}
+        self._backends: dict[str, dict[str, Backend]] = {op: {} for op in REFERENCES}
         self._logged: set[tuple] = set()
 
     def _op(self, op: str) -> dict[str, Backend]:
         if op not in self._backends:
-            raise KernelError(f"unknown op {op!r}; the op table has {', '.join(self._backends)}")
+            raise KernelError(f"unknown op {op!r}; the op tables have {', '.join(self._backends)}")
         return self._backends[op]
 
     def register(self, op: str, name: str, fn: Callable,
@@ -95,8 +95,10 @@ class KernelRegistry:
             log.log(level, "%s", message)
 
     def dispatch(self, device: torch.device | str, dtype: torch.dtype,
-                 choices: Choices | None = None) -> tuple[dict[str, str], dict[str, list[str]]]:
-        """``({op: backend name}, {op: chosen backends that cannot run here})``."""
+                 choices: Choices | None = None, contract: Mapping[str, Callable] = REFERENCE
+                 ) -> tuple[dict[str, str], dict[str, list[str]]]:
+        """``({op: backend name}, {op: chosen backends that cannot run here})`` for the ops of
+        ``contract`` (choices of another contract's ops are checked, not dispatched)."""
         device = torch.device(device)
         wanted = {op: [names] if isinstance(names, str) else list(names)
                   for op, names in (choices or {}).items()}
@@ -105,7 +107,7 @@ class KernelRegistry:
                 if name != REFERENCE_NAME:
                     self.backend(op, name)
         chosen, unable = {}, {}
-        for op in self._backends:
+        for op in contract:
             chosen[op] = REFERENCE_NAME
             for name in wanted.get(op, []):
                 if name == REFERENCE_NAME or self.backend(op, name).available(device, dtype):
@@ -151,11 +153,13 @@ class KernelRegistry:
         return TunedOp(op, PROBLEMS[op], chains, self.note)
 
     def build_op_table(self, device: torch.device | str, dtype: torch.dtype,
-                       choices: Choices | None = None, tuned: Tuned | None = None) -> OpTable:
-        """A new table for one model computing in ``dtype`` on ``device``."""
+                       choices: Choices | None = None, tuned: Tuned | None = None,
+                       contract: Mapping[str, Callable] = REFERENCE) -> OpTable:
+        """A new table of ``contract``'s ops (the DiT's; or the objective's,
+        ``diffusion.objective.OBJECTIVE``) for one model computing in ``dtype`` on ``device``."""
         device = torch.device(device)
-        chosen, unable = self.dispatch(device, dtype, choices)
-        table = OpTable()
+        chosen, unable = self.dispatch(device, dtype, choices, contract)
+        table = OpTable(contract)
         picked = []
         for op, name in chosen.items():
             if name != REFERENCE_NAME:
@@ -167,9 +171,10 @@ class KernelRegistry:
                     table.override(op, entry(t))
                     picked.append(_tuned_summary(t))
         notes = [f"{op}: {', '.join(names)} cannot run here" for op, names in unable.items()]
-        key = (str(device), dtype, tuple(picked), tuple(notes))
-        self.note(key, "kernels on %s/%s: %s%s" % (
-            device, str(dtype).removeprefix("torch."),
+        key = (tuple(contract), str(device), dtype, tuple(picked), tuple(notes))
+        what = "" if contract is REFERENCE else f" ({', '.join(contract)})"
+        self.note(key, "kernels%s on %s/%s: %s%s" % (
+            what, device, str(dtype).removeprefix("torch."),
             ", ".join(picked) + ", the rest reference" if picked else "every op reference",
             f" ({'; '.join(notes)})" if notes else ""))
         return table
@@ -200,5 +205,6 @@ def register_backend(op: str, name: str, fn: Callable,
 
 
 def build_op_table(device: torch.device | str, dtype: torch.dtype,
-                   choices: Choices | None = None, tuned: Tuned | None = None) -> OpTable:
-    return KERNELS.build_op_table(device, dtype, choices, tuned)
+                   choices: Choices | None = None, tuned: Tuned | None = None,
+                   contract: Mapping[str, Callable] = REFERENCE) -> OpTable:
+    return KERNELS.build_op_table(device, dtype, choices, tuned, contract)

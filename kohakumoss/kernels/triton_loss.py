@@ -1,4 +1,4 @@
-"""Triton flow loss (``model/ops.py``: ``flow_loss``), forward and backward, as
+"""Triton flow loss (``diffusion/objective.py``: ``flow_loss``), forward and backward, as
 ``torch.library`` custom ops.
 
 Math, all in fp32: ``d = pred - target`` per element, the error ``e(d)`` (mse ``d^2``, l1
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kohakumoss.kernels.custom import entry
 from kohakumoss.kernels.triton_common import check_tensors, jit, pow2, rounded, warps
-from kohakumoss.model.ops import LOSSES
+from kohakumoss.diffusion.objective import LOSSES
 
 _TILE = 4096  # elements per program
 

@@ -39,11 +39,10 @@ import torch
 from kohakumoss.artifacts import ArtifactError, Manifest
 from kohakumoss.errors import IntegrityError
 from kohakumoss.kernels.problems import PROBLEMS, Dims
-from kohakumoss.kernels.dispatch import REFERENCE_NAME, entry_key, failure_reason, parse_entry_key
+from kohakumoss.kernels.dispatch import REFERENCE_NAME, REFERENCES, entry_key, failure_reason, parse_entry_key
 from kohakumoss.kernels.registry import KERNELS, KernelRegistry
 from kohakumoss.kernels.table import (DEVICE_FIELDS, TABLE, KernelTable, device_signature,
                                       read_table, signature_key, write_table)
-from kohakumoss.model.ops import REFERENCE
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +181,7 @@ def measure(op: str, dims: Dims, device: torch.device, dtype: torch.dtype, names
         if b is not None and not b.takes(dims):
             failed[name] = "does not take this shape"
             continue
-        fn = REFERENCE[op] if b is None else b.fn
+        fn = REFERENCES[op] if b is None else b.fn
         try:
             per_call, first = time_forward_backward(fn, args, device, generator)
             ms[name], build[name] = round(per_call, 4), round(max(0.0, first - per_call), 3)

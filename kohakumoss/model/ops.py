@@ -1,4 +1,5 @@
-"""The op table: every numerically interesting op of the DiT forward, with its reference.
+"""The op table: every numerically interesting op of the DiT forward, with its reference
+(the training loss is the objective's: ``kohakumoss.diffusion.objective.OBJECTIVE``).
 
 The model calls ``ops.<name>(...)`` on its own table and never chooses a backend itself;
 the kernel registry (``kohakumoss.kernels``, ``docs/engines.md``) builds a table per model
@@ -235,29 +236,6 @@ def timestep_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-LOSSES = ("mse", "l1", "huber")
-
-
-def flow_loss(pred_NC: torch.Tensor, target_NC: torch.Tensor, seg_N: torch.Tensor,
-              weight_B: torch.Tensor, n_tokens: int, loss: str = "mse", delta: float = 1.0
-              ) -> torch.Tensor:
-    """The training loss of a micro-batch (``docs/diffusion.md#training-objective``): each
-    token's error ``e(pred - target)`` averaged over the channels, weighted by its sample's
-    ``weight``, summed and divided by the step's loss-token count ``n_tokens``; float32,
-    0-d. ``e``: ``mse`` d^2, ``l1`` |d|, ``huber`` 0.5 d^2 within ``delta``, else
-    delta (|d| - 0.5 delta)."""
-    d = pred_NC.float() - target_NC.float()
-    if loss == "mse":
-        e = d.square()
-    elif loss == "l1":
-        e = d.abs()
-    elif loss == "huber":
-        e = F.huber_loss(d, torch.zeros_like(d), reduction="none", delta=delta)
-    else:
-        raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)}")
-    return (e.mean(dim=-1) * weight_B.float()[seg_N]).sum() / max(1, n_tokens)
-
-
 def narrow_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w`` for a tall x [M, K] and a narrow w [K, R]: a LoRA's ``x A^T`` and ``dy B``,
     made inside its nodes (``adapters/folded.py``, the fp8 node), rounded once to x's dtype.
@@ -298,7 +276,6 @@ REFERENCE: dict[str, Callable] = {
     "gated_residual": gated_residual,
     "varlen_attention": varlen_attention,
     "timestep_embedding": timestep_embedding,
-    "flow_loss": flow_loss,
     "quant_linear": quant_linear,
     "fp8_linear": fp8_linear,
     "fp8_lora_linears": fp8_lora_linears,

@@ -50,7 +50,9 @@ from kohakumoss.kernels.problems import plan_calls, plan_problems
 from kohakumoss.kernels.table import TABLE, describe, device_signature, read_table, winners
 from kohakumoss.kernels.tuning import TuneResult, tune, tune_table
 from kohakumoss.model.config import DiTConfig
-from kohakumoss.model.ops import REFERENCE, OpTable
+from kohakumoss.diffusion.objective import OBJECTIVE
+from kohakumoss.kernels.dispatch import REFERENCES
+from kohakumoss.model.ops import OpTable
 from kohakumoss.memory import apply_checkpointing, apply_recompute, repeated_blocks
 from kohakumoss.memory.offload import apply_activation_offload
 from kohakumoss.memory.rebuild import apply_rebuild
@@ -88,6 +90,8 @@ class AppliedEngines:
     checkpointed: list[str]
     streaming: str = ""  # where the frozen weights live, when streamed (``apply_placement``)
     quantized: str = ""  # how the frozen base is held, when quantized (``precision.base``)
+    # the objective's table (the loss: ``diffusion.objective.OBJECTIVE``), the plan's kernels
+    objective: OpTable = dataclasses.field(default_factory=lambda: OpTable(OBJECTIVE))
 
 
 def engine_plan(params: Params, device: torch.device,
@@ -122,6 +126,8 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan,
     if plan.precision.stream_scale != 1.0:
         model.set_stream_scale(plan.precision.stream_scale)
     model.ops = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned)
+    objective = build_op_table(plan.device, plan.precision.compute, plan.kernels, plan.tuned,
+                               contract=OBJECTIVE)
     # after the table: the quantized linears run its ops
     quantized = hold_quantized(model, plan.precision, plan.device, stored, plan.kernels)
     if plan.memory.fp8_transposes and plan.precision.fp8_grad:
@@ -138,7 +144,7 @@ def apply_engines(model: MOSSImageTransformer, plan: EnginePlan,
     if plan.memory.rebuild:  # what the blocks not checkpointed keep, less the elementwise outputs
         apply_rebuild(model)
     return AppliedEngines(plan.precision.describe(), model.ops.names(), recomputed, checkpointed,
-                          quantized=quantized)
+                          quantized=quantized, objective=objective)
 
 
 def hold_quantized(model: MOSSImageTransformer, policy: PrecisionPolicy, device: torch.device,
@@ -211,7 +217,7 @@ def _allow(params: Params) -> list[str] | None:
     names = params.kernels.backends
     if not names:
         return None
-    known = {n for op in REFERENCE for n in KERNELS.names(op)}
+    known = {n for op in REFERENCES for n in KERNELS.names(op)}
     unknown = [n for n in names if n not in known]
     if unknown:
         log.warning("%s: kernels.backends names %s, which no op has here (backends: %s); ignored",

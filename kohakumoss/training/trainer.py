@@ -204,7 +204,7 @@ class Trainer:
         with self.precision.autocast(self.device):
             pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
         loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
-                         p.objective.loss, p.objective.huber_delta, ops=self.model.ops)
+                         p.objective.loss, p.objective.huber_delta, ops=self.components.applied.objective)
         self.stepper.backward(loss, last)
         return loss.detach()
 
