@@ -22,7 +22,7 @@ import itertools
 import torch
 import triton
 
-from kohakumoss.kernels import triton_fp8
+from kohakumoss.quant import triton_fp8
 from _report import report, rounds_ms  # bench/_report.py (the script's folder is on sys.path)
 
 # name: (sources, width, column factors, tail rank as a multiple of --rank)

@@ -106,7 +106,8 @@ def compile_only(arch: int, e4m3_bytes: bool | None = None):
     from triton.backends.compiler import GPUTarget
     from triton.runtime import autotuner, driver, jit
 
-    from kohakumoss.kernels import KERNELS, triton_common, triton_quant
+    from kohakumoss.kernels import KERNELS, triton_common
+    from kohakumoss.quant import triton_quant
 
     seen: dict[str, Compiled] = {}
     out: list[Compiled] = []
@@ -181,7 +182,7 @@ def _model(run: str, blocks: int):
     base = {"int8": "int8", "fp8": "fp8", "fp8-full": "fp8", "sample-fp8": "fp8"}.get(run, "keep")
     policy = precision_policy(dtype, full=run == "full", base=base,
                               fp8_compute=run in ("fp8-full", "sample-fp8"), fp8_grad=run == "fp8-full")
-    kernels = {op: ["triton"] for op in TRITON_OPS if op != "quant_linear"}
+    kernels = {op: ["triton"] for op in TRITON_OPS}
     apply_engines(model, EnginePlan(torch.device("cpu"), policy, kernels=kernels))
     if run != "full" and not run.startswith("sample"):
         apply_adapters(model, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
@@ -218,7 +219,8 @@ def sweeps() -> None:
     and ``bench_norm_launch.py``'s for each row kernel of the norm."""
     import bench_fp8_rows
     import bench_norm_launch
-    from kohakumoss.kernels import triton_fp8, triton_norm
+    from kohakumoss.kernels import triton_norm
+    from kohakumoss.quant import triton_fp8
 
     g, rows, bf16 = torch.Generator().manual_seed(0), 8, torch.bfloat16
     for name, (n, K, cols, r) in bench_fp8_rows.SHAPES.items():

@@ -19,7 +19,7 @@ from kohakumoss.formats import load_dit
 from kohakumoss.formats.model_files import stored_weights
 from kohakumoss.formats.comfy import load_adapter_file
 from kohakumoss.images import contact_sheet
-from kohakumoss.memory.quantized import QuantizedLinear
+from kohakumoss.quant.linear import QuantizedLinear
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.precision import sampling_policy
 from kohakumoss.quant import quant_plan

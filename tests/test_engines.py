@@ -147,6 +147,7 @@ ALLOWED = {  # package -> the kohakumoss modules it may import (besides its own)
     "kernels": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.diffusion.objective",
                 "kohakumoss.artifacts", "kohakumoss.precision", "kohakumoss.device"),
     "memory": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.precision"),
+    "quant": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.kernels", "kohakumoss.precision"),
     "precision": ("kohakumoss.device",),
 }
 

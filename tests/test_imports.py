@@ -16,10 +16,12 @@ PACKAGE = ROOT / "kohakumoss"
 # low -> high; a unit may import units of strictly lower layers only (docs/architecture.md)
 LAYERS: list[set[str]] = [
     {"kohakumoss", "errors", "faults", "seeding", "device", "progress"},
-    {"configlib", "artifacts", "precision", "quant", "images"},
+    {"configlib", "artifacts", "precision", "images"},
     {"config", "tokenizer", "model"},
     {"diffusion"},  # the objective's ops are a contract the kernel registry serves too
-    {"kernels", "memory", "adapters", "parallel"},
+    {"kernels", "memory", "parallel"},
+    {"quant"},  # the quantized base: its ops, linears, kernels on the registry, the plan
+    {"adapters"},  # LyCORIS on the block linears (an fp8 one's node: quant's slot widths)
     {"formats"},
     {"encoders", "data"},  # neither imports the other: tokenizer/ is below both
     {"cache"},

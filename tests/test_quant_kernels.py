@@ -1,5 +1,5 @@
-"""The quantized base's kernels (``kohakumoss/kernels/triton_quant.py``, ``triton_fp8.py``,
-``fp8_compute.py``) against their references (``model/ops.py``: ``quant_linear``, ``fp8_linear``, ``fp8_rows``):
+"""The quantized base's kernels (``kohakumoss/quant/triton_quant.py``, ``triton_fp8.py``,
+``fp8_compute.py``) against their references (``quant/ops.py``: ``quant_linear``, ``fp8_linear``, ``fp8_rows``):
 the forward and every input gradient, over shapes (one row, odd sizes, leading dimensions),
 dtypes, int8 and fp8 codes, with and without a bias.
 
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kohakumoss.quant import ops as quant_ops
 from kohakumoss.kernels import KERNELS
 from kohakumoss.model import ops
-from kohakumoss.memory.quantized import quantize_rows
+from kohakumoss.quant.linear import quantize_rows
 
 from test_kernel_backends import CUDA, DEVICE, TOL, _ids, compare, leaf, needs_triton, rel, run_interpreted
 
@@ -50,11 +51,11 @@ def test_quant_linear(backend, shape, base, dtype):
     codes, scale = weights(g, N, K, base)
     x = leaf(g, M, K, dtype=dtype)
     fn = KERNELS.backend("quant_linear", backend).fn
-    compare(fn, ops.quant_linear, (x, codes, scale, None), {"x": x}, TOL[dtype])
+    compare(fn, quant_ops.quant_linear, (x, codes, scale, None), {"x": x}, TOL[dtype])
     b = leaf(g, N, dtype=dtype, scale=0.1)  # a bias that trains: its gradient too
-    compare(fn, ops.quant_linear, (x, codes, scale, b), {"x": x, "bias": b}, TOL[dtype])
+    compare(fn, quant_ops.quant_linear, (x, codes, scale, b), {"x": x, "bias": b}, TOL[dtype])
     x3 = leaf(g, 2, M, K, dtype=dtype)  # leading dimensions
-    compare(fn, ops.quant_linear, (x3, codes, scale, None), {"x": x3}, TOL[dtype])
+    compare(fn, quant_ops.quant_linear, (x3, codes, scale, None), {"x": x3}, TOL[dtype])
 
 
 @triton_test
@@ -65,17 +66,17 @@ def test_fp8_rows(dtype):
     g = torch.Generator().manual_seed(1)
     x = leaf(g, 37, 80, dtype=dtype, grad=False) * 3
     x[5] = 0  # a zero row: scale 1, zero codes
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    tq = pytest.importorskip("kohakumoss.quant.triton_fp8")
     codes, scale = tq.fp8_rows(x)
-    want_codes, want_scale = ops.fp8_rows(x)
+    want_codes, want_scale = quant_ops.fp8_rows(x)
     assert torch.equal(scale, want_scale) and scale[5] == 1
     assert torch.equal(codes.float(), want_codes.float())
     # with a factor per column (fp8 compute's input gradient: dy times the weight's row
     # scales), the product taken in fp32 before the row's amax
     cols = (torch.rand(80, generator=g) * 0.02 + 1e-3).to(DEVICE)
     codes, scale = tq.fp8_rows(x, cols)
-    want_codes, want_scale = ops.fp8_rows(x, cols)
-    assert torch.equal(scale, want_scale) and not torch.equal(scale, ops.fp8_rows(x)[1])
+    want_codes, want_scale = quant_ops.fp8_rows(x, cols)
+    assert torch.equal(scale, want_scale) and not torch.equal(scale, quant_ops.fp8_rows(x)[1])
     assert torch.equal(codes.float(), want_codes.float())
 
 
@@ -89,7 +90,7 @@ def test_fp8_rows_launches_give_the_same_codes(launch):
     (``test_fp8_lora_kernels`` holds that one to the reference): three sources with column
     factors, one without, each with a LoRA tail."""
     needs_triton()
-    t8 = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    t8 = pytest.importorskip("kohakumoss.quant.triton_fp8")
     g = torch.Generator().manual_seed(12)
     for n, K, cols in ((3, 24, True), (1, 40, False)):
         xs = [leaf(g, 13, K, dtype=torch.bfloat16, grad=False) * 2 for _ in range(n)]
@@ -104,10 +105,10 @@ def test_fp8_rows_launches_give_the_same_codes(launch):
 @pytest.mark.parametrize("base", ["int8", "fp8"])
 def test_dequantize_rounds_as_the_reference(base):
     needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    tq = pytest.importorskip("kohakumoss.quant.triton_quant")
     codes, scale = weights(torch.Generator().manual_seed(6), 37, 80, base)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert torch.equal(tq.dequantize(codes, scale, dtype), ops.dequantize_rows(codes, scale, dtype))
+        assert torch.equal(tq.dequantize(codes, scale, dtype), quant_ops.dequantize_rows(codes, scale, dtype))
 
 
 @triton_test
@@ -116,7 +117,7 @@ def test_fp8_codes_read_as_bytes_give_the_same_results(monkeypatch):
     finite byte gives torch's own value, and the fused kernel's forward and input gradient and
     ``dequantize`` are those of the e4m3 path bit for bit."""
     needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    tq = pytest.importorskip("kohakumoss.quant.triton_quant")
     every = torch.arange(256, dtype=torch.uint8)
     every = every[(every & 0x7F) != 0x7F].view(torch.float8_e4m3fn).reshape(2, 127)  # no NaN
     ones = torch.ones(2, device=DEVICE)
@@ -135,7 +136,7 @@ def test_fp8_codes_read_as_bytes_give_the_same_results(monkeypatch):
         y.backward(torch.ones_like(y))
         got[as_bytes] = (y, xi.grad, tq.dequantize(codes, scale, torch.bfloat16))
     if False not in got:  # a card without e4m3 in Triton: the reference's dequantized weight
-        assert torch.equal(got[True][2], ops.dequantize_rows(codes, scale, torch.bfloat16))
+        assert torch.equal(got[True][2], quant_ops.dequantize_rows(codes, scale, torch.bfloat16))
         return
     for a, b in zip(got[True], got[False]):
         assert torch.equal(a, b)
@@ -145,7 +146,7 @@ def test_fp8_codes_read_as_bytes_give_the_same_results(monkeypatch):
 def test_many_rows_take_dequant_mm_and_few_the_fused_kernel():
     """The default choice of a quantized base (``quant.plan.DEFAULT_BACKENDS``)."""
     needs_triton()
-    from kohakumoss.kernels.backends import DEQUANT_ROWS
+    from kohakumoss.quant.backends import DEQUANT_ROWS
     from kohakumoss.quant.plan import DEFAULT_BACKENDS
 
     op = KERNELS.chosen_op("quant_linear", DEVICE, torch.float32, list(DEFAULT_BACKENDS["quant_linear"]))
@@ -159,7 +160,7 @@ def test_many_rows_take_dequant_mm_and_few_the_fused_kernel():
 def test_the_quant_ops_pass_opcheck():
     """Schema, fake (meta) implementations and autograd registration of the custom ops."""
     needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_quant")
+    tq = pytest.importorskip("kohakumoss.quant.triton_quant")
     g = torch.Generator().manual_seed(2)
     codes, scale = weights(g, 40, 48, "int8")
     x = leaf(g, 37, 48, dtype=torch.float32)
@@ -188,15 +189,15 @@ def test_fp8_lora_kernels():
     row ``[x | h g]`` (zero columns padding it to a multiple of 16) value for value, over rows
     held in registers and wider ones, a rank that is not a multiple of 16 and a zero column."""
     needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    tq = pytest.importorskip("kohakumoss.quant.triton_fp8")
     g = torch.Generator().manual_seed(13)
     codes, scale = weights(g, 40, 48, "fp8")
     up = leaf(g, 40, 5, dtype=torch.bfloat16, scale=0.1, grad=False)
     up[:, 2] = 0
     first = leaf(g, 40, 3, dtype=torch.bfloat16, grad=False)  # another LoRA of the node, first
     amax = tq.lora_amax([first, up], [scale, scale])  # 40 rows: three programs interpreted, one launch
-    want_g, want_slot = ops.fp8_lora_slots(up, scale)
-    assert torch.equal(amax / 448, torch.cat([ops.fp8_lora_slots(first, scale)[0], want_g]))
+    want_g, want_slot = quant_ops.fp8_lora_slots(up, scale)
+    assert torch.equal(amax / 448, torch.cat([quant_ops.fp8_lora_slots(first, scale)[0], want_g]))
     assert tq.slot_width(5) == 16 and tq.slot_width(32) == 32 and tq.slot_width(96) == 96
     wide = tq.widened_codes(codes, up, scale, amax, 3, 16)
     assert wide.shape == (40, 64) and wide.dtype == torch.float8_e4m3fn
@@ -208,7 +209,7 @@ def test_fp8_lora_kernels():
     for K in (24, 40):  # rows held in registers (read once); wider rows, two passes
         x = leaf(g, 37, K, dtype=torch.bfloat16, grad=False)
         q, s = tq.fp8_rows_joined([x], None, (h, amax))
-        want_q, want_s = ops.fp8_rows(torch.cat([x.float(), h.float() * (amax / 448)], dim=1))
+        want_q, want_s = quant_ops.fp8_rows(torch.cat([x.float(), h.float() * (amax / 448)], dim=1))
         assert q.shape == (37, K + 16) and torch.equal(s, want_s)
         assert torch.equal(q[:, :K + 8].float(), want_q.float())  # -0 and 0 alike
         assert not q[:, K + 8:].float().any()
@@ -224,7 +225,7 @@ def test_fp8_lora_kernels():
     # transposes, no row scales, and the gradient rows joined with their column factors
     down = leaf(g, 5, 48, dtype=torch.bfloat16, grad=False)
     damax = torch.linalg.vector_norm(down, float("inf"), dim=1, dtype=torch.float32)  # the backward's
-    want_gd, want_qd = ops.fp8_lora_slots(down.t(), torch.ones(48, device=DEVICE))
+    want_gd, want_qd = quant_ops.fp8_lora_slots(down.t(), torch.ones(48, device=DEVICE))
     assert torch.equal(damax / 448, want_gd)
     ct = tq.transposed_codes([codes, codes], (down, damax)).view(torch.uint8)
     assert ct.shape == (48, 96) and torch.equal(ct[:, :40], codes.t().view(torch.uint8))
@@ -233,7 +234,7 @@ def test_fp8_lora_kernels():
     cols = (torch.rand(80, generator=g) * 0.02 + 1e-3).to(DEVICE)
     t = leaf(g, 37, 5, dtype=torch.bfloat16, grad=False)
     q, s = tq.fp8_rows_joined(dys, cols, (t, damax))
-    want_q, want_s = ops.fp8_rows(torch.cat([torch.cat(dys, 1).float() * cols, t.float() * want_gd], 1))
+    want_q, want_s = quant_ops.fp8_rows(torch.cat([torch.cat(dys, 1).float() * cols, t.float() * want_gd], 1))
     assert q.shape == (37, 96) and torch.equal(s, want_s)
     assert torch.equal(q[:, :85].float(), want_q.float()) and not q[:, 85:].float().any()
 
@@ -254,7 +255,7 @@ def test_codes_held_beside_their_slot_are_filled_in_place():
     held for another width, or not held, are not taken for it; and their transposes read the
     held rows in place, the same bytes as the plain codes'."""
     needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    tq = pytest.importorskip("kohakumoss.quant.triton_fp8")
     g = torch.Generator().manual_seed(15)
     codes, scale = weights(g, 40, 48, "fp8")
     up = leaf(g, 40, 5, dtype=torch.bfloat16, scale=0.1, grad=False)
@@ -304,7 +305,7 @@ def test_fp8_lora_linears_over_held_codes_are_bit_identical(n):
     (``held_t``: only the slot written in backward), give the node's outputs and every
     gradient bit for bit as codes held plainly."""
     needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    tq = pytest.importorskip("kohakumoss.quant.triton_fp8")
     x, layers = fp8_loras(torch.Generator().manual_seed(16), n, 37, 48, 32, 4)
     width = tq.slot_width(4 * n)
     held = [(_held(c, width), s, d, u) for c, s, d, u in layers]
@@ -324,7 +325,7 @@ def test_fp8_rows_joined_and_transposed_codes():
     """Quantizing several sources as one row equals quantizing their concatenation; the codes'
     transposes side by side equal torch's, byte for byte."""
     needs_triton()
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    tq = pytest.importorskip("kohakumoss.quant.triton_fp8")
     g = torch.Generator().manual_seed(8)
     for K in (24, 40):  # rows held in registers (read once); wider rows, two passes
         xs = [leaf(g, 37, K, dtype=torch.bfloat16, grad=False) * (i + 1) for i in range(3)]
@@ -333,12 +334,12 @@ def test_fp8_rows_joined_and_transposed_codes():
             joined = torch.cat(xs[:n], dim=1)
             for cs in (None, cols[:K * n]):
                 codes, scale = tq.fp8_rows_joined(xs[:n], cs)
-                want_codes, want_scale = ops.fp8_rows(joined, cs)
+                want_codes, want_scale = quant_ops.fp8_rows(joined, cs)
                 assert torch.equal(scale, want_scale)
                 assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     strided = torch.cat(xs, dim=1)[:, 40:80]  # a source whose rows are 120 apart
     assert torch.equal(tq.fp8_rows_joined([strided])[0].view(torch.uint8),
-                       ops.fp8_rows(strided)[0].view(torch.uint8))
+                       quant_ops.fp8_rows(strided)[0].view(torch.uint8))
     codes = [weights(g, n, 40, "fp8")[0] for n in (24, 24, 8)]
     got = tq.transposed_codes(codes)
     want = torch.cat([c.t() for c in codes], dim=1)
@@ -370,7 +371,7 @@ def _joined(fn):
 def test_fp8_lora_linears_match_their_reference(backend, n, full):
     """fp8 linears with their LoRAs as one node (``scaled_mm``: ``torch._scaled_mm``, which
     the CPU has too, and the Triton quantization; ``scaled_mm_fast``: its input gradient's
-    GEMM accumulating fast) against ``ops.fp8_lora_linears``: output, input gradient and
+    GEMM accumulating fast) against ``quant_ops.fp8_lora_linears``: output, input gradient and
     every LoRA gradient; with ``full`` the joined fp8 input gradient."""
     needs_triton()
     g = torch.Generator().manual_seed(9)
@@ -378,9 +379,9 @@ def test_fp8_lora_linears_match_their_reference(backend, n, full):
     leaves = {"x": x, **{f"{w}{i}": t for i, (_, _, d, u) in enumerate(layers)
                          for w, t in (("down", d), ("up", u))}}
     fn = KERNELS.backend("fp8_lora_linears", backend).fn
-    compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
+    compare(_joined(fn), _joined(quant_ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
     x3 = leaf(g, 2, 5, 48, dtype=torch.bfloat16)  # leading dimensions
-    compare(_joined(fn), _joined(ops.fp8_lora_linears), (x3, layers, full), {"x": x3}, TOL[torch.bfloat16])
+    compare(_joined(fn), _joined(quant_ops.fp8_lora_linears), (x3, layers, full), {"x": x3}, TOL[torch.bfloat16])
 
 
 @triton_test
@@ -431,16 +432,16 @@ def test_fp8_lora_linears_reference_is_the_separate_ops():
     up = (torch.randn(32, 4, generator=g) * 0.1).requires_grad_()
     dy = torch.randn(9, 32, generator=g)
     for full in (False, True):
-        got = ops.fp8_lora_linears(x, [(codes, scale, down, up)], full)[0]
-        want = ops.fp8_linear(x, codes, scale, None, full) + (x @ down.t()) @ up.t()
+        got = quant_ops.fp8_lora_linears(x, [(codes, scale, down, up)], full)[0]
+        want = quant_ops.fp8_linear(x, codes, scale, None, full) + (x @ down.t()) @ up.t()
         assert 0 < rel(got, want) < 3e-2 if full else rel(got, want) < 1e-6
         ga = torch.autograd.grad(got, (x, down, up), dy)
         gb = torch.autograd.grad(want, (x, down, up), dy)
         assert 0 < rel(ga[0], gb[0]) < 3e-2 if full else rel(ga[0], gb[0]) < 1e-6
         assert rel(ga[1], gb[1]) < 1e-6 and rel(ga[2], gb[2]) < 1e-6
     zero = torch.zeros_like(up)
-    assert torch.equal(ops.fp8_lora_linears(x, [(codes, scale, down, zero)], True)[0],
-                       ops.fp8_linear(x, codes, scale, None, True))
+    assert torch.equal(quant_ops.fp8_lora_linears(x, [(codes, scale, down, zero)], True)[0],
+                       quant_ops.fp8_linear(x, codes, scale, None, True))
 
 
 def test_fp8_lora_slots():
@@ -451,7 +452,7 @@ def test_fp8_lora_slots():
     codes, scale = quantize_rows(torch.randn(40, 48, generator=g) * 0.05, "fp8")
     up = torch.randn(40, 5, generator=g) * 0.1
     up[:, 3] = 0
-    gs, q = ops.fp8_lora_slots(up, scale)
+    gs, q = quant_ops.fp8_lora_slots(up, scale)
     assert q.dtype == torch.float8_e4m3fn and q.shape == up.shape
     assert gs[3] == 0 and not q[:, 3].float().any()
     assert torch.equal(q.float().abs().amax(0)[[0, 1, 2, 4]], torch.full((4,), 448.0))
@@ -475,7 +476,7 @@ def test_quant_linear_at_the_real_sizes(shape, base, backend):
     M, K, N = shape
     codes, scale = weights(g, N, K, base)
     x = leaf(g, M, K, dtype=torch.bfloat16)
-    compare(KERNELS.backend("quant_linear", backend).fn, ops.quant_linear, (x, codes, scale, None),
+    compare(KERNELS.backend("quant_linear", backend).fn, quant_ops.quant_linear, (x, codes, scale, None),
             {"x": x}, TOL[torch.bfloat16])
 
 
@@ -496,9 +497,9 @@ def test_fp8_compute_matches_its_reference(backend, shape, full):
     codes, scale = weights(g, N, K, "fp8")
     x = leaf(g, M, K, dtype=torch.bfloat16)
     fn = KERNELS.backend("fp8_linear", backend).fn
-    compare(fn, ops.fp8_linear, (x, codes, scale, None, full), {"x": x}, TOL[torch.bfloat16])
+    compare(fn, quant_ops.fp8_linear, (x, codes, scale, None, full), {"x": x}, TOL[torch.bfloat16])
     if not full:  # near the bf16 linear of the dequantized weight: ~2^-4 per activation
-        want = ops.quant_linear(x.detach(), codes, scale, None)
+        want = quant_ops.quant_linear(x.detach(), codes, scale, None)
         assert rel(fn(x.detach(), codes, scale, None), want) < 6e-2
         return
     dy = torch.randn(M, N, generator=g).to(DEVICE, torch.bfloat16)
@@ -524,7 +525,7 @@ def test_fp8_lora_linears_at_the_real_sizes(backend, shape, full):
     x, layers = fp8_loras(torch.Generator().manual_seed(11), n, M, K, N, 32)
     fn = KERNELS.backend("fp8_lora_linears", backend).fn
     leaves = {"x": x, "down0": layers[0][2], "up0": layers[0][3]}
-    compare(_joined(fn), _joined(ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
+    compare(_joined(fn), _joined(quant_ops.fp8_lora_linears), (x, layers, full), leaves, TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
@@ -534,16 +535,16 @@ def test_fp8_rows_at_the_real_widths(K):
     to 16384, two passes past it), with the LoRA's slot columns, as the reference rounds."""
     if not CUDA:
         pytest.skip("needs CUDA")
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    tq = pytest.importorskip("kohakumoss.quant.triton_fp8")
     g = torch.Generator().manual_seed(14)
     x = leaf(g, 300, K, dtype=torch.bfloat16, grad=False)
     codes, scale = tq.fp8_rows(x)
-    want_codes, want_scale = ops.fp8_rows(x)
+    want_codes, want_scale = quant_ops.fp8_rows(x)
     assert torch.equal(scale, want_scale) and torch.equal(codes.float(), want_codes.float())
     h = leaf(g, 300, 96, dtype=torch.bfloat16, grad=False) * 4
     amax = (torch.rand(96, generator=g) * 2).to(DEVICE)
     codes, scale = tq.fp8_rows_joined([x], None, (h, amax))
-    want_codes, want_scale = ops.fp8_rows(torch.cat([x.float(), h.float() * (amax / 448)], dim=1))
+    want_codes, want_scale = quant_ops.fp8_rows(torch.cat([x.float(), h.float() * (amax / 448)], dim=1))
     assert torch.equal(scale, want_scale) and torch.equal(codes.float(), want_codes.float())
 
 
@@ -553,7 +554,7 @@ def test_held_codes_and_kept_transposes_at_the_real_sizes():
     transposes kept between steps: bit for bit the node over plain codes, twice."""
     if not CUDA or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs CUDA sm89+")
-    tq = pytest.importorskip("kohakumoss.kernels.triton_fp8")
+    tq = pytest.importorskip("kohakumoss.quant.triton_fp8")
     x, layers = fp8_loras(torch.Generator().manual_seed(21), 3, 4200, 3072, 3072, 32)
     held = [(_held(c, 96), s, d, u) for c, s, d, u in layers]
     kept = torch.zeros((3072, 3 * 3072 + 96), dtype=torch.uint8, device=DEVICE)

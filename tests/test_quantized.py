@@ -1,5 +1,5 @@
 """A quantized frozen base (``precision.base: int8 | fp8``, ``precision.fp8_compute``;
-``kohakumoss/memory/quantized.py``, docs/precision.md#quantized-bases): the model and its
+``kohakumoss/quant/linear.py``, docs/precision.md#quantized-bases): the model and its
 adapter's gradients against the same model holding the dequantized weights, ComfyUI files'
 codes used as stored (ConvRot included), the knobs' refusals, the estimator's weight bytes
 at the published size, and a tiny run that trains the unquantized run's curve."""
@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from kohakumoss.quant import ops as quant_ops
 from kohakumoss.adapters import apply_adapters
 from kohakumoss.config import AdapterConfig
 from kohakumoss.configlib import ConfigError
@@ -21,8 +22,8 @@ from kohakumoss.model import FLAVORS
 from kohakumoss.model.build import tiny_transformer
 from kohakumoss.params import load_params
 from kohakumoss.memory.profiles import PROFILE_ENGINES
-from kohakumoss.memory.quantized import (QuantizedLinear, quantizable, quantize_base, quantize_rows,
-                                         stored_rows)
+from kohakumoss.quant.linear import (QuantizedLinear, quantizable, quantize_base, quantize_rows,
+                                     quantized_ops, stored_rows)
 from kohakumoss.precision.quant import QuantizedWeight
 from kohakumoss.model import ops
 from kohakumoss.training.engines import engine_plan
@@ -110,8 +111,8 @@ def test_fp8_compute_full_moves_the_lora_product_and_the_gradients_by_e4m3():
     codes, scale = quantize_rows(torch.randn(24, 40, generator=g) * 0.05, "fp8")
     x = torch.randn(9, 40, generator=g, requires_grad=True)
     dy = torch.randn(9, 24, generator=g)
-    ops.fp8_linear(x, codes, scale, None, True).backward(dy)
-    exact = dy @ ops.dequantize_rows(codes, scale, torch.float32)
+    quant_ops.fp8_linear(x, codes, scale, None, True).backward(dy)
+    exact = dy @ quant_ops.dequantize_rows(codes, scale, torch.float32)
     err = ((x.grad - exact).norm() / exact.norm()).item()
     assert 1e-4 < err < 6e-2
 
@@ -126,8 +127,8 @@ def test_a_lora_on_fp8_compute_is_one_node_with_its_linear(full, monkeypatch):
     calls = []
 
     def counted(model):
-        inner = model.ops.fp8_lora_linears
-        model.ops.override("fp8_lora_linears",
+        inner = quantized_ops(model).fp8_lora_linears
+        quantized_ops(model).override("fp8_lora_linears",
                            lambda x, layers, *rest: calls.append(len(layers)) or inner(x, layers, *rest))
         return model
 
@@ -181,14 +182,14 @@ def test_kept_transposes_are_each_nodes_codes_transposed_once(monkeypatch):
     makes its codes' transposes side by side with its slot columns (q, k and v: one buffer,
     held by q), the node's op receives them, a second step reuses them, other codes get new
     ones, and a forward without gradients makes none."""
-    from kohakumoss.memory.quantized import keep_fp8_transposes
+    from kohakumoss.quant.linear import keep_fp8_transposes
 
     model = tiny_transformer()
     quantize_base(model, "fp8", fp8_compute=True, fp8_grad=True)
     assert keep_fp8_transposes(model) == 6 * len(model.layers)  # q, k, v, o, up|gate, down
     got = []
-    inner = model.ops.fp8_lora_linears
-    model.ops.override("fp8_lora_linears",
+    inner = quantized_ops(model).fp8_lora_linears
+    quantized_ops(model).override("fp8_lora_linears",
                        lambda x, layers, *rest: got.append(rest[2]) or inner(x, layers, *rest))
     out, _ = _forward_and_grads(model)
     block = model.layers[0].proj
@@ -279,8 +280,8 @@ def test_stored_scales_are_made_positive_or_not_taken():
     scale[1] = 0
     got_codes, got_scale, _ = stored_rows(QuantizedWeight(codes, scale, "float8_e4m3fn"), "fp8")
     assert got_scale[1] == 1 and not got_codes[1].float().any() and (got_scale > 0).all()
-    assert torch.equal(ops.dequantize_rows(got_codes, got_scale, torch.float32),
-                       ops.dequantize_rows(codes, scale, torch.float32))
+    assert torch.equal(quant_ops.dequantize_rows(got_codes, got_scale, torch.float32),
+                       quant_ops.dequantize_rows(codes, scale, torch.float32))
     assert codes[1].float().any()  # the file's codes are left as they are
     scale[2] = -scale[2]
     assert stored_rows(QuantizedWeight(codes, scale, "float8_e4m3fn"), "fp8") is None

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from kohakumoss.adapters.casts import lora_factors
 from kohakumoss.model.ops import linear as ref_linear
 from kohakumoss.model.ops import narrow_mm as ref_narrow_mm
-from kohakumoss.model.quant_ops import slot_width
+from kohakumoss.quant.ops import slot_width
 
 
 class _LoraLinear(torch.autograd.Function):

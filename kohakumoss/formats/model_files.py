@@ -8,7 +8,7 @@
 - ``save_official(state, folder)`` and ``save_comfy(state, file)``: the two writers.
 - ``load_dit(path, dtype, device)``: a params value (``"tiny"`` or a checkpoint path) to a
   DiT in ``dtype``; ``stored_weights(path)``: its quantized tensors as stored (a quantized
-  base takes them as they are, ``kohakumoss.memory.quantized``).
+  base takes them as they are, ``kohakumoss.quant.linear``).
 """
 
 from __future__ import annotations

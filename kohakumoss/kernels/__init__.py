@@ -11,7 +11,6 @@ from kohakumoss.kernels.dispatch import REFERENCE_NAME, Backend, TunedOp, entry_
 from kohakumoss.kernels.registry import KERNELS, KernelError, KernelRegistry, build_op_table, register_backend
 from kohakumoss.kernels import compiled  # noqa: E402,F401  (registers the compile backend)
 from kohakumoss.kernels import backends  # noqa: E402,F401  (registers Triton, flash varlen, flex)
-from kohakumoss.kernels import fp8_compute  # noqa: E402,F401  (registers scaled_mm)
 
 __all__ = ["KERNELS", "REFERENCE_NAME", "Backend", "KernelError", "KernelRegistry", "TunedOp",
            "build_op_table", "entry_key", "register_backend"]

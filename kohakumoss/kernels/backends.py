@@ -4,10 +4,8 @@
   CUDA sm80+ in fp32/bf16/fp16, or CPU tensors where Triton was first imported with
   ``TRITON_INTERPRET=1`` (its interpreter: tests, CI). Each saves only its inputs for
   backward, so the memory engines do not wrap it in recomputation.
-- ``triton`` (quant_linear): the frozen base's int8 / fp8 weight codes widened tile by tile
-  inside the matmul (``triton_quant``); ``dequant_mm`` (quant_linear, from ``DEQUANT_ROWS``
-  rows): the layer's weight dequantized into a transient buffer, then cuBLAS;
-  ``scaled_mm`` (fp8_linear, ``fp8_compute``): fp8 GEMMs on sm89+, bf16 activations.
+- the quantized base's (quant_linear, fp8_linear, fp8_lora_linears) register with their ops
+  in ``kohakumoss.quant`` (``quant/backends.py``).
 - ``flash_varlen`` (varlen_attention): CUDA sm80+, bf16/fp16, head dim a multiple of 8 up
   to 256.
 - ``flex`` (varlen_attention): CUDA sm80+, fp32/bf16/fp16, head dim a power of two from 16.
@@ -50,7 +48,6 @@ TRITON_OPS = {  # op -> the module holding its Triton kernels
     "residual": "triton_pointwise",
     "gated_residual": "triton_pointwise",
     "flow_loss": "triton_loss",
-    "quant_linear": "triton_quant",
 }
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -59,11 +56,13 @@ _why: dict[str, str] = {}
 
 
 def triton_module(name: str) -> ModuleType | None:
-    """``kohakumoss.kernels.<name>`` or None when it (its compiler: Triton, TileLang) cannot be
-    imported here; the reason is logged once and kept in ``triton_unavailable_reason``."""
+    """``kohakumoss.kernels.<name>`` (``kohakumoss.<name>`` for a dotted name: ``quant.triton_fp8``)
+    or None when it (its compiler: Triton, TileLang) cannot be imported here; the reason is
+    logged once and kept in ``triton_unavailable_reason``."""
     if name not in _modules:
         try:
-            _modules[name] = importlib.import_module(f"kohakumoss.kernels.{name}")
+            _modules[name] = importlib.import_module(f"kohakumoss.{name}" if "." in name
+                                                     else f"kohakumoss.kernels.{name}")
         except Exception as e:  # not installed, a broken install, an old version: not available
             _modules[name] = None
             _why[name] = f"{type(e).__name__}: {e}"
@@ -76,18 +75,24 @@ def triton_unavailable_reason(op: str) -> str | None:
     return None if triton_module(module) is not None else _why[module]
 
 
-def _triton_available(op: str) -> Callable[[torch.device, torch.dtype], bool]:
+def triton_available(op: str, module_name: str | None = None
+                     ) -> Callable[[torch.device, torch.dtype], bool]:
+    """Whether the Triton kernels of ``op`` (in ``module_name``; default: the op's module,
+    ``TRITON_OPS``) can run on ``(device, dtype)``: Triton imports, the module too, the
+    device runs it."""
+    module_name = module_name or TRITON_OPS[op]
+
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         if dtype not in TRITON_DTYPES:
             return False
         common = triton_module("triton_common")
-        return common is not None and triton_module(TRITON_OPS[op]) is not None \
+        return common is not None and triton_module(module_name) is not None \
             and common.can_run(torch.device(device))
 
     return available
 
 
-def _triton_fn(op: str, name: str | None = None, module_name: str | None = None) -> Callable:
+def triton_fn(op: str, name: str | None = None, module_name: str | None = None) -> Callable:
     """The function ``name`` (default: the op's own name) of ``module_name`` (default: the
     op's module, ``TRITON_OPS``), imported on first call."""
     resolved: list[Callable] = []
@@ -115,19 +120,10 @@ TRITON_FORMS = {"modulated_rms_norm": {
 }}
 
 for _op in TRITON_OPS:  # each kernel's autograd saves its inputs; backward recomputes the rest
-    register_backend(_op, "triton", _triton_fn(_op), _triton_available(_op), keeps_inputs_only=True,
-                     forms={form: _triton_fn(_op, name, module)
+    register_backend(_op, "triton", triton_fn(_op), triton_available(_op), keeps_inputs_only=True,
+                     forms={form: triton_fn(_op, name, module)
                             for form, (module, name) in TRITON_FORMS.get(_op, {}).items()})
 
-DEQUANT_ROWS = 1024
-"""From this many rows a quantized linear dequantizes the layer's weight into a transient
-buffer for cuBLAS (``dequant_mm``): one pass over the weight costs less than what the fused
-Triton kernel gives up to the vendor GEMM (the H200: 1.41 against 1.03 s per 4-sample step,
-docs/performance.md); fewer rows (text tokens, sampling one image) keep the fused kernel."""
-
-register_backend("quant_linear", "dequant_mm", _triton_fn("quant_linear", "dequant_linear"),
-                 _triton_available("quant_linear"), fits=lambda dims: dims["N"] >= DEQUANT_ROWS,
-                 keeps_inputs_only=True)
 register_backend("varlen_attention", "flash_varlen", attention.flash_varlen_attention,
                  attention.flash_available, fits=attention.flash_fits)
 register_backend("varlen_attention", "flex", attention.flex_varlen_attention,

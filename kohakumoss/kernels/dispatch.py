@@ -29,9 +29,11 @@ from kohakumoss.model.ops import FORMS, REFERENCE, OpEntry
 
 REFERENCE_NAME = "reference"
 
-REFERENCES: Mapping[str, Callable] = {**REFERENCE, **OBJECTIVE}
-"""Every op a backend may replace, with its reference: the DiT's (``model.ops.REFERENCE``)
-and the objective's (``diffusion.objective.OBJECTIVE``), each contract a table of its own."""
+REFERENCES: dict[str, Callable] = {**REFERENCE, **OBJECTIVE}
+"""Every op a backend may replace, with its reference: the DiT's (``model.ops.REFERENCE``),
+the objective's (``diffusion.objective.OBJECTIVE``) and those a package above registers
+(``registry.register_contract``: the quantized base's, ``quant.ops.QUANT``), each contract a
+table of its own."""
 
 Fits = Callable[[Mapping[str, int]], bool]
 

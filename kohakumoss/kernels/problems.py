@@ -63,7 +63,15 @@ class Problem:
                         for k in self.keyed)
 
 
-def _rand(g: torch.Generator, device, dtype, *shape: int, grad: bool = True) -> torch.Tensor:
+def register_problem(problem: Problem) -> Problem:
+    """Tune ``problem.op`` by these shapes (an op a package above registers: ``quant/``)."""
+    if problem.op in PROBLEMS:
+        raise ValueError(f"op {problem.op!r} has its problem shapes already")
+    PROBLEMS[problem.op] = problem
+    return problem
+
+
+def rand(g: torch.Generator, device, dtype, *shape: int, grad: bool = True) -> torch.Tensor:
     """Standard normal values drawn by ``g`` (a generator on ``device``), in ``dtype``."""
     t = torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
     return t.requires_grad_(grad)
@@ -81,67 +89,61 @@ def _lengths(n: int, longest: int) -> list[int]:
     return [longest] * (n // longest) + ([n % longest] if n % longest else [])
 
 
-def _rows(x: torch.Tensor) -> int:
+def rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
 def _make_rms(d, dtype, device, g, wg):
-    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["D"], grad=wg), 1e-6)
+    return (rand(g, device, dtype, d["N"], d["D"]), rand(g, device, dtype, d["D"], grad=wg), 1e-6)
 
 
 def _make_mod_rms(d, dtype, device, g, wg):
     f32 = torch.float32
-    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["D"], grad=wg),
-            _rand(g, device, f32, d["B"], d["D"], grad=wg),
-            _rand(g, device, f32, d["B"], d["D"], grad=wg), _seg(d["N"], d["B"], device), 1e-6)
+    return (rand(g, device, dtype, d["N"], d["D"]), rand(g, device, dtype, d["D"], grad=wg),
+            rand(g, device, f32, d["B"], d["D"], grad=wg),
+            rand(g, device, f32, d["B"], d["D"], grad=wg), _seg(d["N"], d["B"], device), 1e-6)
 
 
 def _make_qk(d, dtype, device, g, wg):
     cd = compute_dtype(dtype)
     half = d["Dh"] // 2
-    return (_rand(g, device, dtype, d["N"], d["H"], d["Dh"]),
-            _rand(g, device, dtype, d["Dh"], grad=wg),
-            _rand(g, device, cd, d["N"], half, grad=False),
-            _rand(g, device, cd, d["N"], half, grad=False), 1e-6)
+    return (rand(g, device, dtype, d["N"], d["H"], d["Dh"]),
+            rand(g, device, dtype, d["Dh"], grad=wg),
+            rand(g, device, cd, d["N"], half, grad=False),
+            rand(g, device, cd, d["N"], half, grad=False), 1e-6)
 
 
 def _make_situ(d, dtype, device, g, wg):
-    return (_rand(g, device, dtype, d["N"], d["F"]), _rand(g, device, dtype, d["N"], d["F"]))
+    return (rand(g, device, dtype, d["N"], d["F"]), rand(g, device, dtype, d["N"], d["F"]))
 
 
 def _make_residual(d, dtype, device, g, wg):
-    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["N"], d["D"]))
+    return (rand(g, device, dtype, d["N"], d["D"]), rand(g, device, dtype, d["N"], d["D"]))
 
 
 def _make_gated(d, dtype, device, g, wg):
-    return (_rand(g, device, dtype, d["N"], d["D"]), _rand(g, device, dtype, d["N"], d["D"]),
-            _rand(g, device, torch.float32, d["B"], d["D"], grad=wg), _seg(d["N"], d["B"], device))
+    return (rand(g, device, dtype, d["N"], d["D"]), rand(g, device, dtype, d["N"], d["D"]),
+            rand(g, device, torch.float32, d["B"], d["D"], grad=wg), _seg(d["N"], d["B"], device))
 
 
 def _make_attention(d, dtype, device, g, wg):
-    q, k, v = (_rand(g, device, dtype, d["N"], d["H"], d["Dh"]) for _ in range(3))
+    q, k, v = (rand(g, device, dtype, d["N"], d["H"], d["Dh"]) for _ in range(3))
     return q, k, v, _lengths(d["N"], d["L"])
 
 
 def _make_loss(d, dtype, device, g, wg):
     n, b = d["N"], d["B"]
-    return (_rand(g, device, dtype, n, d["C"]), _rand(g, device, torch.float32, n, d["C"], grad=False),
+    return (rand(g, device, dtype, n, d["C"]), rand(g, device, torch.float32, n, d["C"], grad=False),
             _seg(n, b, device), torch.ones(b, device=device), n, "mse", 1.0)
 
 
-def _make_quant(d, dtype, device, g, wg):
-    codes = torch.randint(-127, 128, (d["O"], d["K"]), generator=g, device=device, dtype=torch.int8)
-    scale = torch.rand(d["O"], generator=g, device=device) * 1e-3
-    return _rand(g, device, dtype, d["N"], d["K"]), codes, scale, None
-
-
 def _make_linear(d, dtype, device, g, wg):
-    weight = _rand(g, device, dtype, d["O"], d["K"], grad=wg) / d["K"] ** 0.5
-    return _rand(g, device, dtype, d["N"], d["K"]), weight.detach().requires_grad_(wg)
+    weight = rand(g, device, dtype, d["O"], d["K"], grad=wg) / d["K"] ** 0.5
+    return rand(g, device, dtype, d["N"], d["K"]), weight.detach().requires_grad_(wg)
 
 
 PROBLEMS: dict[str, Problem] = {p.op: p for p in (
-    Problem("rms_norm", lambda x, w, eps: {"N": _rows(x), "D": x.shape[-1]}, ("N", "D"),
+    Problem("rms_norm", lambda x, w, eps: {"N": rows(x), "D": x.shape[-1]}, ("N", "D"),
             _make_rms),
     Problem("modulated_rms_norm",
             lambda x, w, shift, scale, seg, eps: {"N": x.shape[0], "D": x.shape[1],
@@ -150,8 +152,8 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
     Problem("qk_norm_rope",
             lambda x, w, cos, sin, eps: {"N": x.shape[0], "H": x.shape[1], "Dh": x.shape[2]},
             ("N", "H", "Dh"), _make_qk),
-    Problem("situ", lambda u, g: {"N": _rows(u), "F": u.shape[-1]}, ("N", "F"), _make_situ),
-    Problem("residual", lambda x, y: {"N": _rows(x), "D": x.shape[-1]}, ("N", "D"),
+    Problem("situ", lambda u, g: {"N": rows(u), "F": u.shape[-1]}, ("N", "F"), _make_situ),
+    Problem("residual", lambda x, y: {"N": rows(x), "D": x.shape[-1]}, ("N", "D"),
             _make_residual),
     Problem("gated_residual",
             lambda x, y, gate, seg: {"N": x.shape[0], "D": x.shape[1], "B": gate.shape[0]},
@@ -165,11 +167,8 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
             lambda pred, target, seg, weight, n, loss, delta: {"N": pred.shape[0], "C": pred.shape[1],
                                                                "B": weight.shape[0]},
             ("N", "C"), _make_loss),
-    Problem("quant_linear",
-            lambda x, codes, scale, bias: {"N": _rows(x), "K": x.shape[-1], "O": codes.shape[0]},
-            ("N", "K", "O"), _make_quant),
     Problem("linear",
-            lambda x, weight, acc=None: {"N": _rows(x), "K": x.shape[-1], "O": weight.shape[0]},
+            lambda x, weight, acc=None: {"N": rows(x), "K": x.shape[-1], "O": weight.shape[0]},
             ("N", "K", "O"), _make_linear),
 )}
 
@@ -203,7 +202,7 @@ def _meta_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[t
     from kohakumoss.diffusion.objective import OBJECTIVE
     from kohakumoss.model.dit import MOSSImageTransformer
     from kohakumoss.model.layout import build_layout
-    from kohakumoss.model.ops import OpTable
+    from kohakumoss.model.ops import REFERENCE, OpTable
 
     with torch.device("meta"):
         model = MOSSImageTransformer(config)
@@ -216,9 +215,10 @@ def _meta_calls(config: DiTConfig, samples: Sequence[tuple[int, int]]) -> list[t
             return entry.fn(*args)
         return entry.wrap(call, "recorded")
 
-    for op in PROBLEMS:
-        table = objective if op in OBJECTIVE else model.ops
-        table.override(op, recording(op, getattr(table, op)))
+    for op in PROBLEMS:  # the ops of the DiT's and the objective's tables (a quantized
+        table = objective if op in OBJECTIVE else model.ops  # base's are not recorded here)
+        if op in OBJECTIVE or op in REFERENCE:
+            table.override(op, recording(op, getattr(table, op)))
     layout = build_layout([(1, i) for i, _ in samples], [t for _, t in samples]).to("meta")
     meta = dict(device="meta")
     with torch.no_grad():

@@ -64,6 +64,11 @@ class KernelRegistry:
                                  dict(forms or {}))
         return backends[name]
 
+    def add_contract(self, contract: Mapping[str, Callable]) -> None:
+        """Serve the ops of ``contract`` too (see ``register_contract``)."""
+        for op in contract:
+            self._backends.setdefault(op, {})
+
     def unregister(self, op: str, name: str) -> None:
         self.backend(op, name)
         del self._backends[op][name]
@@ -194,6 +199,18 @@ def _tuned_summary(t: TunedOp) -> str:
 
 KERNELS = KernelRegistry()
 """The process's registry: backends register here when their module is imported."""
+
+
+def register_contract(contract: Mapping[str, Callable]) -> None:
+    """Make the ops of ``contract`` (name -> reference) ones backends may replace and tables
+    be built of (``build_op_table(..., contract=...)``): a package above ``kernels/`` that
+    owns ops of its own (``quant/``) calls it when imported. A name another contract has
+    already is an error unless it is the same reference."""
+    for op, fn in contract.items():
+        if REFERENCES.get(op, fn) is not fn:
+            raise KernelError(f"op {op!r} is another contract's already; pick another name")
+    REFERENCES.update(contract)
+    KERNELS.add_contract(contract)
 
 
 def register_backend(op: str, name: str, fn: Callable,

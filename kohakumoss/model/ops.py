@@ -7,8 +7,8 @@ from backends that must match these references, and engines (recomputation) wrap
 that model's table from outside. Each reference computes in ``max(float32, input dtype)``
 and rounds once to the input dtype, as the reference implementation does (``docs/model.md``).
 
-The quantized base's references (``quant_linear``, ``fp8_linear``, ``fp8_lora_linears``)
-live in ``kohakumoss.model.quant_ops`` and are imported here.
+The quantized base's ops (``quant_linear``, ``fp8_linear``, ``fp8_lora_linears``) are a
+contract of their own, ``kohakumoss.quant.ops.QUANT``.
 
 Legend: N tokens, B samples, H heads, Dh head dim, D width; ``seg`` [N] int64 sample id of
 each token; per-sample modulation vectors ``shift``/``scale``/``gate`` are float32 [B, D].
@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from kohakumoss.model.quant_ops import (FP8_MAX, dequantize_rows, fp8_linear,  # noqa: F401
-                                        fp8_lora_linears, fp8_lora_slots, fp8_rows, quant_linear)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -276,9 +274,6 @@ REFERENCE: dict[str, Callable] = {
     "gated_residual": gated_residual,
     "varlen_attention": varlen_attention,
     "timestep_embedding": timestep_embedding,
-    "quant_linear": quant_linear,
-    "fp8_linear": fp8_linear,
-    "fp8_lora_linears": fp8_lora_linears,
     "linear": linear,
     "narrow_mm": narrow_mm,
     "linears": linears,

@@ -68,7 +68,7 @@ def precision_policy(dtype: str, full: bool, stream_scale: float = 1.0, base: st
     full finetune (``full``, from ``adapter.full``) or an adapter run; ``stream_scale``:
     ``kohakumoss.precision.scaler.stream_scale``'s for the params; ``base`` and
     ``fp8_compute`` / ``fp8_grad`` / ``fp8_fast_grad``: the run's quantization plan's
-    (``kohakumoss.quant.QuantPlan.policy_args``; ``kohakumoss.memory.quantized``)."""
+    (``kohakumoss.quant.QuantPlan.policy_args``; ``kohakumoss.quant.linear``)."""
     if dtype not in DTYPES:
         raise ValueError(f"train dtype {dtype!r} is not one of {', '.join(DTYPES)}; set "
                          f"train.dtype to one of them")

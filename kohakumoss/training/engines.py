@@ -65,7 +65,8 @@ from kohakumoss.precision.quant import QuantizedWeight
 from kohakumoss.quant import quant_plan
 from kohakumoss.quant.plan import DEFAULT_BACKENDS, of_policy
 from kohakumoss.memory.host_copies import NodeCopies
-from kohakumoss.memory.quantized import keep_fp8_transposes, quantize_base
+from kohakumoss.quant.linear import keep_fp8_transposes, quantize_base
+from kohakumoss.quant.ops import QUANT
 
 QUANT_BACKENDS = tuple(DEFAULT_BACKENDS)  # the quantized base's ops (not tuned: quant/plan.py)
 
@@ -151,17 +152,18 @@ def hold_quantized(model: MOSSImageTransformer, policy: PrecisionPolicy, device:
                    stored: Callable[[str], QuantizedWeight | None] | None = None,
                    chosen: Mapping[str, Any] | None = None) -> str:
     """With ``policy.base`` int8 / fp8: the block linears quantized on ``device``
-    (``quantize_base``), the model moved there, and the quantized ops of ``model.ops`` given
-    the plan's backends (``QuantPlan.backends``) unless ``chosen`` names theirs. Returns the
-    account ("" for keep)."""
+    (``quantize_base``) over one table of the quantized ops (``quant.ops.QUANT``): ``chosen``'s
+    backends where it names them, else the plan's (``QuantPlan.backends``); the model moved
+    there. Returns the account ("" for keep)."""
     if policy.base == "keep":
         return ""
-    quantized = quantize_base(model, policy.base, policy.fp8_compute, device, stored,
-                              fp8_grad=policy.fp8_grad)
-    model.to(device)
+    ops = build_op_table(device, policy.compute, chosen, contract=QUANT)
     for op, backends in of_policy(policy).backends().items():
         if op not in (chosen or {}):  # no tuning: the kernel is the one that pays here
-            model.ops.override(op, KERNELS.chosen_op(op, device, policy.compute, backends))
+            ops.override(op, KERNELS.chosen_op(op, device, policy.compute, backends))
+    quantized = quantize_base(model, policy.base, policy.fp8_compute, device, stored,
+                              fp8_grad=policy.fp8_grad, ops=ops)
+    model.to(device)
     log.info("frozen base: %s", quantized)
     return quantized
 

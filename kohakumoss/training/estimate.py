@@ -209,12 +209,15 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
     model.ops.override("varlen_attention", lambda q, k, v, lengths: _FlashLike.apply(q, k, v))
     quant = quant_plan(params.precision)
     if quant.quantized and not params.adapter.full:
-        from kohakumoss.memory.quantized import quantize_base
+        from kohakumoss.model.ops import OpTable
+        from kohakumoss.quant.linear import quantize_base
+        from kohakumoss.quant.ops import QUANT
 
-        quantize_base(model, quant.base, quant.compute)
+        like = OpTable(QUANT)  # what the kernels keep, on meta
         for op in ("quant_linear", "fp8_linear"):
-            model.ops.override(op, _QuantLike.apply)
-        model.ops.override("fp8_lora_linears", _fp8_loras_like)
+            like.override(op, _QuantLike.apply)
+        like.override("fp8_lora_linears", _fp8_loras_like)
+        quantize_base(model, quant.base, quant.compute, ops=like)
     apply_rebuild(model)  # counted apart (``_BlockBytes.rebuilt``), taken off with ``rebuild``
     if params.adapter.full:
         return model, 0, sum(p.numel() for p in model.parameters()), []
@@ -288,7 +291,7 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
     text tokens)``) under ``engines``, for the params' transformer (or ``config``'s shape)."""
     model, frozen, trained_count, adapter = _model or _meta_model(params, engines, config)
     if engines.fp8_transposes and quant_plan(params.precision).keeps_transposes and not params.adapter.full:
-        from kohakumoss.memory.quantized import node_codes_bytes
+        from kohakumoss.quant.linear import node_codes_bytes
         frozen += node_codes_bytes(model)  # memory.fp8_transposes: the codes' transposes kept
     c = model.config
     policy = precision_policy(params.train.dtype, full=params.adapter.full)

@@ -4,11 +4,12 @@
 ``quantize_base(model, base, fp8_compute, device)`` acts on a built model from outside: every
 linear of the repeated blocks (the joint blocks and the text refiner's) becomes a
 ``QuantizedLinear`` holding ``codes`` [out, in] (int8 or float8_e4m3fn) and one float32
-``scale`` per output row, about half the bytes of bf16. Its forward is the model's op table's
-``quant_linear`` (the Triton kernel widens the codes tile by tile inside the matmul; no
-dequantized copy of the weight is made) or, with ``fp8_compute``, ``fp8_linear`` (fp8 GEMMs
-on sm89+, a bf16 input gradient); a LoRA on an fp8 one runs with it as one node
-(``lora_op``: the op table's ``fp8_lora_linears``).
+``scale`` per output row, about half the bytes of bf16. Its forward is the quantized base's
+table's ``quant_linear`` (``quant.ops.QUANT``, one table the model's quantized linears
+share, registered on the model as engine ``quantized base``: the Triton kernel widens the
+codes tile by tile inside the matmul; no dequantized copy of the weight is made) or, with
+``fp8_compute``, ``fp8_linear`` (fp8 GEMMs on sm89+, a bf16 input gradient); a LoRA on an
+fp8 one runs with it as one node (``lora_op``: the table's ``fp8_lora_linears``).
 
 Adapters train on top unchanged: a ``QuantizedLinear`` is an ``nn.Linear`` whose forward is
 the quantized one, and LyCORIS's bypass adds its delta to that forward. Code that needs the
@@ -24,15 +25,19 @@ tensor-wise scale becomes one per row, exactly. Any other weight is quantized pe
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kohakumoss.model.dit import REPEATED
-from kohakumoss.model.ops import REFERENCE, dequantize_rows, fp8_rows
+from kohakumoss.model.engines import Handle
+from kohakumoss.model.ops import OpTable
 from kohakumoss.precision.quant import QuantizedWeight, quantize_int8, rotate_groups
+from kohakumoss.quant import backends  # noqa: F401  (the quantized ops' backends registered)
+from kohakumoss.quant.ops import QUANT, dequantize_rows, fp8_rows
+
+ENGINE = "quantized base"
 
 BASES = ("keep", "int8", "fp8")
 CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -47,10 +52,12 @@ def rotate_input(x: torch.Tensor, group: int) -> torch.Tensor:
 
 class QuantizedLinear(nn.Linear):
     """A frozen linear whose weight is ``codes * scale[:, None]`` (then ConvRot-rotated when
-    ``group``); its forward runs the owner model's ``quant_linear`` / ``fp8_linear`` op."""
+    ``group``); its forward runs the ``quant_linear`` / ``fp8_linear`` op of ``ops`` (the
+    quantized base's table, shared by the model's quantized linears; default: the
+    references)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, owner: nn.Module | None = None, group: int = 0,
+                 dtype: torch.dtype, ops: OpTable | None = None, group: int = 0,
                  fp8_compute: bool = False, fp8_grad: bool = False):
         nn.Module.__init__(self)  # not nn.Linear's: no weight parameter is made
         self.out_features, self.in_features = codes.shape
@@ -59,7 +66,7 @@ class QuantizedLinear(nn.Linear):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_dtype, self.group, self.fp8_compute = dtype, group, fp8_compute
         self.fp8_grad = fp8_compute and fp8_grad  # the input gradient as an fp8 GEMM too
-        self._owner = weakref.ref(owner) if owner is not None else None
+        self.ops = ops if ops is not None else OpTable(QUANT)
         self.keep_transposes = False  # memory.fp8_transposes: node_transposes kept between steps
         self._held_t: tuple[tuple[torch.Tensor, ...], int, torch.Tensor] | None = None
 
@@ -79,18 +86,14 @@ class QuantizedLinear(nn.Linear):
         super().__setattr__(name, value)
 
     def _op(self) -> Callable:
-        owner = self._owner() if self._owner is not None else None
-        name = "fp8_linear" if self.fp8_compute else "quant_linear"
-        return getattr(owner.ops, name) if owner is not None else REFERENCE[name]
+        return self.ops.fp8_linear if self.fp8_compute else self.ops.quant_linear
 
     def lora_op(self) -> Callable | None:
-        """The owner table's ``fp8_lora_linears`` where this layer runs fp8 compute without a
-        bias or a rotation (a LoRA on it is then one node with it: ``adapters/folded.py``),
-        else None."""
+        """The table's ``fp8_lora_linears`` where this layer runs fp8 compute without a bias or
+        a rotation (a LoRA on it is then one node with it: ``adapters/folded.py``), else None."""
         if not self.fp8_compute or self.bias is not None or self.group:
             return None
-        owner = self._owner() if self._owner is not None else None
-        return owner.ops.fp8_lora_linears if owner is not None else REFERENCE["fp8_lora_linears"]
+        return self.ops.fp8_lora_linears
 
     @torch.no_grad()
     def hold_slots(self, width: int) -> None:
@@ -98,7 +101,7 @@ class QuantizedLinear(nn.Linear):
         view of the first ``in_features`` columns of an [out, in + width] buffer, done once
         (a copy of this layer's codes). fp8 compute's ``full`` node then writes its LoRA's
         slot columns there each forward instead of copying the codes beside a new slot
-        (``kernels/triton_fp8.py``: ``slot_view``); every other reader sees the same codes."""
+        (``quant/triton_fp8.py``: ``slot_view``); every other reader sees the same codes."""
         c = self.codes
         if c.stride() == (self.in_features + width, 1):
             return
@@ -111,7 +114,7 @@ class QuantizedLinear(nn.Linear):
     def node_transposes(self, layers: list["QuantizedLinear"], width: int) -> torch.Tensor:
         """The codes' transposes of ``layers`` (this one first: the linears of one LoRA node)
         side by side, then ``width`` slot columns: [in, sum of out + width], the layout fp8
-        compute's input-gradient GEMM reads (``kernels/triton_fp8.py``: ``transposed_codes``).
+        compute's input-gradient GEMM reads (``quant/triton_fp8.py``: ``transposed_codes``).
         Made once and held by this layer (``memory.fp8_transposes``: the bytes of the codes
         again), so that each backward writes only the slot instead of transposing the codes."""
         codes = [m.codes for m in layers]
@@ -194,17 +197,20 @@ def quantizable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 def quantize_base(model: nn.Module, base: str, fp8_compute: bool = False,
                   device: torch.device | str | None = None,
                   stored: Callable[[str], QuantizedWeight | None] | None = None,
-                  fp8_grad: bool = False) -> str:
+                  fp8_grad: bool = False, ops: OpTable | None = None) -> str:
     """Replace ``quantizable(model)`` by ``QuantizedLinear``s (see the module); each weight is
     quantized on ``device`` (default: where it is) and its codes stay there. ``stored``: a
     checkpoint's quantized form of a weight, by state-dict name (a ComfyUI file's codes).
-    ``fp8_grad`` (with ``fp8_compute``): the input gradients as fp8 GEMMs too. Returns a
-    one-line account."""
+    ``fp8_grad`` (with ``fp8_compute``): the input gradients as fp8 GEMMs too. ``ops``: the
+    table of ``QUANT`` the linears share (default: the references), registered on
+    ``model.engines`` as ``quantized base`` (``quantized_ops(model)``). Returns a one-line
+    account."""
     if base not in CODE_DTYPES:
         raise ValueError(f"precision.base {base!r}: one of {', '.join(BASES)}")
     if fp8_compute and base != "fp8":
         raise ValueError("fp8 compute runs on fp8 weights: set precision.base: fp8")
     layers = quantizable(model)
+    ops = ops if ops is not None else OpTable(QUANT)
     before = after = kept = 0
     for path, lin in layers:
         w = lin.weight
@@ -216,17 +222,26 @@ def quantize_base(model: nn.Module, base: str, fp8_compute: bool = False,
         else:
             (codes, scale), group = quantize_rows(w.detach().to(dev), base), 0
         bias = None if lin.bias is None else lin.bias.to(dev)
-        q = QuantizedLinear(codes.to(dev), scale.to(dev), bias, w.dtype, model, group, fp8_compute,
+        q = QuantizedLinear(codes.to(dev), scale.to(dev), bias, w.dtype, ops, group, fp8_compute,
                             fp8_grad)
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, q)
         before += w.numel() * w.element_size()
         after += q.codes.numel() * q.codes.element_size() + q.scale.numel() * 4
+    model.engines.register(Handle(ENGINE, state=ops))
     how = f"fp8 compute (e4m3 GEMMs{', input gradients too' if fp8_grad else ''})" if fp8_compute \
         else f"{base} weight-only"
     src = f", {kept} taken from the checkpoint as stored" if kept else ""
     return (f"{how}: {len(layers)} block linears in {after / 2**30:.2f} GiB "
             f"(was {before / 2**30:.2f} GiB){src}")
+
+
+def quantized_ops(model: nn.Module) -> OpTable:
+    """The table the quantized linears of ``model`` share (``quantize_base``)."""
+    ops = model.engines.state(ENGINE)
+    if ops is None:
+        raise ValueError("the model's base is not held quantized (precision.base: keep)")
+    return ops
 
 
 def node_codes_bytes(model: nn.Module) -> int:

@@ -1,6 +1,6 @@
-"""The op table's references of the frozen base's quantized linears
-(``kohakumoss.memory.quantized``): ``quant_linear``, ``fp8_linear``, ``fp8_lora_linears``,
-and the row quantization they share. ``kohakumoss.model.ops`` holds them in ``REFERENCE``.
+"""The quantized base's ops and their references (``QUANT``: a contract of its own, whose
+table the quantized linears share, ``kohakumoss.quant.linear``): ``quant_linear``,
+``fp8_linear``, ``fp8_lora_linears``, and the row quantization they share.
 
 ``codes`` [out, in] int8 or float8_e4m3fn, ``scale`` float32 [out]: the weight is
 ``codes * scale[:, None]``, one scale per output row.
@@ -166,3 +166,12 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     ys = _Fp8Loras.apply(x2, full, ranks, down, *(c for c, _, _, _ in layers),
                          *(s for _, s, _, _ in layers), *(u for _, _, _, u in layers))
     return [y.view(*x.shape[:-1], y.shape[1]) for y in ys]
+
+
+QUANT: dict[str, Callable] = {
+    "quant_linear": quant_linear,
+    "fp8_linear": fp8_linear,
+    "fp8_lora_linears": fp8_lora_linears,
+}
+"""The quantized base's ops: a table of its own (``OpTable(QUANT)``, made by the kernel
+registry as the DiT's is), which every ``QuantizedLinear`` of one model shares."""

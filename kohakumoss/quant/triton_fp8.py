@@ -12,7 +12,7 @@ activations and the transpose of weight codes.
   scale, the codes widened by the up matrix's slot columns, and ``A^T / g'`` beside the
   transposed codes;
 - ``slot_view``, ``filled_slots``: codes held with their slot columns already beside them
-  (``memory.quantized.QuantizedLinear.hold_slots``), only the slot written each forward.
+  (``quant.linear.QuantizedLinear.hold_slots``), only the slot written each forward.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kohakumoss.kernels.triton_common import INTERPRETED, check_tensors, jit
-from kohakumoss.model.quant_ops import slot_width
+from kohakumoss.quant.ops import slot_width
 
 _INTERPRETED = tl.constexpr(INTERPRETED)
 

@@ -1,4 +1,4 @@
-"""fp8 compute for the frozen base (``model/ops.py``: ``fp8_linear``) on sm89 and later:
+"""fp8 compute for the frozen base (``quant/ops.py``: ``fp8_linear``) on sm89 and later:
 the forward is one ``torch._scaled_mm`` of float8_e4m3fn activations (quantized per row by
 ``triton_fp8.fp8_rows``) and weight codes (per output row), both row scales applied by
 the GEMM, bf16 out, fast accumulation (``FAST_ACCUM_FORWARD``); the input gradient is the
@@ -52,13 +52,13 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     """CUDA compute capability 8.9+ (Ada, Hopper, Blackwell), bf16 activations."""
     return (dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.is_available()
             and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
-            and triton_module("triton_fp8") is not None and triton_module("triton_quant") is not None)
+            and triton_module("quant.triton_fp8") is not None and triton_module("quant.triton_quant") is not None)
 
 
 class _ScaledMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, codes, scale, bias, grad_fp8, fast_grad):
-        xq, xs = triton_module("triton_fp8").fp8_rows(x2)
+        xq, xs = triton_module("quant.triton_fp8").fp8_rows(x2)
         y = torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scale[None, :],
                              out_dtype=x2.dtype, use_fast_accum=FAST_ACCUM_FORWARD)
         if bias is not None:
@@ -71,7 +71,7 @@ class _ScaledMM(torch.autograd.Function):
     def backward(ctx, go):
         codes, scale = ctx.saved_tensors
         go = go.contiguous()
-        tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
+        tq, t8 = triton_module("quant.triton_quant"), triton_module("quant.triton_fp8")
         dx = None
         if ctx.needs_input_grad[0] and ctx.grad_fp8:
             # dy W = (dy * scale) codes: the codes transposed into a transient buffer (the
@@ -118,7 +118,7 @@ class _Fp8Loras(torch.autograd.Function):
     def forward(ctx, x2, ranks, full, narrow, held_t, fast_grad, down, *tensors):
         n = len(ranks)
         codes, scales, ups = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
-        t8 = triton_module("triton_fp8")
+        t8 = triton_module("quant.triton_fp8")
         ctx.narrow, ctx.held_t, ctx.fast_grad = narrow, held_t, fast_grad
         outs = []
         if full:  # the LoRAs' products inside the fp8 GEMMs: [x | h g] [codes | up / g]^T
@@ -155,7 +155,7 @@ class _Fp8Loras(torch.autograd.Function):
         dys = [dy.contiguous() if dy is not None else x2.new_zeros(x2.shape[0], c.shape[0])
                for dy, c in zip(dys, codes)]
         dx = t = None
-        tq, t8 = triton_module("triton_quant"), triton_module("triton_fp8")
+        tq, t8 = triton_module("quant.triton_quant"), triton_module("quant.triton_fp8")
         if need_x and ctx.grad_fp8:  # one GEMM over every linear's output and t down
             # A's row maxima (ops.fp8_lora_slots of A^T, bit for bit) as one aten op, not a fill and a
             # Triton launch: this backward is bound by its host (ops.fp8_lora_linears)
