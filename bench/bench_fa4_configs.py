@@ -3,7 +3,7 @@ forward. (GPU, not a test; needs the ``fa4`` extra.)
 
     PYTHONPATH=. python bench/bench_fa4_configs.py [--segments 4200 4200 4200 4194] [--passes bwd fwd]
 
-The ``fa4`` backend (``kernels/fa4_attention.py``) calls ``_flash_attn_bwd`` with the config
+The ``fa4`` backend (``kernels/attention/fa4.py``) calls ``_flash_attn_bwd`` with the config
 the package selects: for head dim 128 on sm90, C++ FA3's 80 x 128 tiles, benchmarked by its
 authors on an H100. A profile of the 16,800-token step puts that backward at 157 ms
 (~580 TFLOP/s). This times the selected config against variants of it (``BwdConfig``

@@ -56,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8308, 16800])
     a = ap.parse_args()
-    norm = backends.triton_module("triton_norm")
+    norm = backends.triton_module("kernels.norm.triton")
     dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
     out = {"device": torch.cuda.get_device_name(), "width": D, "kinds": {}}
     for N in a.tokens:

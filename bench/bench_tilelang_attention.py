@@ -37,8 +37,8 @@ def main() -> None:
     args = p.parse_args()
     import tilelang
 
-    from kohakumoss.kernels import tilelang_kernels as K
-    from kohakumoss.kernels import tilelang_ops
+    from kohakumoss.experimental.tilelang import kernels as K
+    from kohakumoss.experimental.tilelang import ops as tilelang_ops
 
     H, Dh, dtype = 24, 128, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)

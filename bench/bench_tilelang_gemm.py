@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kohakumoss.kernels import tilelang_gemm as G
+from kohakumoss.experimental.tilelang import gemm as G
 from kohakumoss.model import ops
 from _report import cuda_ms, report  # bench/_report.py (the script's folder is on sys.path)
 

@@ -219,7 +219,7 @@ def sweeps() -> None:
     and ``bench_norm_launch.py``'s for each row kernel of the norm."""
     import bench_fp8_rows
     import bench_norm_launch
-    from kohakumoss.kernels import triton_norm
+    from kohakumoss.kernels.norm import triton as triton_norm
     from kohakumoss.quant import triton_fp8
 
     g, rows, bf16 = torch.Generator().manual_seed(0), 8, torch.bfloat16

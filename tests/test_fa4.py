@@ -1,5 +1,5 @@
 """The ``fa4`` backend of ``varlen_attention`` (FlashAttention-4's kernels, the optional
-``flash-attn-4`` package; ``kohakumoss/kernels/fa4_attention.py``). Its forward and gradients
+``flash-attn-4`` package; ``kohakumoss/kernels/attention/fa4.py``). Its forward and gradients
 against the reference over the segment cases and at the real sizes are in
 ``test_kernel_backends.py``; here: where it is offered, what it says when it cannot run or
 is not installed, and, on a card it runs on, the tiny model, ``torch.compile``, deterministic
@@ -12,7 +12,8 @@ import functools
 import pytest
 import torch
 
-from kohakumoss.kernels import KERNELS, attention, backends, build_op_table
+from kohakumoss.kernels import KERNELS, backends, build_op_table
+from kohakumoss.kernels.attention import varlen as attention
 from kohakumoss.model import ops
 
 CUDA = torch.cuda.is_available()
@@ -25,7 +26,7 @@ def rel(a, b):
 
 def needs_fa4(dtype=torch.bfloat16):
     if not (CUDA and FA4.available(torch.device("cuda"), dtype)):
-        why = backends._why.get("fa4_attention", "no sm90-sm110 card here")
+        why = backends._why.get("kernels.attention.fa4", "no sm90-sm110 card here")
         pytest.skip(f"fa4 cannot run here ({why})")
 
 
@@ -45,7 +46,7 @@ def test_fa4_is_imported_only_where_its_card_and_dtype_are(monkeypatch):
 
 def test_fa4_without_the_package_names_the_extra(monkeypatch):
     monkeypatch.setattr(backends, "triton_module", lambda name: None)
-    monkeypatch.setitem(backends._why, "fa4_attention", "ModuleNotFoundError: No module named 'flash_attn'")
+    monkeypatch.setitem(backends._why, "kernels.attention.fa4", "ModuleNotFoundError: No module named 'flash_attn'")
     q = torch.randn(4, 2, 16)
     with pytest.raises(RuntimeError, match=r"flash-attn-4 cannot be imported.*kohakumoss\[fa4\]"):
         FA4.fn(q, q, q, [3, 1])
@@ -159,7 +160,7 @@ def test_a_forward_launch_of_the_bench_keeps_the_outputs(launch, monkeypatch):
     """``fa4_attention.FWD_LAUNCH`` (what ``bench/bench_fa4_configs.py --passes fwd`` picks)
     reaches the kernel and keeps the output within bf16's rounding of the package's choice."""
     needs_fa4()
-    from kohakumoss.kernels import fa4_attention
+    from kohakumoss.kernels.attention import fa4 as fa4_attention
 
     lengths = [4202, 4106, 9]
     q, k, v = _inputs(lengths, torch.bfloat16, heads=4)
@@ -218,7 +219,7 @@ def test_activation_offload_replays_fa4(offload):
 def test_tune_kernels_says_what_a_card_fa4_runs_on_lacks(monkeypatch):
     monkeypatch.setattr(attention, "fa4_card", lambda device: True)
     monkeypatch.setattr(backends, "triton_module", lambda name: None)
-    monkeypatch.setitem(backends._why, "fa4_attention", "ModuleNotFoundError: No module named 'flash_attn'")
+    monkeypatch.setitem(backends._why, "kernels.attention.fa4", "ModuleNotFoundError: No module named 'flash_attn'")
     hint, = backends.missing_kernels("cuda")
     assert "No module named 'flash_attn'" in hint and "pip install 'kohakumoss[fa4]'" in hint
     monkeypatch.setattr(attention, "fa4_card", lambda device: False)

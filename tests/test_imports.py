@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"config", "tokenizer", "model"},
     {"diffusion"},  # the objective's ops are a contract the kernel registry serves too
     {"kernels", "memory", "parallel"},
-    {"quant"},  # the quantized base: its ops, linears, kernels on the registry, the plan
+    {"quant", "experimental"},  # the quantized base in one room; opt-in backends (never imported)
     {"adapters"},  # LyCORIS on the block linears (an fp8 one's node: quant's slot widths)
     {"formats"},
     {"encoders", "data"},  # neither imports the other: tokenizer/ is below both
@@ -92,6 +92,19 @@ def test_model_imports_nothing_above_it():
     above = {dst: where for (src, dst), where in edges().items()
              if src == "model" and dst not in MODEL_MAY_IMPORT}
     assert above == {}
+
+
+def test_the_core_never_imports_the_experimental_room():
+    """``kohakumoss/experimental/`` holds opt-in backends: no other unit and no stage imports
+    it (the kernel registry loads one by name where ``kernels.backends`` names it,
+    ``KernelRegistry.load_experimental``); only its own benches and tests do."""
+    found = [f"{src} -> experimental ({', '.join(where)})" for (src, dst), where in edges().items()
+             if dst == "experimental" and src != "experimental"]
+    for folder in ("stages",):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT)}:{line}" for name, line in imports_of(path)
+                      if unit_of(name) == "experimental"]
+    assert found == []
 
 
 def test_export_reads_checkpoints_without_the_trainer():

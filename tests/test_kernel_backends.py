@@ -1,4 +1,4 @@
-"""Every kernel backend (``kohakumoss/kernels/backends.py``) against its reference
+"""Every kernel backend (each op's folder of ``kohakumoss/kernels/``) against its reference
 (``kohakumoss/model/ops.py``): the forward and every input gradient, over shapes (segment
 lengths 1, odd and long; several samples; heads; head dims) and dtypes, with a relative
 error ``||ours - ref|| / ||ref||`` under a tolerance per dtype.
@@ -29,7 +29,7 @@ from kohakumoss.model import FLAVORS, build_layout, ops
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-COMMON = backends.triton_module("triton_common")
+COMMON = backends.triton_module("kernels.triton_common")
 INTERPRETED = COMMON is not None and COMMON.INTERPRETED
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -317,7 +317,7 @@ def test_every_row_launch_of_the_norms_gives_their_results(launch, monkeypatch):
     makes the add, dx alone, dx with the branch's gradient; the results are the default
     launch's (row counts that leave a partial last tile, samples shuffled)."""
     needs_triton()
-    module = backends.triton_module("triton_norm")
+    module = backends.triton_module("kernels.norm.triton")
     g = torch.Generator().manual_seed(31)
     lengths = [7, 1, 6]
     N, D, B = sum(lengths), 48, len(lengths)

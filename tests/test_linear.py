@@ -1,6 +1,6 @@
 """``ops.linear``: the block linears' products as an op of the table. The model hands plain
 linears to it and the LoRA nodes their base products (``adapters/folded.py``), so a backend
-of it (``tilelang``, ``kohakumoss/kernels/tilelang_gemm.py``) serves both. On the CPU: the
+of it (``tilelang``, ``kohakumoss/experimental/tilelang/gemm.py``) serves both. On the CPU: the
 routing, the tuner's problems, and the TileLang GEMM lowering to CUDA for sm90 (TMA,
 ``wgmma``) and sm86 (``cp.async``); ``gpu``: every product and gradient against fp32, the
 LoRA nodes and the tiny model on it against the reference, the real sizes.
@@ -17,14 +17,14 @@ from kohakumoss.kernels.problems import PROBLEMS, plan_problems
 from kohakumoss.model import FLAVORS, ops
 from test_kernel_backends import DEVICE, _tiny_inputs, rel
 
-GEMM = backends.triton_module("tilelang_gemm")
+GEMM = backends.triton_module("experimental.tilelang.gemm")
 TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3}  # one rounding of an fp32 sum each side
 DTYPES = [torch.bfloat16, torch.float16]
 
 
 def needs_gemm(dtype=torch.bfloat16):
     if GEMM is None:
-        pytest.skip(f"tilelang cannot be imported here ({backends._why['tilelang_gemm']})")
+        pytest.skip(f"tilelang cannot be imported here ({backends.unavailable_reason('experimental.tilelang.gemm')})")
     if not GEMM.can_run(DEVICE, dtype):
         pytest.skip(f"the TileLang GEMM does not run {dtype} on {DEVICE} (CUDA sm80+)")
 
@@ -124,7 +124,7 @@ def test_the_gemm_lowers_to_cuda(arch, tiles, code):
     """sm90: TMA copies feeding ``wgmma`` (the accumulating forward); sm86: ``cp.async`` and
     ``mma.sync`` (the input gradient's layout). The GPU tests run sm90."""
     if GEMM is None:
-        pytest.skip(f"tilelang cannot be imported here ({backends._why['tilelang_gemm']})")
+        pytest.skip(f"tilelang cannot be imported here ({backends.unavailable_reason('experimental.tilelang.gemm')})")
     import tilelang
     from tilelang import tvm
 

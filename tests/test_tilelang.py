@@ -1,4 +1,4 @@
-"""The ``tilelang`` backend (``kohakumoss/kernels/tilelang_ops.py``): every kernel against its
+"""The ``tilelang`` backend (``kohakumoss/experimental/tilelang/ops.py``): every kernel against its
 reference, forward and every gradient, over shapes and dtypes (``gpu``: TileLang kernels run on
 CUDA only), at the real model's sizes, and in the tiny model; on the CPU, every kernel lowers
 to CUDA for the archs it serves (TileLang's own semantic and layout checks), and the registry
@@ -19,12 +19,12 @@ from test_kernel_backends import (ATTENTION_SHAPES, ATTENTION_TOL, BASE, DEVICE,
                                   rel, seg_of)
 
 OPS = ("rms_norm", "modulated_rms_norm", "situ", "gated_residual", "varlen_attention")
-MODULE = backends.triton_module("tilelang_ops")
+MODULE = backends.triton_module("experimental.tilelang.ops")
 
 
 def needs_tilelang(dtype=torch.float32, attention=False):
     if MODULE is None:
-        pytest.skip(f"tilelang cannot be imported here ({backends._why['tilelang_ops']})")
+        pytest.skip(f"tilelang cannot be imported here ({backends.unavailable_reason('experimental.tilelang.ops')})")
     if not MODULE.can_run(DEVICE, dtype, attention):
         pytest.skip(f"tilelang does not run {dtype} on {DEVICE}")
 
@@ -46,11 +46,11 @@ LOWERED = [("norm_forward", (64, "float16", "float16", "float32", True)),
 @pytest.mark.parametrize("arch", ["sm_75", "sm_90"])
 def test_every_pointwise_kernel_lowers_to_cuda(arch):
     if MODULE is None:
-        pytest.skip(f"tilelang cannot be imported here ({backends._why['tilelang_ops']})")
+        pytest.skip(f"tilelang cannot be imported here ({backends.unavailable_reason('experimental.tilelang.ops')})")
     import tilelang
     from tilelang import tvm
 
-    from kohakumoss.kernels import tilelang_kernels as K
+    from kohakumoss.experimental.tilelang import kernels as K
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     for name, static in LOWERED:
@@ -71,11 +71,11 @@ def test_attention_lowers_for_the_cards_without_a_gpu_test_here(arch, dtype, pas
     lowering takes 25-30 s of the CI's budget (sm90 runs both in the ``gpu`` tests; that the
     forward's tiles fit Turing's shared memory is ``test_attention_tiles_fit_each_card``)."""
     if MODULE is None:
-        pytest.skip(f"tilelang cannot be imported here ({backends._why['tilelang_ops']})")
+        pytest.skip(f"tilelang cannot be imported here ({backends.unavailable_reason('experimental.tilelang.ops')})")
     import tilelang
     from tilelang import tvm
 
-    from kohakumoss.kernels import tilelang_kernels as K
+    from kohakumoss.experimental.tilelang import kernels as K
 
     tiles = dict(zip(("forward", "backward"), MODULE.attention_tiles((int(arch[3]), int(arch[4])), 128)))
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
@@ -88,7 +88,7 @@ def test_attention_lowers_for_the_cards_without_a_gpu_test_here(arch, dtype, pas
 
 def test_attention_tiles_fit_each_card():
     if MODULE is None:
-        pytest.skip(f"tilelang cannot be imported here ({backends._why['tilelang_ops']})")
+        pytest.skip(f"tilelang cannot be imported here ({backends.unavailable_reason('experimental.tilelang.ops')})")
     assert MODULE.attention_tiles((9, 0), 128) == ((128, 128, 2, 256), (64, 64, 2, 256))
     assert MODULE.attention_tiles((8, 6), 128) == ((128, 128, 1, 256), (64, 64, 1, 256))
     fwd, bwd = MODULE.attention_tiles((7, 5), 128)  # Turing: 64 KiB
@@ -98,7 +98,7 @@ def test_attention_tiles_fit_each_card():
 
 def test_tilelang_is_first_on_turing_and_opt_in_on_ampere_and_newer(monkeypatch):
     if MODULE is None:
-        pytest.skip(f"tilelang cannot be imported here ({backends._why['tilelang_ops']})")
+        pytest.skip(f"tilelang cannot be imported here ({backends.unavailable_reason('experimental.tilelang.ops')})")
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     situ, triton = KERNELS.backend("situ", "tilelang"), KERNELS.backend("situ", "triton")
@@ -108,7 +108,7 @@ def test_tilelang_is_first_on_turing_and_opt_in_on_ampere_and_newer(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert situ.available(cuda, torch.float16) and not situ.opt_in(cuda)
     assert not situ.available(cuda, torch.bfloat16)  # no bf16 before sm80
-    if backends.triton_module("triton_common") is not None:
+    if backends.triton_module("kernels.triton_common") is not None:
         assert not triton.available(cuda, torch.float16)
     assert attention.available(cuda, torch.float16) and not attention.available(cuda, torch.float32)
     assert attention.takes({"Dh": 128}) and not attention.takes({"Dh": 48})

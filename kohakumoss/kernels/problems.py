@@ -77,13 +77,13 @@ def rand(g: torch.Generator, device, dtype, *shape: int, grad: bool = True) -> t
     return t.requires_grad_(grad)
 
 
-def _seg(n: int, b: int, device) -> torch.Tensor:
+def segments(n: int, b: int, device) -> torch.Tensor:
     """Sample ids of ``n`` tokens in ``b`` near-equal contiguous samples."""
     b = max(1, min(b, n))
     return (torch.arange(n) * b // max(n, 1)).to(device)
 
 
-def _lengths(n: int, longest: int) -> list[int]:
+def lengths_of(n: int, longest: int) -> list[int]:
     """``n`` tokens as segments of ``longest`` tokens and a remainder."""
     longest = max(1, min(longest, n))
     return [longest] * (n // longest) + ([n % longest] if n % longest else [])
@@ -93,84 +93,10 @@ def rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
-def _make_rms(d, dtype, device, g, wg):
-    return (rand(g, device, dtype, d["N"], d["D"]), rand(g, device, dtype, d["D"], grad=wg), 1e-6)
+PROBLEMS: dict[str, Problem] = {}
+"""op -> its problem shapes: each op's folder (``kernels/norm/``, ...) registers its own
+(``register_problem``), in the order ``kohakumoss.kernels`` imports them."""
 
-
-def _make_mod_rms(d, dtype, device, g, wg):
-    f32 = torch.float32
-    return (rand(g, device, dtype, d["N"], d["D"]), rand(g, device, dtype, d["D"], grad=wg),
-            rand(g, device, f32, d["B"], d["D"], grad=wg),
-            rand(g, device, f32, d["B"], d["D"], grad=wg), _seg(d["N"], d["B"], device), 1e-6)
-
-
-def _make_qk(d, dtype, device, g, wg):
-    cd = compute_dtype(dtype)
-    half = d["Dh"] // 2
-    return (rand(g, device, dtype, d["N"], d["H"], d["Dh"]),
-            rand(g, device, dtype, d["Dh"], grad=wg),
-            rand(g, device, cd, d["N"], half, grad=False),
-            rand(g, device, cd, d["N"], half, grad=False), 1e-6)
-
-
-def _make_situ(d, dtype, device, g, wg):
-    return (rand(g, device, dtype, d["N"], d["F"]), rand(g, device, dtype, d["N"], d["F"]))
-
-
-def _make_residual(d, dtype, device, g, wg):
-    return (rand(g, device, dtype, d["N"], d["D"]), rand(g, device, dtype, d["N"], d["D"]))
-
-
-def _make_gated(d, dtype, device, g, wg):
-    return (rand(g, device, dtype, d["N"], d["D"]), rand(g, device, dtype, d["N"], d["D"]),
-            rand(g, device, torch.float32, d["B"], d["D"], grad=wg), _seg(d["N"], d["B"], device))
-
-
-def _make_attention(d, dtype, device, g, wg):
-    q, k, v = (rand(g, device, dtype, d["N"], d["H"], d["Dh"]) for _ in range(3))
-    return q, k, v, _lengths(d["N"], d["L"])
-
-
-def _make_loss(d, dtype, device, g, wg):
-    n, b = d["N"], d["B"]
-    return (rand(g, device, dtype, n, d["C"]), rand(g, device, torch.float32, n, d["C"], grad=False),
-            _seg(n, b, device), torch.ones(b, device=device), n, "mse", 1.0)
-
-
-def _make_linear(d, dtype, device, g, wg):
-    weight = rand(g, device, dtype, d["O"], d["K"], grad=wg) / d["K"] ** 0.5
-    return rand(g, device, dtype, d["N"], d["K"]), weight.detach().requires_grad_(wg)
-
-
-PROBLEMS: dict[str, Problem] = {p.op: p for p in (
-    Problem("rms_norm", lambda x, w, eps: {"N": rows(x), "D": x.shape[-1]}, ("N", "D"),
-            _make_rms),
-    Problem("modulated_rms_norm",
-            lambda x, w, shift, scale, seg, eps: {"N": x.shape[0], "D": x.shape[1],
-                                                  "B": shift.shape[0]},
-            ("N", "D"), _make_mod_rms),
-    Problem("qk_norm_rope",
-            lambda x, w, cos, sin, eps: {"N": x.shape[0], "H": x.shape[1], "Dh": x.shape[2]},
-            ("N", "H", "Dh"), _make_qk),
-    Problem("situ", lambda u, g: {"N": rows(u), "F": u.shape[-1]}, ("N", "F"), _make_situ),
-    Problem("residual", lambda x, y: {"N": rows(x), "D": x.shape[-1]}, ("N", "D"),
-            _make_residual),
-    Problem("gated_residual",
-            lambda x, y, gate, seg: {"N": x.shape[0], "D": x.shape[1], "B": gate.shape[0]},
-            ("N", "D"), _make_gated),
-    Problem("varlen_attention",
-            lambda q, k, v, lengths: {"N": q.shape[0], "H": q.shape[1], "Dh": q.shape[2],
-                                      "L": max(lengths, default=0),
-                                      "S": sum(1 for n in lengths if n)},
-            ("N", "L", "H", "Dh"), _make_attention, tokens=("N", "L")),
-    Problem("flow_loss",
-            lambda pred, target, seg, weight, n, loss, delta: {"N": pred.shape[0], "C": pred.shape[1],
-                                                               "B": weight.shape[0]},
-            ("N", "C"), _make_loss),
-    Problem("linear",
-            lambda x, weight, acc=None: {"N": rows(x), "K": x.shape[-1], "O": weight.shape[0]},
-            ("N", "K", "O"), _make_linear),
-)}
 
 
 def call_dtype(args: Sequence) -> torch.dtype:

@@ -20,8 +20,10 @@ says how to add a backend.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -36,10 +38,34 @@ Choices = Mapping[str, str | Sequence[str]]
 Tuned = Mapping[str, Sequence[str]]  # "op/dtype/shape key" -> backend names, fastest first
 
 
+EXPERIMENTAL = "kohakumoss.experimental"
+"""Where opt-in backends live (``kohakumoss/experimental/<name>/``): loaded by name only."""
+
+
 class KernelRegistry:
-    def __init__(self):
+    def __init__(self, loads_experimental: bool = False):
         self._backends: dict[str, dict[str, Backend]] = {op: {} for op in REFERENCES}
         self._logged: set[tuple] = set()
+        self.loads_experimental = loads_experimental  # the process's registry (``KERNELS``)
+        self._tried: set[str] = set()
+
+    def load_experimental(self, names: Iterable[str]) -> list[str]:
+        """Import ``kohakumoss.experimental.<name>`` for each backend name no op has and that
+        room holds (it registers its backends), once per name; returns those loaded. Only
+        the process's registry loads (``loads_experimental``); the core never imports the
+        room otherwise."""
+        loaded = []
+        for name in names:
+            if not self.loads_experimental or name in self._tried or not name.isidentifier() \
+                    or any(name in b for b in self._backends.values()):
+                continue
+            self._tried.add(name)
+            if importlib.util.find_spec(f"{EXPERIMENTAL}.{name}") is not None:
+                importlib.import_module(f"{EXPERIMENTAL}.{name}")
+                self.note(("experimental", name), f"kernels: experimental backend {name} loaded "
+                          f"({EXPERIMENTAL}.{name})")
+                loaded.append(name)
+        return loaded
 
     def _op(self, op: str) -> dict[str, Backend]:
         if op not in self._backends:
@@ -79,6 +105,8 @@ class KernelRegistry:
 
     def backend(self, op: str, name: str) -> Backend:
         backends = self._op(op)
+        if name not in backends and self.load_experimental([name]):
+            backends = self._op(op)
         if name not in backends:
             raise KernelError(f"op {op!r} has no backend {name!r}; it has "
                               f"{', '.join(self.names(op))}")
@@ -89,6 +117,8 @@ class KernelRegistry:
         """The backends of ``op`` that can run on ``(device, dtype)``, in registration order:
         those in ``allow`` when given, else all but those that are ``opt_in`` there."""
         device = torch.device(device)
+        if allow is not None:
+            self.load_experimental(allow)
         return [b for b in self._op(op).values()
                 if (b.name in allow if allow is not None else not (b.opt_in and b.opt_in(device)))
                 and b.available(device, dtype)]
@@ -145,6 +175,8 @@ class KernelRegistry:
             for name in names:
                 if name == REFERENCE_NAME:
                     break  # what follows is slower than the reference
+                if name not in self._op(op):
+                    self.load_experimental([name])
                 b = self._op(op).get(name)
                 if b is None or not b.available(device, dtype):
                     self.note(("unusable", op, name, str(device), dtype),
@@ -197,7 +229,7 @@ def _tuned_summary(t: TunedOp) -> str:
                                   sorted(wins.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-KERNELS = KernelRegistry()
+KERNELS = KernelRegistry(loads_experimental=True)
 """The process's registry: backends register here when their module is imported."""
 
 

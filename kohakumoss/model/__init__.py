@@ -1,8 +1,8 @@
 """The MOSS-Image diffusion transformer: single-device math over explicit packed tensors.
 
 ``config`` (flavors, inference from shapes), ``layout`` (the packed varlen layout built on
-the host), ``ops`` (the op table every forward goes through, and its references),
-``quant_ops`` (the quantized linears' references), ``engines`` (the contract engines act
+the host), ``ops`` (the op table every forward goes through: ``OpEntry``, ``OpTable``, the
+references of the DiT's math), ``engines`` (the contract engines act
 through: ``Handle``, ``EngineRegistry``), ``dit`` (the modules, named exactly as the
 official state-dict keys), ``build`` (tiny and random models) and ``flops`` (the step's
 model FLOPs). File formats live in ``kohakumoss.formats``.

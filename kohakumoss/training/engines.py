@@ -219,6 +219,7 @@ def _allow(params: Params) -> list[str] | None:
     names = params.kernels.backends
     if not names:
         return None
+    KERNELS.load_experimental(names)  # an opt-in room (``kohakumoss.experimental``) by name
     known = {n for op in REFERENCES for n in KERNELS.names(op)}
     unknown = [n for n in names if n not in known]
     if unknown:

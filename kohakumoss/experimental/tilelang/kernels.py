@@ -1,5 +1,5 @@
 """TileLang kernels (``tilelang.language`` programs) behind the ``tilelang`` backend
-(``kohakumoss.kernels.tilelang_ops``): RMSNorm and modulated RMSNorm (forward, input
+(``kohakumoss.experimental.tilelang.ops``): RMSNorm and modulated RMSNorm (forward, input
 gradient), SiTU on the packed up|gate output (forward, backward), the gated residual add
 (forward, gated input's gradient) and varlen attention (forward with its log-sum-exp, and
 backward). Math in fp32 registers, one rounding out; attention's two products per tile run on

@@ -1,5 +1,5 @@
 """The Triton modulated norm's other forms (``model.ops.FORMS``), which ``model.ops`` takes
-where a call runs the Triton kernels (``backends.TRITON_FORMS``):
+where a call runs the Triton kernels (``kernels/norm/__init__.py`` registers them):
 
 - ``stream``: ``(norm(x), x)`` as one autograd node whose backward sums x's two gradients
   (the norm's own and the half's closing add's) in the norm's backward kernel
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kohakumoss.kernels.triton_common import check_tensors, lastdim_contiguous
-from kohakumoss.kernels.triton_norm import (_backward, _check_mod, _forward, _mod_norm_impl,
+from kohakumoss.kernels.norm.triton import (_backward, _check_mod, _forward, _mod_norm_impl,
                                             backward_added, modulated_rms_norm)
 
 

@@ -6,7 +6,7 @@ within each contiguous segment of ``lengths`` tokens, scale ``1 / sqrt(Dh)``.
   tokens with cumulative sequence lengths: one launch for every segment, no padding.
   CUDA, sm80+, bf16/fp16, head dim a multiple of 8 up to 256.
 - ``fa4``: FlashAttention-4's kernels (the optional ``flash-attn-4`` package,
-  ``kernels/fa4_attention.py``) on the packed tokens, one launch forward and backward.
+  ``kernels/attention/fa4.py``) on the packed tokens, one launch forward and backward.
   CUDA sm90-sm110, bf16/fp16, head dims 32, 64, 96 and 128.
 - ``flex``: flex attention with a document mask (``segment(q) == segment(k)``), compiled
   with ``torch.compile`` on CUDA (fp32/bf16/fp16); on the CPU it runs eagerly, forward only
@@ -114,7 +114,7 @@ def flash_varlen_attention(q_NHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torc
     return _varlen_attn()(q, k, v, cu, cu, max(segs), max(segs))
 
 
-# ---- FlashAttention-4 (its kernels: kernels/fa4_attention.py) ------------------------------
+# ---- FlashAttention-4 (its kernels: kernels/attention/fa4.py) ------------------------------
 
 def fa4_fits(dims) -> bool:
     """The head dims FA4 is offered at: multiples of 32 up to 128, the ones checked against
@@ -134,7 +134,7 @@ def fa4_card(device: torch.device) -> bool:
 
 def tilelang_fits(dims) -> bool:
     """TileLang's head dims: multiples of 32 up to 256 (its backward's shared tiles take no
-    others; ``kernels/tilelang_ops.py``)."""
+    others; ``experimental/tilelang/ops.py``)."""
     return dims["Dh"] % 32 == 0 and dims["Dh"] <= 256
 
 

@@ -2,7 +2,7 @@
 written in NVIDIA's CuTe DSL and compiled on first use): one launch over every packed
 segment, forward and backward, on Hopper (sm90) and Blackwell (sm100/sm110) in bf16/fp16.
 Importing this module imports ``flash_attn.cute`` (~8 s, CUTLASS's MLIR libraries); the
-registry does so only where the card could run it (``kernels/backends.py``).
+registry does so only where the card could run it (``kernels/attention/__init__.py``).
 
 The kernels are entered the way torch's own FA4 hook (``torch.nn.attention._fa4``) enters
 them, through ``_flash_attn_fwd`` / ``_flash_attn_bwd``, wrapped here as ``torch.library``
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 from flash_attn.cute import interface as _fa4
 
-from kohakumoss.kernels import attention
+from kohakumoss.kernels.attention import varlen as attention
 from kohakumoss.kernels.custom import entry, like
 
 

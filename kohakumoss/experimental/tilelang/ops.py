@@ -1,6 +1,6 @@
 """The ``tilelang`` backend: ``rms_norm``, ``modulated_rms_norm``, ``situ``,
 ``gated_residual`` and ``varlen_attention`` as ``torch.library`` custom ops over the TileLang
-kernels of ``tilelang_kernels``, with fake and autograd registrations.
+kernels of ``kernels.py``, with fake and autograd registrations.
 
 Where it runs: CUDA (NVIDIA) devices of compute capability 7.0+; bf16 from 8.0. The norms,
 SiTU and the gated add take fp32, bf16 and fp16; attention takes bf16 and fp16 with head dims
@@ -26,8 +26,8 @@ import math
 import tilelang
 import torch
 
-from kohakumoss.kernels import attention
-from kohakumoss.kernels import tilelang_kernels as K
+from kohakumoss.kernels.attention import varlen as attention
+from kohakumoss.experimental.tilelang import kernels as K
 from kohakumoss.kernels.custom import entry, gated_residual_setup, like, packed_halves, rows2d
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
