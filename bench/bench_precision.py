@@ -1,6 +1,7 @@
 """Velocity error of each forward precision against fp32, at MOSS-Image's published size.
 
     python bench/bench_precision.py [--side 1024] [--massive 30000] [--seed 0] [--grads | --grads-only]
+                                    [--params bench/train.yaml] [-S adapter.dim=64 ...]
 
 Random weights (the reference's init, N(0, 0.02)), one 1 MP sample with a 128-token caption,
 sigma 0.5. At that init the blocks' gates are ~0 and the blocks barely touch the output, so
@@ -20,12 +21,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from pathlib import Path
 
 import torch
 
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.config import FLAVORS
 from kohakumoss.model.dit import cast_model
+from kohakumoss.model.engines import Handle
 from kohakumoss.model.layout import build_layout
 
 FP8_MAX = 448.0
@@ -43,7 +46,8 @@ def quantize_rows(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 def stream_hooks(model, massive: float) -> list[float]:
     """Hooks adding ``massive`` to four channels of every block's output (times the stream's
-    scale) and recording the largest |value| the stream reaches."""
+    scale) and recording the largest |value| the stream reaches; registered on the model's
+    engine registry (its blocks then run whole, so each block's output is the stream)."""
     peak = [0.0]
 
     def hook(block, _i, out):
@@ -53,19 +57,21 @@ def stream_hooks(model, massive: float) -> list[float]:
         peak[0] = max(peak[0], float(out.detach().abs().float().max()))
         return out
 
-    for block in model.layers:
-        block._forward_hooks.clear()
-        block.register_forward_hook(hook)
+    old = model.engines.get("stream probe")
+    if old is not None:  # a second run of the same model: the new hooks replace the old
+        model.engines.remove(old)
+    hooks = [block.register_forward_hook(hook) for block in model.layers]
+    model.engines.register(Handle("stream probe", blocks=tuple(model.layers),
+                                  undo=lambda: [h.remove() for h in hooks]))
     return peak
 
 
-def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
-    """``--grads``: a rank-32 LoRA's gradients (of ``<v, r>`` for a fixed random r) under
+def grad_rows(ref, img, txt, sigma, layout, dev, adapter) -> None:
+    """``--grads``: the params' adapter's gradients (``bench/train.yaml``: a rank-32 LoRA) (of ``<v, r>`` for a fixed random r) under
     bf16, fp8 compute (``on``: bf16 input gradients) and ``full`` (fp8 input gradients;
     and ``fast``, those GEMMs accumulating fast), against the fp32 model's: ``||g - g_fp32|| / ||g_fp32||`` over all LoRA
     parameters."""
     from kohakumoss.adapters import apply_adapters
-    from kohakumoss.config import AdapterConfig
     from kohakumoss.quant.plan import decode
     from kohakumoss.precision import precision_policy
     from kohakumoss.training.engines import EnginePlan, apply_engines
@@ -78,7 +84,7 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
             policy = precision_policy("bf16", full=False, **decode(base, fp8).policy_args())
             apply_engines(m, EnginePlan(dev, policy))
         cast_model(m, dtype)
-        aset = apply_adapters(m, AdapterConfig(algo="lora", dim=32, alpha=32.0), seed=0)
+        aset = apply_adapters(m, adapter, seed=0)
         params = list(aset.trainable_parameters())
         with torch.no_grad():
             for p in params:  # up matrices not zero: every gradient flows
@@ -98,7 +104,12 @@ def grad_rows(ref, img, txt, sigma, layout, dev) -> None:
 
 
 def main() -> None:
+    from bench_train import PARAMS, bench_params
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=Path, default=PARAMS, help="a params file (its adapter: --grads)")
+    ap.add_argument("-S", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="section.key=value over the params file (repeatable), e.g. adapter.dim=64")
     ap.add_argument("--side", type=int, default=1024)
     ap.add_argument("--text", type=int, default=128)
     ap.add_argument("--massive", type=float, default=0.0)
@@ -113,6 +124,7 @@ def main() -> None:
                     help="hold the fp32 model in host memory, each variant copied to the card: "
                          "the fp32 --grads row then fits an 80 GB card (auto: on below 100 GiB)")
     a = ap.parse_args()
+    p = bench_params(a.params, a.overrides)
     dev = torch.device(a.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -141,7 +153,7 @@ def main() -> None:
         return v, peak[0] / scale
 
     if a.grads_only:
-        grad_rows(ref, img, txt, sigma, layout, dev)
+        grad_rows(ref, img, txt, sigma, layout, dev, p.adapter)
         return
     v32, peak32 = run(copy.deepcopy(ref).to(dev))
     rows = [{"precision": "fp32", "rel_error": 0.0, "finite": True, "stream_peak": peak32}]
@@ -162,8 +174,10 @@ def main() -> None:
             base = quant.removeprefix("base:")
             policy = precision_policy("bf16", full=False, base=base.removesuffix("-compute"),
                                       fp8_compute=base == "fp8-compute")
+            from kohakumoss.quant.linear import quantized_ops
+
             applied = apply_engines(m, EnginePlan(dev, policy))
-            print(applied.quantized, {k: v for k, v in applied.kernels.items() if "linear" in k})
+            print(applied.quantized, quantized_ops(m).names())
         elif quant:
             with torch.no_grad():
                 for block in m.layers:
@@ -178,7 +192,7 @@ def main() -> None:
         del m
         torch.cuda.empty_cache()
     if a.grads:
-        grad_rows(ref, img, txt, sigma, layout, dev)
+        grad_rows(ref, img, txt, sigma, layout, dev, p.adapter)
     bf16 = rows[1]["rel_error"]
     for r in rows:
         ratio = r["rel_error"] / bf16 if bf16 and r["finite"] else float("nan")

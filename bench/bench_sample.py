@@ -1,14 +1,16 @@
 """GPU benchmark of sampling at the published size, random weights (not a test).
 
-    PYTHONPATH=. python bench/bench_sample.py [--steps 50] [--batches 1 4] [--kernels triton]
+    PYTHONPATH=. python bench/bench_sample.py [--params bench/train.yaml] [-S key=value ...]
+                                              [--steps 50] [--batches 1 4] [--kernels triton]
                                               [--compile-blocks] [--chain on off]
-                                              [--base keep|int8|fp8|fp8-compute]
 
 The 5.08B DiT in bf16 (random weights), 1024x1024 images (4096 image tokens), a 112-token
 prompt embedding and the ~10-token empty-caption negative, 50 Euler steps at shift 5 with
 CFG 3 (positive and negative packed into one forward; the negative skips block 22), then
 the FLUX.2 VAE decode (random weights, bf16). Seconds per image and peak memory per batch
-size. ``--kernels``: the op table prefers those backends (as ``bench_train.py``);
+size. The frozen model is held as the params say, as ``kmoss sample`` holds it
+(``sampling_policy``: ``-S precision.base=int8|fp8``, ``-S precision.fp8_compute=on`` for
+fp8 GEMMs; ``--params`` a params file, ``bench/train.yaml`` by default). ``--kernels``: the op table prefers those backends (as ``bench_train.py``);
 ``--compile-blocks``: each repeated block's forward goes through ``torch.compile`` (one
 graph for all blocks of a list; the compile time is reported apart); ``--chain on off``: the
 blocks chained (each half's closing gated add made by the kernel of the norm that opens the
@@ -20,31 +22,33 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
+from kohakumoss.config import Params
 from kohakumoss.diffusion.sampler import Request, sample
 from kohakumoss.model import FLAVORS, MOSSImageTransformer
 from kohakumoss.model.build import random_transformer
 from kohakumoss.model.engines import Handle
-from kohakumoss.quant.plan import decode
+from kohakumoss.quant import quant_plan
 from _report import CardLog, report  # bench/_report.py (the script's folder is on sys.path)
 
 
-def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False, base: str = "keep") -> MOSSImageTransformer:
-    """The base flavor with random weights, held as ``base`` (``bench_train``'s ``--bases``:
-    keep (bf16), int8 or fp8 weight-only, fp8-compute: fp8 GEMMs)."""
-    from bench_train import BASES, kernel_choices, tune_per_shape
+def random_dit(p: Params, kernels: list[str], compile_blocks: bool, tune: bool = False) -> MOSSImageTransformer:
+    """The base flavor with random weights, held in bf16 as ``kmoss sample`` holds it for the
+    params ``p`` (``sampling_policy``: the base quantized as ``precision.*`` says)."""
+    from bench_train import kernel_choices, tune_per_shape
 
     from kohakumoss.memory.checkpointing import repeated_blocks
     from kohakumoss.memory.profiles import MemoryEngines
-    from kohakumoss.precision import precision_policy
+    from kohakumoss.precision.policy import sampling_policy
     from kohakumoss.training.engines import EnginePlan, apply_engines
 
     model = random_transformer(FLAVORS["base"], "cuda")
     no_recompute = MemoryEngines(checkpointing="none", recompute=False)  # sampling keeps no graph
-    quant = decode(*BASES[base])
-    policy = precision_policy("bf16", full=False, base=quant.base, fp8_compute=quant.compute)  # a forward: no fp8 dgrad
+    quant = quant_plan(p.precision)
+    policy = sampling_policy(torch.bfloat16, p.precision, quant.base, quant.compute)
     tuned = tune_per_shape([[(4096, 112), (4096, 10)]], ["tilelang"]) if tune else {}
     applied = apply_engines(model, EnginePlan(torch.device("cuda"), policy, kernels=kernel_choices(kernels),
                                               memory=no_recompute, tuned=tuned))
@@ -58,7 +62,13 @@ def random_dit(kernels: list[str], compile_blocks: bool, tune: bool = False, bas
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    from bench_train import PARAMS, bench_params
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=Path, default=PARAMS, help="a params file (its precision section)")
+    ap.add_argument("-S", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="section.key=value over the params file (repeatable): precision.base, "
+                         "precision.fp8_compute")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--kernels", nargs="*", default=[])
@@ -72,18 +82,16 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile 2 steps of batch 1 (bench_train's)")
     ap.add_argument("--tune", action="store_true",
                     help="the per-shape ops (the block linears' GEMM) as the tuner picks them")
-    ap.add_argument("--base", default="keep", choices=["keep", "int8", "fp8", "fp8-compute"],
-                    help="the frozen model as held: bf16 (keep), int8 or fp8 weight-only, or fp8 "
-                         "with fp8 GEMMs (precision.base / fp8_compute, as kmoss sample takes them)")
     ap.add_argument("--name", default="", help="the report's file name under $OUT")
     a = ap.parse_args()
-    model = random_dit(a.kernels, a.compile_blocks, a.tune, a.base)
+    p = bench_params(a.params, a.overrides)
+    model = random_dit(p, a.kernels, a.compile_blocks, a.tune)
     g = torch.Generator().manual_seed(0)
     pos = torch.randn(112, 4096, generator=g)
     neg = torch.randn(10, 4096, generator=g)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "size": "1024x1024", "runs": [],
-           "kernels": a.kernels, "base": a.base, "tuned": a.tune, "compile_blocks": a.compile_blocks}
+           "kernels": a.kernels, "overrides": a.overrides, "tuned": a.tune, "compile_blocks": a.compile_blocks}
     t0 = time.perf_counter()
     sample(model, [Request(pos, neg, (64, 64), 0)], 2, 3.0, 5.0, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()

@@ -65,10 +65,6 @@ from kohakumoss.training.trainer import Trainer
 from _report import CardLog, report  # bench/_report.py (the script's folder is on sys.path)
 
 PARAMS = Path(__file__).with_name("train.yaml")
-# named bases, as other benches take them: (precision.base, precision.fp8_compute)
-BASES = types.MappingProxyType({
-    "keep": ("keep", "off"), "int8": ("int8", "off"), "fp8": ("fp8", "off"),
-    "fp8-compute": ("fp8", "on"), "fp8-full": ("fp8", "full"), "fp8-full-fast": ("fp8", "fast")})
 PER_SHAPE = ("linear",)  # ops whose backend is chosen per shape (``--tune``), never statically
 
 

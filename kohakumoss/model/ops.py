@@ -142,6 +142,9 @@ class OpEntry:
     def __call__(self, *args):
         return self.fn(*args)
 
+    def __deepcopy__(self, memo) -> "OpEntry":  # an immutable record: a model's copy shares it
+        return self
+
     @property
     def keeps_inputs_only(self) -> bool:
         """Whether every call keeps only the op's inputs for backward."""

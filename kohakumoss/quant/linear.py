@@ -36,10 +36,10 @@ from kohakumoss.model.ops import OpTable
 from kohakumoss.precision.quant import QuantizedWeight, quantize_int8, rotate_groups
 from kohakumoss.quant import backends  # noqa: F401  (the quantized ops' backends registered)
 from kohakumoss.quant.ops import QUANT, dequantize_rows, fp8_rows
+from kohakumoss.quant.plan import BASES
 
 ENGINE = "quantized base"
 
-BASES = ("keep", "int8", "fp8")
 CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
