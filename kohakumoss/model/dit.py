@@ -145,32 +145,43 @@ class JointBlock(nn.Module):
         return (self.eps, gate) if s == 1.0 else (self.eps * s * s, gate * s)
 
     def attention(self, x_ND, mod_B6D, seg_N, rope, lengths, ops: OpTable):
-        """The attention half: ``x + gate_a * o(attn(norm1(x)))``."""
-        eps, gate_a = self._stream(mod_B6D[:, 2])
-        y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, self.norm1.weight, mod_B6D[:, 0],
-                              mod_B6D[:, 1], seg_N, eps)
-        return ops.gated_residual(x_ND, self._attend(y, rope, lengths, ops), gate_a, seg_N)
+        """The attention half as a part: ``x + gate_a * o(attn(norm1(x)))``, its add made."""
+        return self.closed(self.attention_half(x_ND, None, mod_B6D, seg_N, rope, lengths, ops), seg_N, ops)
 
     def mlp(self, x_ND, mod_B6D, seg_N, ops: OpTable):
-        """The MLP half: ``x + gate_f * down(situ(up_gate(norm2(x))))``."""
-        eps, gate_f = self._stream(mod_B6D[:, 5])
-        y, x_ND = stream_norm(ops.modulated_rms_norm, x_ND, self.norm2.weight, mod_B6D[:, 3],
-                              mod_B6D[:, 4], seg_N, eps)
-        return ops.gated_residual(x_ND, self._ffn(y, ops), gate_f, seg_N)
+        """The MLP half as a part: ``x + gate_f * down(situ(up_gate(norm2(x))))``, its add made."""
+        return self.closed(self.mlp_half(x_ND, None, mod_B6D, seg_N, ops), seg_N, ops)
 
     def chained(self, x_ND, pending, mod_B6D, seg_N, rope, lengths, ops: OpTable):
-        """``forward`` with each half's closing gated add left to the norm that opens the next
-        half (``ops.added_norm``: one kernel, and one in backward, where the table has them).
+        """The same halves with each one's closing gated add left to the norm that opens the
+        next (``ops.added_norm``: one kernel, and one in backward, where the table has them).
         The stream is ``x + gate * branch`` with ``pending = (branch, gate)`` (None: x itself);
         returns the same pair after this block."""
+        x_ND, pending = self.attention_half(x_ND, pending, mod_B6D, seg_N, rope, lengths, ops)
+        return self.mlp_half(x_ND, pending, mod_B6D, seg_N, ops)
+
+    def attention_half(self, x_ND, pending, mod_B6D, seg_N, rope, lengths, ops: OpTable):
+        """The block's attention half, the one definition both ways run: on the stream
+        ``x + pending``, ``(x, (o(attn(norm1(x))), gate_a))`` with the add still to make."""
         y, x_ND, gate = self._open(x_ND, pending, self.norm1, mod_B6D[:, 0:3], seg_N, ops)
-        pending = (self._attend(y, rope, lengths, ops), gate)
+        return x_ND, (self._attend(y, rope, lengths, ops), gate)
+
+    def mlp_half(self, x_ND, pending, mod_B6D, seg_N, ops: OpTable):
+        """The block's MLP half, as ``attention_half``: ``(x, (down(situ(up_gate(norm2(x)))),
+        gate_f))``."""
         y, x_ND, gate = self._open(x_ND, pending, self.norm2, mod_B6D[:, 3:6], seg_N, ops)
         return x_ND, (self._ffn(y, ops), gate)
 
+    @staticmethod
+    def closed(stream, seg_N, ops: OpTable):
+        """``x + gate * branch`` of a half's ``(x, (branch, gate))``."""
+        x_ND, (branch, gate) = stream
+        return ops.gated_residual(x_ND, branch, gate, seg_N)
+
     def _open(self, x_ND, pending, norm, mod_B3D, seg_N, ops: OpTable):
         """A half's start: (its norm of the stream, the stream, its own gate), the pending add
-        made first; ``mod``: the half's shift, scale and gate."""
+        made first (by the norm's ``added`` form where it has one); ``mod``: the half's shift,
+        scale and gate."""
         eps, gate = self._stream(mod_B3D[:, 2])
         shift, scale = mod_B3D[:, 0], mod_B3D[:, 1]
         if pending is None:
