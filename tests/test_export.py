@@ -363,3 +363,50 @@ def test_export_stage_writes_oft_as_export_rotations_says(tmp_path, monkeypatch,
     with safe_open(str(comfy), "pt") as f:
         suffixes = {k.split(".", 1)[1].removesuffix(".weight") for k in f.keys()}
     assert ("oft_blocks" in suffixes) == blocks and "diff" in suffixes
+
+
+@pytest.mark.parametrize("algo, kw, reads_weights", [
+    ("lora", {}, False), ("loha", {}, False), ("lokr", {}, False), ("lora", {"dora": True}, True),
+    ("oft", {}, True)])  # OFT's fused q/k/v: a dense (R - I) W
+def test_an_adapters_export_needs_only_the_bases_shapes(tmp_path, monkeypatch, algo, kw, reads_weights):
+    """The comfy and lycoris files of an adapter are written on a base of shapes only (the
+    meta device: no fp32 base in host memory), bit for bit the files written on the base's
+    weights; where building the adapter or a conversion reads the weights (DoRA's scale,
+    OFT's fused q/k/v as a dense diff) the stage loads them and writes from them."""
+    from safetensors.torch import load_file
+
+    from kohakumoss.export import stage
+
+    monkeypatch.delenv(stage.EXPERIMENT_ENV, raising=False)
+    runs = tmp_path / "runs"
+    ck = _adapter_checkpoint(tmp_path, algo=algo, directory=runs / "mine" / "checkpoints", **kw)
+    p = _run_params(tmp_path, "mine")
+    loads, real = [], stage.load_source
+
+    def load_source_spy(*args, **kwargs):
+        loads.append(kwargs.get("shapes_only", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stage, "load_source", load_source_spy)
+    files = stage.export_run(p, runs)
+    assert loads == ([True, False] if reads_weights else [True])
+    src = load_source(p, ck)  # the base's weights
+    assert not src.shapes_only
+    for f in files:
+        fmt = f.name.rsplit("-", 1)[1].removesuffix(".safetensors")
+        want = write_export(src, fmt, tmp_path / "ref" / f.name, fused_qkv=p.export.fused_qkv,
+                            style=p.export.style, dtype=p.export.dtype, rotations=p.export.rotations)
+        got, ref = load_file(str(f)), load_file(str(want))
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), f.name
+
+
+def test_a_full_finetune_does_not_load_into_shapes(tmp_path):
+    """A base of shapes only takes an adapter, never a full finetune's weights."""
+    from kohakumoss.formats.trained import TrainedError
+
+    ck = save_checkpoint(tmp_path / "ck", 3, tiny_transformer().state_dict(), {},
+                         {"trained": {"algo": "full", "preset": "attn-mlp", "targets": [], "dim": 4,
+                                      "alpha": 4.0, "dora": False, "algo_kwargs": {},
+                                      "train_norms": False}, "steps": 3})
+    with pytest.raises(TrainedError, match="full finetune: it loads into a base's weights"):
+        load_source(P, ck, shapes_only=True)

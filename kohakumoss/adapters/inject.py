@@ -64,8 +64,11 @@ def lycoris_preset(regexes: list[str]) -> dict:
             "exclude_name": [], "lora_prefix": PREFIX}
 
 
-def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
-    """Freeze ``model`` and put ``cfg``'s adapter on its targeted layers (init seeded by ``seed``)."""
+def apply_adapters(model: nn.Module, cfg, seed: int, device: torch.device | str | None = None
+                   ) -> AdapterSet:
+    """Freeze ``model`` and put ``cfg``'s adapter on its targeted layers (init seeded by
+    ``seed``), its tensors on ``device`` (default: each layer's; a base of shapes only, on the
+    meta device, takes an adapter whose state is then loaded: ``formats.load_trained``)."""
     check_options(cfg)
     regexes = resolve_targets(cfg)
     paths = targeted_modules(model, regexes)
@@ -89,7 +92,7 @@ def apply_adapters(model: nn.Module, cfg, seed: int) -> AdapterSet:
     modules = {}
     for path in paths:
         lyco, base = by_name[lora_name(path)], model.get_submodule(path)
-        lyco.to(device=base.weight.device, dtype=master_dtype(base.weight, lyco)).requires_grad_(True)
+        lyco.to(device=device or base.weight.device, dtype=master_dtype(base.weight, lyco)).requires_grad_(True)
         network.add_module(lyco.lora_name, lyco)
         modules[path] = lyco
     norms = {}

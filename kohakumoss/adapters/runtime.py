@@ -242,7 +242,7 @@ def _additive_delta(lyco: LycorisBaseModule, like: torch.Tensor) -> torch.Tensor
     ``get_diff_weight`` would apply ``alpha/r`` twice."""
     d = lyco.get_diff_weight(1.0)[0] if kind_of(lyco) == "locon" else \
         lyco.get_weight(lyco.shape) * lyco.scalar
-    return d.to(like).view(like.shape)
+    return d.to(like.dtype).view(like.shape)  # where the adapter is (a base of shapes: meta)
 
 
 @torch.no_grad()

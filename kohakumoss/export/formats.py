@@ -20,7 +20,7 @@ import torch
 
 from kohakumoss.config import Params
 from kohakumoss.errors import KohakuError
-from kohakumoss.formats import comfy, diffusers, load_dit, lycoris, merged
+from kohakumoss.formats import comfy, diffusers, dit_shapes, load_dit, lycoris, merged
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.precision.dtypes import DTYPES
 from kohakumoss.formats.checkpoint import is_checkpoint
@@ -42,7 +42,7 @@ class ExportError(KohakuError, ValueError):
 
 @dataclasses.dataclass
 class Source:
-    model: MOSSImageTransformer  # the base, float32
+    model: MOSSImageTransformer  # the base, float32 (meta: its shapes only, ``shapes_only``)
     kind: str  # "adapter" | "full" | "file"
     adapters: Any = None  # AdapterSet (checkpoint) or Attached (file)
     describe: dict = dataclasses.field(default_factory=dict)
@@ -53,6 +53,11 @@ class Source:
     def full(self) -> bool:
         """A full finetune's weights, no adapter (``load_trained`` decided it)."""
         return self.kind == "full"
+
+    @property
+    def shapes_only(self) -> bool:
+        """The base is its shapes (meta device): an adapter's own tensors are exported."""
+        return any(p.is_meta for p in self.model.parameters())
 
 
 def base_model(p: Params | None, model: str | None, source: str | Path) -> str:
@@ -68,16 +73,23 @@ def base_model(p: Params | None, model: str | None, source: str | Path) -> str:
 
 
 def load_source(p: Params | None, path: str | Path, ema: bool = False, *,
-                model: str | None = None) -> Source:
+                model: str | None = None, shapes_only: bool = False) -> Source:
     """The base model (``model``, else ``p.model.transformer``; float32, CPU) with the source
-    applied: a checkpoint through ``load_trained``, an adapter file in bypass mode."""
+    applied: a checkpoint through ``load_trained``, an adapter file in bypass mode.
+    ``shapes_only`` (a training checkpoint's adapter): the base on the meta device, read from
+    its header alone (``formats.dit_shapes``), the adapter on the CPU: what the ``comfy`` and
+    ``lycoris`` files of most adapters need (``export_run`` loads the weights where building
+    the adapter or a conversion reads them: DoRA)."""
     path = Path(path)
     if not path.exists():
         raise ExportError(f"{path} does not exist: expected {SOURCES}")
     if not is_checkpoint(path) and not path.is_file():
         raise ExportError(f"{path} is a folder but not a training checkpoint (none of a "
                           f"checkpoint's files is in it): expected {SOURCES}")
-    base = load_dit(base_model(p, model, path), torch.float32, "cpu").eval()
+    if shapes_only and not is_checkpoint(path):
+        raise ExportError(f"{path}: a foreign adapter file converts against the base's weights")
+    base = dit_shapes(base_model(p, model, path)) if shapes_only else \
+        load_dit(base_model(p, model, path), torch.float32, "cpu").eval()
     if is_checkpoint(path):
         t = load_trained(base, path, ema=ema, seed=p.run.seed if p is not None else 0)
         return Source(base, "full" if t.full else "adapter", t.adapters, t.trained, t.step, path)

@@ -21,7 +21,8 @@ from kohakumoss.artifacts import (ArtifactError, code_version, dir_lock, hash_js
                                   read_manifest, write_manifest)
 from kohakumoss.config import Params, stage_params
 from kohakumoss.export.formats import ExportError, Source, load_source, write_export
-from kohakumoss.formats.checkpoint import list_checkpoints
+from kohakumoss.formats.checkpoint import list_checkpoints, open_checkpoint
+from kohakumoss.formats.trained import TrainedError, trained_config
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,22 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
     run_dir = Path(runs) / p.run.name
     out = run_dir / "export"
     ckpt = pick_checkpoint(run_dir, p.export.checkpoint)
-    src = load_source(p, ckpt, ema=p.export.ema)
+    full = trained_config(open_checkpoint(ckpt, legacy_weights=True).state.get("trained"), ckpt).full
     formats = list(p.export.formats)
     if formats == ["auto"]:
-        formats = list(FULL_DEFAULT if src.full else ADAPTER_DEFAULT)
+        formats = list(FULL_DEFAULT if full else ADAPTER_DEFAULT)
+    # an adapter's own files need the base's shapes only: no fp32 base in host memory
+    src = None
+    if not full and set(formats) <= set(ADAPTER_DEFAULT):
+        try:
+            src = load_source(p, ckpt, ema=p.export.ema, shapes_only=True)
+        except (ExportError, TrainedError):
+            raise
+        except Exception as err:  # building this adapter reads the base's weights (DoRA)
+            log.info("%s: this adapter is built on the base's weights (%s); loading them", ckpt,
+                     type(err).__name__)
+    if src is None:
+        src = load_source(p, ckpt, ema=p.export.ema)
     e = p.export
     experiment = os.environ.get(EXPERIMENT_ENV, "")
     with dir_lock(run_dir, "kmoss export", wait=False):  # the run's lock: not while training
@@ -137,9 +150,22 @@ def export_run(p: Params, runs: str | Path) -> list[Path]:
         if experiment:
             meta["kohakumoss_experiment"] = experiment
         for fmt in formats:
-            path = write_export(src, fmt, out / export_name(p.run.name, src, fmt, experiment),
-                                strength=e.strength, fused_qkv=e.fused_qkv, style=e.style,
-                                dtype=e.dtype, metadata=meta, rotations=e.rotations)
+            def write(src: Source) -> Path:
+                return write_export(src, fmt, out / export_name(p.run.name, src, fmt, experiment),
+                                    strength=e.strength, fused_qkv=e.fused_qkv, style=e.style,
+                                    dtype=e.dtype, metadata=meta, rotations=e.rotations)
+
+            try:
+                path = write(src)
+            except ExportError:
+                raise
+            except Exception as err:  # the conversion reads the base's weights (DoRA, dense deltas)
+                if not src.shapes_only:
+                    raise
+                log.info("%s: the %s file of this adapter reads the base's weights (%s); loading "
+                         "them", ckpt, fmt, type(err).__name__)
+                src = load_source(p, ckpt, ema=p.export.ema)
+                path = write(src)
             log.info("wrote %s", path)
             written.append(path)
             faults.point("export.write")

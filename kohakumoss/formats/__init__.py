@@ -15,5 +15,5 @@
   sampler and the trainer read checkpoints through these alone.
 """
 
-from kohakumoss.formats.model_files import (CheckpointError, load_dit, load_transformer,  # noqa: F401
+from kohakumoss.formats.model_files import (CheckpointError, dit_shapes, load_dit, load_transformer,  # noqa: F401
                                             save_comfy, save_official)

@@ -25,7 +25,7 @@ from kohakumoss.artifacts import atomic_path, atomic_write_json, write_safetenso
 from kohakumoss.formats.keys import ROPE_KEY, check_keys, fuse_qkv
 from kohakumoss.formats.reader import INDEX, CheckpointError, TransformerReader, locate
 from kohakumoss.model.build import tiny_transformer
-from kohakumoss.model.config import DiTConfig, infer_config
+from kohakumoss.model.config import FLAVORS, DiTConfig, infer_config
 from kohakumoss.model.dit import FP32_MODULES, MOSSImageTransformer, RopeBands, cast_model
 from kohakumoss.model.ops import compute_dtype
 from kohakumoss.precision.quant import QuantizedWeight, encode_format, quantize_fp8, quantize_int8
@@ -164,6 +164,27 @@ def load_dit(path: str, dtype: torch.dtype, device: torch.device | str) -> MOSSI
         return cast_model(tiny_transformer(), dtype).to(device)
     model, _ = load_transformer(path, dtype=dtype, device=device)
     return model
+
+
+def dit_shapes(path: str) -> MOSSImageTransformer:
+    """The checkpoint's transformer on the meta device: its modules and every shape, read
+    from the file's header (no weight is read or held); the names and shapes are checked as
+    ``load_transformer`` checks them. An export that needs only the base's shapes (an
+    adapter's own tensors) builds on it."""
+    if path == "tiny":
+        config = FLAVORS["tiny"]
+    else:
+        config, reader = read_config(path)
+        with torch.device("meta"):
+            expected = MOSSImageTransformer(config).state_dict()
+        check_keys(reader.names, list(expected), str(path))
+        bad = [n for n, t in expected.items() if tuple(reader.shapes[n]) != tuple(t.shape)]
+        if bad:
+            raise CheckpointError(f"{path}: {bad[0]} has shape {tuple(reader.shapes[bad[0]])}, "
+                                  f"expected {tuple(expected[bad[0]].shape)} for the config "
+                                  f"inferred from the file")
+    with torch.device("meta"):
+        return MOSSImageTransformer(config).eval()
 
 
 def stored_weights(path: str) -> Callable[[str], QuantizedWeight | None] | None:

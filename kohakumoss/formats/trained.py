@@ -75,11 +75,15 @@ def load_trained(model: nn.Module, checkpoint: str | os.PathLike, ema: bool = Fa
         raise TrainedError(f"{ckpt.path} holds no EMA weights (train with optim.ema > 0, or "
                            f"leave out ema)")
     if cfg.full:
+        if any(p.is_meta for p in model.parameters()):
+            raise TrainedError(f"{ckpt.path} holds a full finetune: it loads into a base's "
+                               f"weights, not its shapes")
         model.load_state_dict(weights)
         return Trained(ckpt.path, ckpt.step, trained, cfg, None)
     if ema:  # the averages cover the trained parameters; the frozen rest is in trainable
         weights = {**ckpt.trainable(), **weights}
-    adapters = apply_adapters(model, cfg, seed=seed)
+    shapes = any(p.is_meta for p in model.parameters())  # a base of shapes only (an export's)
+    adapters = apply_adapters(model, cfg, seed=seed, device="cpu" if shapes else None)
     adapters.load_state_dict(weights)
     adapters.eval()
     adapters.set_multiplier(multiplier)
