@@ -96,8 +96,7 @@ def kernel_choices(names: list[str]) -> dict[str, list[str]]:
     """``--kernels``: ``triton compile`` (per op, those of the named backends it has, in
     order) and ``op=backend,backend`` (that op's choice); the reference stays the fallback."""
     chosen = {op: [n for n in names if "=" not in n and n in KERNELS.names(op)]
-              for op in REFERENCE if op not in QUANT_BACKENDS and op not in PER_SHAPE
-              and op != "narrow_mm"}
+              for op in REFERENCE if op not in QUANT_BACKENDS and op not in PER_SHAPE}
     chosen = {op: b for op, b in chosen.items() if b}
     for name in names:
         op, sep, backends = name.partition("=")

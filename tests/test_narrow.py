@@ -1,12 +1,12 @@
-"""The LoRA's narrow-output products (``ops.narrow_mm``): the model passes its table's entry
-to the LoRA nodes, and every adapted linear's ``h = x A^T`` and ``t = dy B`` go through it.
+"""The LoRA's narrow-output products (``narrow_mm``, the adapter set's own table,
+``adapters/ops.py``): every adapted linear's ``h = x A^T`` and ``t = dy B`` go through it.
 Its one way is ``torch.mm`` (the other ways measured lost in a step: ``docs/history.md``)."""
 
 from __future__ import annotations
 
 import torch
 
-from kohakumoss.model import ops
+from kohakumoss.adapters.ops import narrow_mm
 
 from test_kernel_backends import DEVICE, _tiny_inputs
 
@@ -26,7 +26,7 @@ def test_a_models_table_makes_its_lora_nodes_narrow_products():
         adapters = apply_adapters(model, AdapterConfig(algo="lora", dim=4, alpha=4.0), seed=0)
         calls = []
         if counted:
-            model.ops.override("narrow_mm", lambda x, w: calls.append(tuple(w.shape)) or ops.narrow_mm(x, w))
+            adapters.ops.override("narrow_mm", lambda x, w: calls.append(tuple(w.shape)) or narrow_mm(x, w))
         v = model(img, text, sigma, layout.to(DEVICE))
         v.square().mean().backward()
         runs.append((v, [p.grad for _, p in adapters.named_trainable()], calls))

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from kohakumoss.adapters.casts import lora_factors
 from kohakumoss.model.ops import linear as ref_linear
-from kohakumoss.model.ops import narrow_mm as ref_narrow_mm
+from kohakumoss.adapters.ops import narrow_mm as ref_narrow_mm
 from kohakumoss.quant.ops import slot_width
 
 
@@ -83,7 +83,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     and ``up`` [out, r] may be held in another dtype (their gradients come back in it).
     ``evaluate=False``: zeros out, the same gradients back (an output nobody reads).
     ``linear``: the base products' op (a table's ``ops.linear``; None: the reference);
-    ``narrow``: the narrow ones' (``x A^T``, ``dy B``; a table's ``ops.narrow_mm``)."""
+    ``narrow``: the narrow ones' (``x A^T``, ``dy B``; an adapter set's ``ops.narrow_mm``)."""
     dev, autocast, dt = _compute_dtype(x)
     up = up * alpha if alpha != 1.0 else up
     x_c, w_c, b_c, down_c, up_c = (t if t is None or t.dtype == dt else t.to(dt)
@@ -209,7 +209,7 @@ def fp8_lora_linears(x: torch.Tensor, parts: list[tuple[nn.Module, torch.Tensor,
                      narrow=None) -> list[torch.Tensor]:
     """The fp8 linears ``parts`` (``fp8_fold_parts``, one input ``x``) with their LoRAs as one
     node: the base's op table's ``fp8_lora_linears``, its narrow products through ``narrow``
-    (the model's ``ops.narrow_mm``; None: the reference)."""
+    (the adapter set's ``ops.narrow_mm``; None: the reference)."""
     base, held_t = parts[0][0], None
     if base.fp8_grad and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
         width = slot_width(sum(down.shape[0] for _, down, _ in parts))

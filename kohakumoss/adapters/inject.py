@@ -24,8 +24,10 @@ from kohakumoss.adapters.options import NETWORK_MODULE, check_options
 from kohakumoss.adapters.presets import (resolve_norm_targets, resolve_targets,
                                          targeted_modules)
 from kohakumoss.adapters.runtime import Attached, kind_of, master_dtype, quiet_lycoris
-from kohakumoss.adapters.shared import shared_input_linears
+from kohakumoss.adapters.ops import ADAPTER_OPS
+from kohakumoss.adapters.shared import SharedInputLinears
 from kohakumoss.model.dit import MOSSImageTransformer
+from kohakumoss.model.ops import OpTable
 
 PREFIX = "lora_unet"
 TLORA_DEFAULTS = {"mask_min_rank": 1, "mask_alpha": 1.0, "mask_max_timestep": 1000}
@@ -103,7 +105,7 @@ def apply_adapters(model: nn.Module, cfg, seed: int, device: torch.device | str 
     aset.attached.cast_hook = attach_cast_groups(model, modules)  # adapters/casts.py
     if isinstance(model, MOSSImageTransformer):
         # q, k and v as one LoRA node where all three fold (adapters/shared.py)
-        model.ops.override("linears", shared_input_linears)
+        model.ops.override("linears", SharedInputLinears(aset.ops))
     return aset
 
 
@@ -114,6 +116,7 @@ class AdapterSet:
                  modules: dict[str, nn.Module], norms: dict[str, NormDelta],
                  model: nn.Module | None = None):
         self.cfg, self.seed, self.network = cfg, seed, network
+        self.ops = OpTable(ADAPTER_OPS)  # the LoRA nodes' narrow products (``adapters/ops.py``)
         self.modules, self.norms = modules, norms
         self.attached = Attached(modules, norms, 1.0, bypass=cfg.mode == "bypass", model=model)
         self.mask_groups = dict(zip(AXES, itertools.count(next(_MASK_IDS))))

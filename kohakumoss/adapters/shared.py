@@ -3,7 +3,8 @@ carries a folding LoRA (``folded.lora_linears``; on fp8 compute bases
 ``folded.fp8_lora_linears``); otherwise one by one, as the model's own
 ``ops.linears`` does.
 
-``apply_adapters`` puts ``shared_input_linears`` in the model's op table (``linears``). Per
+``apply_adapters`` puts a ``SharedInputLinears`` over the set's own table (``AdapterSet.ops``:
+its narrow products) in the model's op table (``linears``). Per
 call it checks each linear as ``runtime._run`` would route it: LyCORIS's forward installed
 by this package, the fold's conditions (``runtime.folds``: a LoRA or LoCon in bypass mode,
 no DoRA, Tucker core, trained scalar or drawing dropout), a plain ``nn.Linear`` base
@@ -82,11 +83,23 @@ def _fp8_parts(m: nn.Module, dtype: torch.dtype) -> tuple | None:
     return None if lyco is None else fp8_fold_parts(lyco, dtype)
 
 
+class SharedInputLinears:
+    """The model's ``ops.linears`` while an adapter set is on it: ``shared_input_linears``
+    with the narrow products of the set's table (``ops``: ``adapters.ops.ADAPTER_OPS``)."""
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.__qualname__ = "shared_input_linears"
+
+    def __call__(self, x: torch.Tensor, modules, linear=None, plain=lambda m: False) -> list[torch.Tensor]:
+        return shared_input_linears(x, modules, linear, self.ops.narrow_mm, plain)
+
+
 def shared_input_linears(x: torch.Tensor, modules, linear=None, narrow=None,
                          plain=lambda m: False) -> list[torch.Tensor]:
     """``[m(x) for m in modules]``, as one node where every module folds (see the module),
     the base products through ``linear`` (the model's ``ops.linear``), the narrow ones
-    (``x A^T``, ``dy B``) through ``narrow`` (its ``ops.narrow_mm``). Each module's forward
+    (``x A^T``, ``dy B``) through ``narrow`` (an adapter set's ``ops.narrow_mm``). Each module's forward
     pre-hooks run first, as its call would run them (a weight ring's loads); one that
     changes the input, or any other hook, takes the modules' own route. A lone folding
     module is its own node (``folded_forward``) with its base product through ``linear``;

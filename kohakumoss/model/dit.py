@@ -212,7 +212,7 @@ class JointBlock(nn.Module):
     def _linears(self, x, modules, ops: OpTable):
         """``modules`` on one input through the table's ``linears``, plain ones as the
         registry rules (``EngineRegistry.plain_linear``)."""
-        return ops.linears(x, modules, ops.linear, ops.narrow_mm, self.engines.plain_linear)
+        return ops.linears(x, modules, ops.linear, self.engines.plain_linear)
 
 
 class MOSSImageTransformer(nn.Module):

@@ -237,14 +237,6 @@ def timestep_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def narrow_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` for a tall x [M, K] and a narrow w [K, R]: a LoRA's ``x A^T`` and ``dy B``,
-    made inside its nodes (``adapters/folded.py``, the fp8 node), rounded once to x's dtype.
-    Bound by memory (a whole activation read for an r-wide result); cuBLAS's own is the one
-    there is (``docs/history.md``: the other ways measured, none faster in a step)."""
-    return torch.mm(x, w)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` (a bias-free block linear's product; weight [O, K], a transposed
     view taken as it is), ``+ acc`` when given. ``acc`` may be overwritten (a LoRA node's
@@ -257,13 +249,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = Non
     return acc.addmm_(x2, weight.t())
 
 
-def linears(x: torch.Tensor, modules, linear: Callable = linear, narrow: Callable = narrow_mm,
+def linears(x: torch.Tensor, modules, linear: Callable = linear,
             plain: Callable[[torch.nn.Module], bool] = lambda m: False) -> list[torch.Tensor]:
     """The linears ``modules`` that read one input, each on ``x``: a plain one (``plain``:
     the model's ``engines.plain_linear``, the one rule) through ``linear`` (the caller's
     table's ``ops.linear``), any other through its own call. An adapter may put one node for
-    the group in a model's table (``kohakumoss/adapters/shared.py``), whose narrow products
-    go through ``narrow`` (the table's ``ops.narrow_mm``); plain linears have none."""
+    the group in a model's table (``kohakumoss/adapters/shared.py``)."""
     return [linear(x, m.weight) if plain(m) else m(x) for m in modules]
 
 
@@ -278,7 +269,6 @@ REFERENCE: dict[str, Callable] = {
     "varlen_attention": varlen_attention,
     "timestep_embedding": timestep_embedding,
     "linear": linear,
-    "narrow_mm": narrow_mm,
     "linears": linears,
 }
 

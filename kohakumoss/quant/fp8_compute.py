@@ -188,7 +188,7 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
                      fast_grad: bool = False) -> list[torch.Tensor]:
     """``ops.fp8_lora_linears`` as one node (``_Fp8Loras``): fp8 GEMMs, the LoRAs' products in
     bf16 accumulated in place, or with ``full`` inside the GEMMs; the narrow products
-    (``x A^T``, ``dy B``) through ``narrow`` (the model's ``ops.narrow_mm``). ``held_t``
+    (``x A^T``, ``dy B``) through ``narrow`` (the adapter set's ``ops.narrow_mm``). ``held_t``
     (``full``): the codes' transposes side by side, kept between steps
     (``transposed_codes``' ``held``), so that backward writes only their slot. ``fast_grad``
     (``full``; the ``scaled_mm_fast`` backends): the input gradient's GEMM accumulates fast."""

@@ -155,7 +155,7 @@ def fp8_lora_linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Ten
     scale per row, times the codes stacked with ``down^T / g'`` (``fp8_lora_slots(down^T,
     1)``): one product for the base's part and the LoRAs' ``t down``. Without ``full``, each
     ``dy_i`` times its dequantized weight, plus ``t down``. The LoRAs' own gradients are
-    those of ``h up^T`` unrounded (straight through). ``narrow``: the table's ``narrow_mm``,
+    those of ``h up^T`` unrounded (straight through). ``narrow``: the adapter set's ``narrow_mm``,
     which a backend's node makes h and t with; the reference makes them in fp32, rounded
     once. ``held_t``: the codes' transposes a backend's backward may read instead of making
     them (kept between steps, ``QuantizedLinear.node_transposes``); the reference does not
