@@ -109,7 +109,50 @@ def test_a_rank_killed_mid_run_resumes_to_the_uninterrupted_run(two_ranks):
     again = _torchrun(tmp, params, paths, "killed")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming from" in again.stderr
+    # against the uninterrupted run of the same mode (two ranks): tensors and metric rows
     _same_checkpoints(ckpts / "step-000004", tmp / "two" / name / "checkpoints" / "step-000004")
+    assert _metric_rows(ckpts / "step-000004") == _metric_rows(tmp / "two" / name / "checkpoints" / "step-000004")
+
+
+def _metric_rows(checkpoint: Path) -> list[dict]:
+    """The metric rows a checkpoint persists, less what depends on the machine (``TIMING``)."""
+    from kohakumoss.training.metrics import TIMING, rows_of
+
+    rows = rows_of(ckpt_mod.open_checkpoint(checkpoint).load().log)
+    assert rows and rows[-1]["step"] == 4
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_a_finished_run_of_other_params_is_set_aside_by_rank_0_alone(two_ranks):
+    """A new experiment over a finished two-rank run (``dvc exp run -S ...`` after a run):
+    rank 0 alone judges the newest checkpoint and moves the old run to ``history/``, before
+    the barrier; rank 1 then reads what it left (nothing) and never moves a checkpoint. Rank
+    1 used to read the checkpoint rank 0 was moving, call it damaged and fail moving it to
+    ``corrupt/`` (2 of 3 tries). Twice, each starting fresh to the same checkpoints."""
+    import shutil
+
+    import yaml
+
+    tmp, params, paths = two_ranks
+    name = load_params(params).run.name
+    if not (tmp / "two" / name / "checkpoints" / "step-000004").is_dir():
+        assert _torchrun(tmp, params, paths, "two").returncode == 0
+    raw = yaml.safe_load(params.read_text())
+    raw["optim"]["lr"] = raw["optim"]["lr"] * 2  # another experiment of the same plan
+    other = tmp / "other.yaml"
+    other.write_text(yaml.safe_dump(raw))
+    ends = []
+    for attempt in range(2):
+        shutil.rmtree(tmp / "exp", ignore_errors=True)
+        shutil.copytree(tmp / "two", tmp / "exp")
+        res = _torchrun(tmp, other, paths, "exp")
+        assert res.returncode == 0, res.stdout + res.stderr
+        run = tmp / "exp" / name
+        assert "resuming from" not in res.stderr and not (run / "corrupt").exists()
+        assert [c.path.name for c in ckpt_mod.list_checkpoints(next((run / "history").iterdir()))] == \
+            ["step-000002", "step-000004"]  # the old run, whole
+        ends.append(ckpt_mod.open_checkpoint(run / "checkpoints" / "step-000004").trainable())
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +227,59 @@ def _reduce_worker(rank: int, out: str) -> None:
         t.grad = g.clone()
     reduce_gradients(ts, Dist(rank, 2))
     torch.save([t.grad for t in ts], Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_all_reduce_overlaps_the_last_backward_to_the_same_sums(tmp_path, monkeypatch):
+    """``GradientReducer`` with ``overlap`` (the device stepper's): over two gloo processes
+    and two accumulated micro-batches, buckets start their all-reduce inside the last
+    backward (none inside the first), and the sums are the non-overlapped reducer's bit for
+    bit: each rank's gradients summed; a tensor no backward reached keeps no gradient."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(28500 + os.getpid() % 1000))
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_overlap_worker, args=(str(out),), nprocs=2, join=True)
+    got = [torch.load(out / f"{r}.pt") for r in (0, 1)]
+    local = [g["local"] for g in got]
+    for g in got:
+        (plain, launched_plain), (overlapped, launched) = g["runs"]
+        assert launched_plain == 0 and launched >= 2, (launched_plain, launched)
+        assert plain[0] is None and overlapped[0] is None  # the unused tensor
+        for a, b, l0, l1 in zip(plain[1:], overlapped[1:], local[0][1:], local[1][1:]):
+            assert torch.equal(a, b) and torch.equal(a, l0 + l1)
+
+
+def _overlap_worker(rank: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    import kohakumoss.parallel as par
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    par.BUCKET_BYTES = 600  # a few buckets: the linears' weights and biases apart
+    runs, local = [], None
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        unused = nn.Parameter(torch.zeros(3))
+        tensors = [unused, *model.parameters()]  # with the first linear: the bucket that waits
+        reducer = par.GradientReducer(tensors, Dist(rank, 2), overlap=overlap)
+        g = torch.Generator().manual_seed(rank)
+        for micro in range(2):
+            if micro == 1:
+                reducer.arm()
+            model(torch.randn(5, 8, generator=g)).square().sum().backward()
+            if micro == 0:
+                assert reducer.launched_in_backward == 0
+        local = [t.grad.clone() if t.grad is not None else None for t in tensors]
+        launched = reducer.launched_in_backward
+        reducer.finish()
+        reducer.remove()
+        runs.append(([t.grad.clone() if t.grad is not None else None for t in tensors], launched))
+    torch.save({"runs": runs, "local": local}, Path(out) / f"{rank}.pt")
     dist.destroy_process_group()
 
 

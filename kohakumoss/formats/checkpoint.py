@@ -230,22 +230,27 @@ def list_checkpoints(directory: str | Path) -> list[Checkpoint]:
     return out
 
 
-def load_newest(directory: str | Path, aside: str | Path) -> tuple[Checkpoint, CheckpointData] | None:
+def load_newest(directory: str | Path, aside: str | Path | None
+                ) -> tuple[Checkpoint, CheckpointData] | None:
     """The newest checkpoint of ``directory`` that reads back whole, and its contents.
 
     Each newer one that fails verification (a missing, truncated or changed file, no
     manifest, an unreadable state.json) is moved to ``aside/`` with a warning naming it and
-    why; None (with a warning) when no good one is left. An old-format checkpoint raises
-    ``LegacyCheckpointError``.
+    why; None (with a warning) when no good one is left. With ``aside`` None (a rank other
+    than 0, which reads what rank 0 left and judges nothing) the newest one is read as it is
+    and a damaged one raises. An old-format checkpoint raises ``LegacyCheckpointError``.
     """
-    directory, aside = Path(directory), Path(aside)
+    directory = Path(directory)
     skipped = 0
     for d in reversed(_step_dirs(directory)):
+        if aside is None:
+            ckpt = open_checkpoint(d)
+            return ckpt, ckpt.load()
         try:
             ckpt = open_checkpoint(d)
             return ckpt, ckpt.load()
         except Damaged as e:
-            dest = _move_aside(d, aside)
+            dest = _move_aside(d, Path(aside))
             skipped += 1
             logger.warning("checkpoint %s is damaged (%s) and is skipped: moved to %s, outside the "
                            "DVC-tracked checkpoints folder (inspect it, then delete it); trying the "

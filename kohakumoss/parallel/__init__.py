@@ -9,13 +9,15 @@ plan's rank, so every sample gets the draws a single device would give it.
 
 - ``init_distributed(params)``: the process group from torchrun's environment (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, its rendezvous), checked against ``parallel.world_size``.
-- ``reduce_gradients(tensors, dist)``: one all-reduce (a sum, in flat buckets) of the trained
-  tensors' gradients after a step's last micro-batch, so accumulation never communicates.
-  With the host update these are the masters' fp32 gradients on the host (under NCCL each
-  bucket goes through the device).
-  The adapters live outside the model's modules and its forward, so torch's DDP module
-  wrapper (whose reducer hooks on its own forward) does not fit them: this is its
-  arithmetic, done once per step.
+- ``GradientReducer(tensors, dist, overlap)``: the sum of the trained tensors' gradients
+  over the ranks, in fixed flat buckets (``plan_buckets``), once a step, so accumulation
+  never communicates; with ``overlap`` each bucket's all-reduce starts in the step's last
+  backward as soon as its gradients have landed (DDP's overlap), the rest at the step's
+  end, the sums the same bit for bit. ``reduce_gradients`` is it without overlap. With the
+  host update the gradients are the masters' fp32 ones on the host (under NCCL each bucket
+  goes through the device). The adapters live outside the model's modules and its
+  forward, so torch's DDP module wrapper (whose reducer hooks on its own forward) does not
+  fit them: this is its arithmetic and its overlap, on the tensors themselves.
 - ``launch_command(...)``: the ``torch.distributed.run`` command ``kmoss train`` re-runs itself
   under when ``parallel.world_size > 1`` and no process group is set up yet.
 """
@@ -83,33 +85,101 @@ def init_distributed(params, device_type: str) -> Dist:
     return Dist(rank, world, local)
 
 
-def reduce_gradients(tensors: Sequence[torch.Tensor], d: Dist) -> None:
-    """Sum every tensor's gradient over the processes (in place, bucketed)."""
-    if not d.group:
-        return
+def plan_buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The trained tensors in order, cut into buckets of one dtype and device of at most
+    ``BUCKET_BYTES`` (a larger tensor alone): fixed for the run, so every rank makes the same
+    all-reduces in the same order whichever gradients it has."""
     buckets: list[list[torch.Tensor]] = [[]]
     size = 0
-    for g in (t.grad for t in tensors if t.grad is not None):
-        last, nbytes = buckets[-1], g.numel() * g.element_size()
-        if last and (g.dtype != last[0].dtype or g.device != last[0].device
+    for t in tensors:
+        last, nbytes = buckets[-1], t.numel() * t.element_size()
+        if last and (t.dtype != last[0].dtype or t.device != last[0].device
                      or size + nbytes > BUCKET_BYTES):
             buckets.append([])
             size = 0
-        buckets[-1].append(g)
+        buckets[-1].append(t)
         size += nbytes
-    # NCCL reduces device memory only: host gradients (the host update's masters) go through
-    # the device one bucket at a time
-    via = torch.device("cuda", torch.cuda.current_device()) if dist_.get_backend() == "nccl" else None
-    for bucket in filter(None, buckets):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        staged = via is not None and flat.device.type == "cpu"
+    return [b for b in buckets if b]
+
+
+class GradientReducer:
+    """The ranks' gradients summed in place, bucket by bucket (``plan_buckets``; a tensor with
+    no gradient adds zeros there and keeps none). With ``overlap`` (DDP's way), once armed for
+    the step's last backward (``arm``), each bucket's all-reduce starts as soon as every one
+    of its gradients has landed (``Tensor.register_post_accumulate_grad_hook``), in the one
+    order every rank follows (the buckets last to first, as backward makes them; a bucket
+    ready early waits for those before it), while backward goes on; ``finish`` starts the
+    rest, waits for all and writes the sums back. The sums are those of ``finish`` alone (the
+    same buffers, the same order), bit for bit."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], d: Dist, overlap: bool = False):
+        self.d, self.buckets = d, plan_buckets(list(tensors))
+        self.order = list(range(len(self.buckets)))[::-1]  # backward makes the last first
+        self.armed, self.works = False, {}
+        self.launched_in_backward = 0  # buckets started before ``finish`` in the last step
+        self._left: list[int] = []
+        self._next = 0
+        self._hooks = []
+        if overlap and d.group:
+            where = {id(t): i for i, b in enumerate(self.buckets) for t in b}
+            for t in tensors:
+                if t.is_leaf and t.requires_grad:
+                    self._hooks.append(t.register_post_accumulate_grad_hook(
+                        lambda t, i=where[id(t)]: self._landed(i)))
+
+    def arm(self) -> None:
+        """Before the step's last backward: its gradients are final as they land."""
+        if self.d.group and self._hooks:
+            self.armed, self.works, self._next = True, {}, 0
+            self._left = [len(b) for b in self.buckets]
+            self.launched_in_backward = 0
+
+    def _landed(self, i: int) -> None:
+        if not self.armed:
+            return
+        self._left[i] -= 1
+        while self._next < len(self.order) and self._left[self.order[self._next]] == 0:
+            self._launch(self.order[self._next])
+            self.launched_in_backward += 1
+            self._next += 1
+
+    def _launch(self, i: int) -> None:
+        bucket = self.buckets[i]
+        flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
+                          for t in bucket])
+        # NCCL reduces device memory only: host gradients (the host update's masters) go
+        # through the device one bucket at a time
+        staged = flat.device.type == "cpu" and dist_.get_backend() == "nccl"
         if staged:
-            flat = flat.to(via)
-        dist_.all_reduce(flat, op=dist_.ReduceOp.SUM)
-        if staged:
-            flat = flat.cpu()
-        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-            g.copy_(part.view_as(g))
+            flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
+        self.works[i] = (dist_.all_reduce(flat, op=dist_.ReduceOp.SUM, async_op=True), flat, staged)
+
+    def finish(self) -> None:
+        """Start what backward did not, wait for every bucket, write the sums back."""
+        if not self.d.group:
+            return
+        self.armed = False
+        for i in self.order:
+            if i not in self.works:
+                self._launch(i)
+        for i in self.order:
+            work, flat, staged = self.works.pop(i)
+            work.wait()
+            flat = flat.cpu() if staged else flat
+            for t, part in zip(self.buckets[i], flat.split([t.numel() for t in self.buckets[i]])):
+                if t.grad is not None:
+                    t.grad.copy_(part.view_as(t.grad))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def reduce_gradients(tensors: Sequence[torch.Tensor], d: Dist) -> None:
+    """Sum every tensor's gradient over the processes (in place, bucketed: ``GradientReducer``
+    without overlap)."""
+    GradientReducer(tensors, d).finish()
 
 
 def reduce_sum(values: Sequence[float], d: Dist) -> list[float]:

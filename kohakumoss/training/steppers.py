@@ -27,7 +27,7 @@ import torch
 from kohakumoss.errors import KohakuError
 from kohakumoss.memory.host_update import HostUpdate
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
-from kohakumoss.parallel import Dist, reduce_gradients
+from kohakumoss.parallel import Dist, GradientReducer
 from kohakumoss.precision.scaler import LossScaler
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.optim import clip_and_check
@@ -55,10 +55,12 @@ class NoScaling:
 
 
 class Stepper:
-    """The optimizer's step on the device, after the ranks' gradients are summed."""
+    """The optimizer's step on the device, after the ranks' gradients are summed (their
+    all-reduces overlapping the step's last backward: ``parallel.GradientReducer``)."""
 
     kind = "device"
     collective = False  # every rank takes part in previews and checkpoints (a sharded model)
+    overlaps_reduce = True  # the gradients are the tensors' own, on the device, as they land
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]],
                  trainable, grad_clip: float, ema: EMA | None = None,
@@ -67,10 +69,14 @@ class Stepper:
         self.tensors = [t for _, t in named]  # what is clipped and stepped (together)
         self.ema, self.dist = ema, dist
         self.scaler = scaler if scaler is not None else NoScaling()
+        self.reducer = GradientReducer(self.tensors, dist, overlap=self.overlaps_reduce)
 
     # -- each micro-batch ------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, last: bool) -> None:
-        """The micro-batch's backward (``last``: the step's last micro-batch)."""
+        """The micro-batch's backward (``last``: the step's last micro-batch, whose gradients
+        start their all-reduces as they land)."""
+        if last:
+            self.reducer.arm()
         self.scaler.scaled(loss).backward()
 
     def after_backward(self) -> None:
@@ -79,7 +85,7 @@ class Stepper:
     # -- the step's end --------------------------------------------------------------------
     def reduce(self) -> None:
         """The ranks' gradients summed (the losses are normalised by the whole step's tokens)."""
-        reduce_gradients(self.tensors, self.dist)
+        self.reducer.finish()
 
     def update(self, step: int) -> tuple[float, bool]:
         """Clip, check, step and average; returns the gradient norm and whether it was
@@ -138,6 +144,7 @@ class FusedStepper(Stepper):
     refused with it); a non-finite norm found after cannot be undone and stops the run."""
 
     kind = "fused"
+    overlaps_reduce = False  # its update runs inside backward as each gradient lands
 
     def __init__(self, fused: FusedStep, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -167,6 +174,7 @@ class HostStepper(Stepper):
     the gradients as they land and step there; the device keeps no optimizer state."""
 
     kind = "host"
+    overlaps_reduce = False  # the gradients go to the host masters as they land
 
     def __init__(self, host: HostUpdate, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -203,6 +211,7 @@ class ShardedStepper(Stepper):
     gathers the state a checkpoint holds, rank 0 writing it."""
 
     kind = "sharded"
+    overlaps_reduce = False  # FSDP2 reduce-scatters the gradients itself
     collective = True
 
     def __init__(self, model: torch.nn.Module, *args, **kwargs):

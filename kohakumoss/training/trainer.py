@@ -116,27 +116,21 @@ class Trainer:
         """Restore the newest good checkpoint (a damaged newer one is moved to
         ``runs/<name>/corrupt/`` with a warning) and return its step; 0 to start fresh."""
         self.resumed_rows: list[dict[str, Any]] = []  # the metric rows up to the resumed step
-        # rank 0 tidies the folder (partial writes, damaged or finished-elsewhere checkpoints)
-        # first; the others then read what it left
+        # only rank 0 judges and moves checkpoints (partial writes, damaged ones, a finished
+        # run of other params); after the barrier the others read, and never move, the newest
+        # one it left: the one it resumes from, or none
         if self.dist.main:
             clean_partial(self.paths.checkpoints)
             found = load_newest(self.paths.checkpoints, self.paths.run / "corrupt")
+            if found is not None and self._finished_elsewhere(found[0]):
+                found = None
             barrier(self.dist)
         else:
             barrier(self.dist)
-            found = load_newest(self.paths.checkpoints, self.paths.run / "corrupt")
+            found = load_newest(self.paths.checkpoints, None)
         if found is None:
             return 0
         ckpt, data = found
-        if ckpt.step >= ckpt.state.get("steps", 0) and any(
-                ckpt.state.get(k) != v for k, v in self.identity.items()):
-            # the newest checkpoint ended a run made with other params (a new experiment):
-            # keep that run's checkpoints aside and start fresh
-            if self.dist.main:
-                aside = archive_checkpoints(self.paths.checkpoints, self.paths.run / "history",
-                                            f"{ckpt.state.get('plan', '')[:12]}-{ckpt.state.get('params', '')[:8]}")
-                log.info("a finished run of other params was moved to %s; starting fresh", aside)
-            return 0
         check_resumable(ckpt, self.identity)
         made = ckpt.state.get("processes", 1)
         if made != self.dist.world:
@@ -158,6 +152,18 @@ class Trainer:
         self.resumed_rows = rows_of(data.log)
         log.info("resuming from %s (step %d of %d)", ckpt.path, ckpt.step, self.params.train.steps)
         return ckpt.step
+
+    def _finished_elsewhere(self, ckpt) -> bool:
+        """Whether the newest checkpoint ended a run made with other params (a new
+        experiment); if so its run's checkpoints are moved aside (rank 0) and this one starts
+        fresh."""
+        if ckpt.step < ckpt.state.get("steps", 0) or all(
+                ckpt.state.get(k) == v for k, v in self.identity.items()):
+            return False
+        aside = archive_checkpoints(self.paths.checkpoints, self.paths.run / "history",
+                                    f"{ckpt.state.get('plan', '')[:12]}-{ckpt.state.get('params', '')[:8]}")
+        log.info("a finished run of other params was moved to %s; starting fresh", aside)
+        return True
 
     # -- one optimiser step ----------------------------------------------------------------
     def make_inputs(self, batch, step: int):
