@@ -333,6 +333,22 @@ class ParallelConfig:  # docs/parallel.md
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on the CPU
     rdzv_endpoint: str = ""  # host:port of the rendezvous when nodes > 1
     timeout_s: int = knob(1800, check=lambda v: v >= 10, allowed="an integer >= 10 (seconds)")
+    # how the ranks share the work (docs/parallel.md): ddp, every rank the whole model and the
+    # gradients summed; fsdp, a full finetune's weights, gradients and optimizer states
+    # sharded (FSDP2); auto: fsdp for a full finetune over ranks, ddp for an adapter
+    mode: Literal["auto", "ddp", "fsdp"] = "auto"
+
+
+def parallel_mode(params) -> str:
+    """How the ranks of ``params`` share the work: ``single`` (one rank), ``ddp`` (every
+    rank the whole model, the gradients summed) or ``fsdp`` (a full finetune sharded);
+    ``parallel.mode: auto`` is fsdp for a full finetune and ddp for an adapter."""
+    par = params.parallel
+    if par.world_size == 1:
+        return "single"
+    if par.mode == "auto":
+        return "fsdp" if params.adapter.full else "ddp"
+    return par.mode
 
 
 SECTIONS: dict[str, type] = {

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kohakumoss.checks.params import check_adapter, check_targets, check_weights
-from kohakumoss.config import DATASET_KEYS, SECTIONS, TOP_LEVEL, DatasetEntry, Params
+from kohakumoss.config import DATASET_KEYS, SECTIONS, TOP_LEVEL, DatasetEntry, Params, parallel_mode
 from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
 from kohakumoss.data.sources import SOURCES
@@ -104,6 +104,11 @@ def validate(p: Params) -> None:
     if p.batching.token_budget == "exact" and not p.caption.tokenizer:
         fail(where, "exact", "'exact' needs caption.tokenizer set to a tokenizer folder; "
              "use 'auto' or 'estimate' without one")
+    if p.parallel.mode == "fsdp" and not p.adapter.full:
+        fail(f"{p.path}: parallel.mode", "fsdp",
+             "ddp or auto with an adapter (FSDP2 shards a full finetune's weights, gradients "
+             "and optimizer states; an adapter's base is frozen and its trained tensors are "
+             "small: every rank holds them whole)")
     refuse_unhonoured(p)
 
 
@@ -111,11 +116,12 @@ def refuse_unhonoured(p: Params) -> None:
     """Knobs that parse but that no engine honours yet: accepting them would train something
     other than what params.yaml says, so they are refused until their issue lands
     (``docs/architecture.md#refused-knobs``)."""
-    if p.parallel.world_size > 1 and p.adapter.full and p.optim.name == "muon":
+    if parallel_mode(p) == "fsdp" and p.optim.name == "muon":
         raise ConfigError(
             f"{p.path}: parallel.world_size = {p.parallel.world_size} with adapter.algo: full and "
             f"optim.name: muon: Muon's Newton-Schulz step needs whole matrices and the sharded "
-            f"full finetune holds 1/world of each; use optim.name: adamw")
+            f"full finetune holds 1/world of each; use optim.name: adamw, or parallel.mode: ddp "
+            f"(every rank the whole model)")
     check_precision(p)
     if p.train.dtype == "fp16" and p.precision.loss_scale == "off":
         raise ConfigError(
@@ -157,7 +163,7 @@ def check_memory(p: Params) -> None:
              "host)")
     if m.optimizer == "fused":
         _check_fused(p)
-    if m.optimizer == "streamed" and p.adapter.full and p.parallel.world_size > 1:
+    if m.optimizer == "streamed" and parallel_mode(p) == "fsdp":
         fail(f"{where}.optimizer", "streamed",
              f"device or host with a full finetune over parallel.world_size = "
              f"{p.parallel.world_size} (FSDP2 shards the optimizer states, 1/{p.parallel.world_size} "

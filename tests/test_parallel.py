@@ -194,6 +194,66 @@ def test_a_sharded_full_finetune_trains_what_one_process_trains(two_ranks_full):
     _same_checkpoints(tmp / "killed" / name / "checkpoints" / "step-000004", two / "step-000004")
 
 
+@pytest.mark.slow  # ~1 min: a replicated full finetune on two ranks, one process, a refused resume
+def test_a_full_finetune_under_ddp_trains_what_one_process_trains(two_ranks_full):
+    """``parallel.mode: ddp`` for a full finetune: every rank the whole model, the gradients
+    summed (no sharding): the checkpoints equal one process's to fp32 round-off, record
+    the mode, and a resume under ``fsdp`` is refused naming the mode it needs."""
+    import yaml
+
+    tmp, params, paths = two_ranks_full
+    raw = yaml.safe_load(params.read_text())
+    raw["parallel"]["mode"] = "ddp"
+    ddp = tmp / "ddp.yaml"
+    ddp.write_text(yaml.safe_dump(raw))
+    res = _torchrun_resuming(tmp, ddp, paths, "ddp")
+    assert res.returncode == 0, res.stdout + res.stderr
+    name = load_params(ddp).run.name
+    got = tmp / "ddp" / name / "checkpoints"
+    one = tmp / "one" / name / "checkpoints"
+    if not (one / "step-000004").is_dir():
+        one = _one_process(tmp, params, paths, "one")
+    for step in ("step-000002", "step-000004"):
+        a, b = ckpt_mod.open_checkpoint(got / step), ckpt_mod.open_checkpoint(one / step)
+        assert a.state["parallel"] == "ddp" and b.state["parallel"] == "single"
+        ta, tb = a.trainable(), b.trainable()
+        assert ta.keys() == tb.keys() and len(ta) > 20
+        for k in ta:
+            torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-6)
+    raw["parallel"]["mode"] = "fsdp"  # the same run otherwise: it would resume this one
+    fsdp = tmp / "fsdp.yaml"
+    fsdp.write_text(yaml.safe_dump(raw))
+    refused = _torchrun(tmp, fsdp, paths, "ddp")
+    assert refused.returncode != 0
+    assert "written under parallel.mode ddp and this run is fsdp" in refused.stdout + refused.stderr
+
+
+def test_parallel_mode_resolves_and_refuses_what_cannot_work():
+    """``parallel.mode``: auto is fsdp for a full finetune over ranks and ddp for an adapter;
+    fsdp with an adapter is refused when params load, with the reason; a replicated full
+    finetune (ddp) takes Muon, which the sharded one refuses."""
+    from kohakumoss.params import parse_params
+    from kohakumoss.parallel import parallel_mode
+
+    def params(**sections):
+        return parse_params({"data": {"datasets": [{"source": "kohya", "path": "x"}]}, **sections},
+                            "params.yaml")
+
+    two = {"world_size": 2}
+    assert parallel_mode(params()) == "single"
+    assert parallel_mode(params(parallel=two)) == "ddp"
+    assert parallel_mode(params(parallel=two, adapter={"algo": "full"})) == "fsdp"
+    assert parallel_mode(params(parallel={**two, "mode": "ddp"}, adapter={"algo": "full"})) == "ddp"
+    with pytest.raises(ConfigError, match=r"parallel.mode.*fsdp.*ddp or auto with an adapter \(FSDP2 shards"):
+        params(parallel={**two, "mode": "fsdp"})
+    with pytest.raises(ConfigError, match="Newton-Schulz.*or parallel.mode: ddp"):
+        params(parallel=two, adapter={"algo": "full"}, optim={"name": "muon"})
+    assert parallel_mode(params(parallel={**two, "mode": "ddp"}, adapter={"algo": "full"},
+                                optim={"name": "muon"})) == "ddp"
+    with pytest.raises(ConfigError, match="parallel.mode"):
+        params(parallel={**two, "mode": "pipeline"})  # not built yet: not a mode there is
+
+
 def test_reduce_gradients_sums_over_ranks_in_buckets(tmp_path, monkeypatch):
     """Gradients of mixed sizes, over two gloo processes, with buckets smaller than the
     tensors: each rank ends with the sum."""

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist_
 
+from kohakumoss.config import parallel_mode  # noqa: F401  (how the ranks share the work)
 from kohakumoss.configlib import ConfigError
 
 BUCKET_BYTES = 64 * 2**20  # gradients all-reduced together, at most this many bytes at a time

@@ -37,7 +37,7 @@ from kohakumoss.memory.overlap import OverlappedUpdate
 from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.model.dit import MOSSImageTransformer
-from kohakumoss.parallel import Dist, barrier
+from kohakumoss.parallel import Dist, barrier, parallel_mode
 from kohakumoss.precision.scaler import loss_scaler
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
@@ -163,7 +163,7 @@ def build_training(params: Params, engines: EnginePlan, model: MOSSImageTransfor
     schedule, EMA and the stepper. A benchmark builds a run's model side with this on a
     model of random weights (``bench/bench_train.py``)."""
     p = params
-    sharded = bool(dist.group and p.adapter.full)
+    sharded = bool(dist.group) and parallel_mode(p) == "fsdp"
     applied = apply_engines(model, engines, stored)
     if sharded:  # before the trainable set: sharding replaces the parameters
         from kohakumoss.memory import repeated_blocks
@@ -214,7 +214,7 @@ def build_components(params: Params, paths: RunPaths,
     plan_rows, plan = read_plan(paths.plan)
     engines = engines if engines is not None else engine_plan(p, device, memory=run_memory(
         p, plan_token_batches(plan_rows), device))
-    sharded = dist.group and p.adapter.full
+    sharded = bool(dist.group) and parallel_mode(p) == "fsdp"
     offloaded = sharded and engines.memory.optimizer == "host"
     if offloaded:  # FSDP2 keeps each rank's shard on the host and gathers the blocks itself
         engines = dataclasses.replace(engines, memory=dataclasses.replace(

@@ -63,6 +63,8 @@ class Trainer:
         self.model, self.trainable = c.model, c.trainable
         # how gradients become the update (memory.optimizer, parallel): training/steppers.py
         self.stepper = c.stepper
+        # how the ranks share the work, as it ran: a checkpoint resumes under the same
+        self.parallel = "fsdp" if c.stepper.kind == "sharded" else "ddp" if c.dist.world > 1 else "single"
         self.optimizer, self.scheduler, self.ema = c.optimizer, c.scheduler, c.ema
         self.timesteps, self.caches, self.encoder, self.batches = (c.timesteps, c.caches,
                                                                    c.encoder, c.batches)
@@ -105,7 +107,7 @@ class Trainer:
             extra["scaler"] = scaler
         return save_checkpoint(self.paths.checkpoints, step, state, extra,
                                {**self.identity, "steps": self.params.train.steps,
-                                "processes": self.dist.world},
+                                "processes": self.dist.world, "parallel": self.parallel},
                                ema=shadow,
                                keep=self.params.train.keep_checkpoints,
                                metadata={"kohakumoss_state": "1",
@@ -139,6 +141,12 @@ class Trainer:
                 f"{self.dist.world}: a run resumes on as many as it started on (gradients are "
                 f"summed in that order); start {made} (parallel.world_size: {made}), or move "
                 f"{self.paths.checkpoints} aside to start over")
+        written = ckpt.state.get("parallel", self.parallel)  # older checkpoints: as this run
+        if written != self.parallel:
+            raise ConfigError(
+                f"{ckpt.path} was written under parallel.mode {written} and this run is "
+                f"{self.parallel}: the optimizer states are laid out by the mode; resume with "
+                f"parallel.mode: {written}, or move {self.paths.checkpoints} aside to start over")
         extra = data.extra
         self.stepper.load_trained(data.trainable, extra["optimizer"])  # a sharded run: its shard
         self.scheduler.load_state_dict(extra["scheduler"])
