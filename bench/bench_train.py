@@ -230,6 +230,9 @@ def measure(p: Params, config, shapes: Shapes, steps: int, rate: float, root: Pa
            "why": profile.why, "estimate_gib": profile.estimate.peak / 2**30, "chain": chain,
            "cap_gib": cap, "op_table": trainer.components.applied.kernels,
            "base": trainer.components.applied.quantized or "keep", "card": None}
+    if cuda:  # the random weights were made on the card: a run that streams or quantizes
+        gc.collect()  # them loads them on the host (build_components), so their freed
+        torch.cuda.empty_cache()  # blocks leave the allocator's cache before the steps
     if cap and cuda:  # the allocator capped from here on (the model was built on the card uncapped)
         torch.cuda.set_per_process_memory_fraction(cap * 2**30 / torch.cuda.mem_get_info()[1])
     if cuda:
