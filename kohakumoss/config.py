@@ -333,17 +333,25 @@ class ParallelConfig:  # docs/parallel.md
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on the CPU
     rdzv_endpoint: str = ""  # host:port of the rendezvous when nodes > 1
     timeout_s: int = knob(1800, check=lambda v: v >= 10, allowed="an integer >= 10 (seconds)")
-    # how the ranks share the work (docs/parallel.md): ddp, every rank the whole model and the
+    # how the work is shared (docs/parallel.md): ddp, every rank the whole model and the
     # gradients summed; fsdp, a full finetune's weights, gradients and optimizer states
-    # sharded (FSDP2); auto: fsdp for a full finetune over ranks, ddp for an adapter
-    mode: Literal["auto", "ddp", "fsdp"] = "auto"
+    # sharded (FSDP2); threaded, one process whose joint blocks are split over ``devices``
+    # by their free memory; auto: fsdp for a full finetune over ranks, ddp for an adapter
+    mode: Literal["auto", "ddp", "fsdp", "threaded"] = "auto"
+    devices: tuple[str, ...] = knob((), check=lambda v: all(
+        d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()) for d in v),
+        allowed="a list of devices: cpu, cuda or cuda:N (parallel.mode: threaded, the first "
+                "one train.device's)")
 
 
 def parallel_mode(params) -> str:
-    """How the ranks of ``params`` share the work: ``single`` (one rank), ``ddp`` (every
-    rank the whole model, the gradients summed) or ``fsdp`` (a full finetune sharded);
-    ``parallel.mode: auto`` is fsdp for a full finetune and ddp for an adapter."""
+    """How ``params`` share the work: ``single`` (one rank, one device), ``threaded`` (one
+    process, the joint blocks split over ``parallel.devices``), ``ddp`` (every rank the whole
+    model, the gradients summed) or ``fsdp`` (a full finetune sharded); ``parallel.mode:
+    auto`` is fsdp for a full finetune and ddp for an adapter."""
     par = params.parallel
+    if par.mode == "threaded":
+        return "threaded"
     if par.world_size == 1:
         return "single"
     if par.mode == "auto":

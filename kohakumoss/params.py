@@ -109,7 +109,28 @@ def validate(p: Params) -> None:
              "ddp or auto with an adapter (FSDP2 shards a full finetune's weights, gradients "
              "and optimizer states; an adapter's base is frozen and its trained tensors are "
              "small: every rank holds them whole)")
+    if parallel_mode(p) == "threaded":
+        check_threaded(p)
     refuse_unhonoured(p)
+
+
+def check_threaded(p: Params) -> None:
+    """``parallel.mode: threaded`` (one process, the joint blocks split over devices)."""
+    par, where = p.parallel, f"{p.path}: parallel"
+    if par.world_size != 1:
+        fail(f"{where}.world_size", par.world_size,
+             "1 with parallel.mode: threaded (one process drives every device of the split; "
+             "the split over several processes is not built: use parallel.mode: ddp)")
+    if len(par.devices) == 1:
+        fail(f"{where}.devices", list(par.devices),
+             "two or more devices with parallel.mode: threaded (e.g. [cuda:0, cuda:1]), or "
+             "none: every visible CUDA card")
+    same = {"cuda": "cuda:0"}
+    if par.devices and p.train.device != "auto" and \
+            same.get(p.train.device, p.train.device) != same.get(par.devices[0], par.devices[0]):
+        fail(f"{where}.devices", list(par.devices),
+             f"a list whose first device is train.device ({p.train.device}): the first device "
+             f"holds the batch, the head and the loss")
 
 
 def refuse_unhonoured(p: Params) -> None:

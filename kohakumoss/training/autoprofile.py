@@ -18,7 +18,9 @@ from kohakumoss.config import Params
 from kohakumoss.memory.checkpointing import repeated_blocks
 from kohakumoss.memory.profiles import PROFILES_BY_MEMORY, PROFILE_ENGINES, MemoryEngines, slowdown
 from kohakumoss.model.config import DiTConfig
-from kohakumoss.training.estimate import Estimate, _meta_model, estimate, placed, profile_engines, size
+from kohakumoss.parallel.split import Split, plan_split
+from kohakumoss.training.estimate import (Estimate, _meta_model, estimate, placed, profile_engines, size,
+                                         stage_costs)
 
 HEADROOM = 0.92  # auto keeps this share of the free memory for the step (allocator slack)
 
@@ -72,16 +74,30 @@ class Profile(NamedTuple):
     why: str  # one line a run logs
 
 
+def device_split(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEngines,
+                 devices: Sequence[torch.device], free: Sequence[int] | None = None,
+                 config: DiTConfig | None = None) -> Split:
+    """The joint blocks' split over ``devices`` for a step on ``batch`` (``parallel.mode:
+    threaded``): ``HEADROOM`` of each device's free memory (``free``: now) against the
+    estimate's per-device share (``stage_costs``)."""
+    if free is None:
+        free = [int(free_memory(d) * HEADROOM) for d in devices]
+    return plan_split(stage_costs(params, batch, engines, config), devices, free)
+
+
 def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, device: torch.device,
                     free: int | None = None, config: DiTConfig | None = None,
-                    host_free: int | None = None) -> Profile:
+                    host_free: int | None = None,
+                    devices: Sequence[torch.device] | None = None) -> Profile:
     """The one place ``profile`` is resolved: the params' profile as it is (``manual``: the
     ``memory:`` section), or for ``auto`` the fastest engines whose estimate at ``batch`` (a
     micro-batch's ``(image, text)`` token counts) fits ``HEADROOM`` of the free memory
     (``free``, default: the device's now) and whose host memory fits ``HEADROOM`` of the
     host's available RAM (``host_free``, default: now); either as ``placed`` on ``device``.
     ``why`` warns when the host memory the engines need is not there. ``batch`` None (no
-    plan yet, or an estimate that failed): nothing is estimated and ``auto`` is ``speed``."""
+    plan yet, or an estimate that failed): nothing is estimated and ``auto`` is ``speed``.
+    ``devices``: a threaded run's devices, where ``auto`` asks that the split fits each
+    (``device_split``)."""
     if batch is None:
         name = "speed" if params.profile == "auto" else params.profile
         engines, note = placed(PROFILE_ENGINES["speed"] if name == "speed" and params.profile == "auto"
@@ -97,6 +113,12 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, dev
                        + (f": {note}" if note else "") + _host_note(est, host_free))
     free = free_memory(device) if free is None else free
     budget = int(free * HEADROOM)
+    room = None if not devices else [int(free_memory(d) * HEADROOM) for d in devices]
+
+    def fits(engines: MemoryEngines, est: Estimate) -> bool:
+        if room is None:
+            return est.peak <= budget
+        return device_split(params, batch, engines, devices, room, config).fits
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
     depth = built[0].config.depth
     speed = placed(PROFILE_ENGINES["speed"], params, device)[0]
@@ -120,7 +142,7 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, dev
     estimates = {}
     for name, engines in candidates:
         est = estimates[engines] = estimate(params, batch, engines, _model=built)
-        if est.peak <= budget and not _host_note(est, host_free):
+        if fits(engines, est) and not _host_note(est, host_free):
             engines, est = _fill_resident(params, batch, engines, est, built, budget)
             why = (f"profile auto: {name if name != 'auto' else engines.describe()} is the fastest "
                    f"whose {size(est.peak)} estimate fits {size(budget)} "

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -38,10 +38,11 @@ from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.memory.stepping import FusedStep, StreamedStates
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.parallel import Dist, barrier, parallel_mode
+from kohakumoss.parallel.split import Split, apply_device_split, split_devices
 from kohakumoss.precision.scaler import loss_scaler
 from kohakumoss.training.ema import EMA
 from kohakumoss.training.encode import BatchEncoder
-from kohakumoss.training.autoprofile import resolve_profile
+from kohakumoss.training.autoprofile import HEADROOM, device_split, resolve_profile
 from kohakumoss.training.estimate import size
 from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engines, apply_placement,
                                          engine_plan,
@@ -96,14 +97,32 @@ def run_kernels(path: Path, engines: EnginePlan, plan_hash: str,
     return choices
 
 
+def largest_batch(batches: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    return max(batches, key=lambda b: sum(i + t for i, t in b), default=[])
+
+
+def run_split(params: Params, batches: list[list[tuple[int, int]]], memory: MemoryEngines,
+              devices: Sequence[torch.device]) -> Split:
+    """A threaded run's split of the joint blocks over ``devices`` for the plan's largest
+    micro-batch (``parallel/split.py``), logged; one that does not fit is a warning (the
+    estimate is advice)."""
+    split = device_split(params, largest_batch(batches), memory, devices)
+    log.info("parallel.mode threaded: %s", split.describe())
+    if not split.fits:
+        log.warning("the split's predicted peaks exceed %d%% of the free memory on some "
+                    "device: it may run out of memory (lower batching.max_tokens, or choose a "
+                    "profile that checkpoints more)", round(HEADROOM * 100))
+    return split
+
+
 def run_memory(params: Params, batches: list[list[tuple[int, int]]],
-               device: torch.device) -> MemoryEngines:
+               device: torch.device, devices: Sequence[torch.device] | None = None) -> MemoryEngines:
     """The memory engines of the run's profile (``auto``: resolved against the device's free
     memory), with the estimate for the plan's largest micro-batch logged; the allocator set
     for them (``tight_allocator``) before the model comes to the device."""
-    batch = max(batches, key=lambda b: sum(i + t for i, t in b), default=[])
+    batch = largest_batch(batches)
     try:
-        profile = resolve_profile(params, batch, device)
+        profile = resolve_profile(params, batch, device, devices=devices)
     except Exception as e:  # the estimate is advice: a run never fails for want of it
         profile = resolve_profile(params, None, device)
         log.warning("no memory estimate (%s: %s); running %s", type(e).__name__, e,
@@ -155,7 +174,7 @@ class Components(Training):
 
 def build_training(params: Params, engines: EnginePlan, model: MOSSImageTransformer,
                    device: torch.device, dist: Dist = Dist(), offloaded: bool = False,
-                   stored: Callable | None = None) -> Training:
+                   stored: Callable | None = None, split: Split | None = None) -> Training:
     """A built base ``model`` made into what a run trains, in ``build_components``' order:
     the engines applied (``stored``: a quantized checkpoint's weights by name), the
     sharding of a full finetune over ranks (``offloaded``: FSDP2's host offload), the
@@ -170,6 +189,8 @@ def build_training(params: Params, engines: EnginePlan, model: MOSSImageTransfor
         from kohakumoss.parallel.fsdp import shard_model
 
         shard_model(model, [b for _, b in repeated_blocks(model)], device, dist.world, offloaded)
+    if split is not None:  # parallel.mode threaded: each block on its device, before the
+        apply_device_split(model, split)  # adapters are built beside their weights
     trainable = make_trainable(model, p)
     named = trainable.named_parameters()
     update = None
@@ -212,8 +233,9 @@ def build_components(params: Params, paths: RunPaths,
     p = params
     device = resolve_device(p.train.device)
     plan_rows, plan = read_plan(paths.plan)
+    devices = split_devices(p.parallel.devices, device) if parallel_mode(p) == "threaded" else None
     engines = engines if engines is not None else engine_plan(p, device, memory=run_memory(
-        p, plan_token_batches(plan_rows), device))
+        p, plan_token_batches(plan_rows), device, devices))
     sharded = bool(dist.group) and parallel_mode(p) == "fsdp"
     offloaded = sharded and engines.memory.optimizer == "host"
     if offloaded:  # FSDP2 keeps each rank's shard on the host and gathers the blocks itself
@@ -226,14 +248,16 @@ def build_components(params: Params, paths: RunPaths,
     # its block weights will stream or be quantized: the device never holds them all)
     quantized = engines.precision.base != "keep"
     model = load_dit(p.model.transformer, engines.precision.weights, torch.device("cpu")
-                     if engines.memory.stream_slots or quantized or offloaded else device)
+                     if engines.memory.stream_slots or quantized or offloaded or devices else device)
     if paths.kernels is not None and not engines.tuned:
         engines = dataclasses.replace(engines, tuned=run_kernels(
             paths.run / RUN_KERNELS, engines, plan.content_hash,
             lambda: tuned_kernels(p, engines, paths.kernels, model.config,
                                   plan_token_batches(plan_rows))))
     parts = build_training(p, engines, model, device, dist, offloaded,
-                           stored_weights(p.model.transformer) if quantized else None)
+                           stored_weights(p.model.transformer) if quantized else None,
+                           run_split(p, plan_token_batches(plan_rows), engines.memory, devices)
+                           if devices else None)
     timesteps = make_timesteps(p)
     check_sources(p, paths.text_cache, paths.latent_cache)
     caches = BatchCaches(p, load_catalogs(paths.catalog, p.data.datasets), paths.text_cache,

@@ -32,13 +32,14 @@ from collections.abc import Sequence
 
 import torch
 
-from kohakumoss.config import Params
+from kohakumoss.config import Params, parallel_mode
 from kohakumoss.quant import quant_plan
 from kohakumoss.memory import apply_recompute
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
 from kohakumoss.memory.rebuild import apply_rebuild
 from kohakumoss.memory.stepping import STATE_GROUP_NUMEL
 from kohakumoss.model.config import DiTConfig
+from kohakumoss.parallel.split import StageCosts
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
 from kohakumoss.precision import precision_policy
 
@@ -116,6 +117,17 @@ def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tupl
     notes = []
     if engines.fp8_transposes and (not quant_plan(params.precision).keeps_transposes or params.adapter.full):
         engines = dataclasses.replace(engines, fp8_transposes=False)  # nothing to keep: no note
+    if parallel_mode(params) == "threaded":  # each block lives on its device (parallel/split.py)
+        off = [what for what, on in (("weight streaming", engines.stream_slots),
+                                     ("activation offload", engines.offload),
+                                     (f"the {engines.optimizer} optimizer", engines.optimizer in ("host", "streamed")))
+               if on]
+        if off:
+            engines = dataclasses.replace(engines, stream_slots=0, resident_blocks=0, offload=False,
+                                          optimizer="device" if engines.optimizer in ("host", "streamed")
+                                          else engines.optimizer)
+            notes.append(f"{', '.join(off)} off: parallel.mode threaded holds each joint block "
+                         f"and its optimizer state on the device it is placed on")
     if engines.stream_slots and device.type != "cuda":
         why = f"it needs a CUDA device: on {device.type} the weights are in host memory already"
         engines = dataclasses.replace(engines, stream_slots=0, resident_blocks=0)
@@ -401,3 +413,20 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         return Estimate(engines, n_joint, weights, 0, grads, state_bytes, kept, transient, host)
     return Estimate(engines, n_joint, frozen, trained_count * master, grads, state_bytes, kept,
                     transient, host)
+
+
+def stage_costs(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEngines,
+                config: DiTConfig | None = None) -> StageCosts:
+    """The step's predicted bytes by where a device split puts them
+    (``kohakumoss.parallel.split``): one joint block's share (the estimate of the model less
+    that of the model one block shorter), the rest on the first device, the backward's
+    working set on the others."""
+    from kohakumoss.checks.params import transformer_config
+
+    c = config or transformer_config(params)
+    whole = estimate(params, batch, engines, c)
+    if c.depth == 1:
+        return StageCosts(whole.peak - whole.transient, whole.transient, whole.transient, 1)
+    shorter = estimate(params, batch, engines, dataclasses.replace(c, depth=c.depth - 1))
+    per = whole.peak - shorter.peak
+    return StageCosts(per, whole.peak - c.depth * per, whole.transient, c.depth)
