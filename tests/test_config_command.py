@@ -245,3 +245,19 @@ def test_the_demo_pipeline_keeps_its_small_budget(tmp_path):
     assert p.resolution.target_area == 36864 and p.profile == "minimal"
     said = "\n".join(report.lines)
     assert "weights: demo at" in said and "keeps its budget and resolution" in said, said
+
+
+def test_vram_of_two_cards_splits_the_model_over_them(tmp_path, models):
+    """``--vram 12,11``: a 12 GB and an 11 GB card in one PC: parallel.mode threaded over
+    both, the smaller card's preset budget, profile auto, and the split the estimate makes
+    printed (which blocks where, each card's predicted peak)."""
+    proj = _project(tmp_path)
+    report = configure(proj / "params.yaml", weights=str(models), data=str(EXAMPLES), vram="12,11")
+    p = load_params(proj / "params.yaml")
+    assert (p.parallel.mode, p.parallel.devices, p.profile) == ("threaded", ("cuda:0", "cuda:1"), "auto")
+    assert p.batching.max_tokens == PRESETS["12"].max_tokens
+    text = "\n".join(report.lines)
+    assert "estimate on 2 cards of 12, 11 GiB" in text and "split over cuda:0, cuda:1" in text
+    assert "split: cuda:0: blocks 0-" in text and "; cuda:1: blocks " in text
+    with pytest.raises(ConfigError, match=r"--vram '12,x': several cards are their sizes in GiB"):
+        configure(proj / "p2.yaml", vram="12,x")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kohakumoss.configlib import ConfigError
-from kohakumoss.params import load_params, parse_params
+from kohakumoss.params import parse_params
 from kohakumoss.parallel.split import StageCosts, apply_device_split, plan_split, split_devices
 from kohakumoss.training.build import RunPaths, build_components
 from kohakumoss.training.trainer import Trainer

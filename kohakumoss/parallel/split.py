@@ -61,8 +61,7 @@ class Split:
         for i, (dev, stage, peak, free) in enumerate(zip(self.devices, self.stages, self.peaks, self.free)):
             blocks = f"blocks {stage.start}-{stage.stop - 1}" if len(stage) else "no blocks"
             extra = " + embedders, text refiner, head, loss" if i == 0 else ""
-            parts.append(f"{dev}: {blocks}{extra} ({peak / GiB:.1f} GiB predicted of "
-                         f"{free / GiB:.1f} GiB free)")
+            parts.append(f"{dev}: {blocks}{extra} ({_size(peak)} predicted of {_size(free)})")
         return "; ".join(parts)
 
 
@@ -100,6 +99,10 @@ def plan_split(costs: StageCosts, devices: Sequence[torch.device], free: Sequenc
         start += k
     peaks = tuple(base[i] + taken[i] * costs.per_block for i in range(n))
     return Split(tuple(devices), tuple(stages), peaks, tuple(int(f) for f in free))
+
+
+def _size(b: float) -> str:
+    return f"{b / GiB:.1f} GiB" if b >= GiB else f"{b / 2**20:.1f} MiB"
 
 
 def split_devices(names: Sequence[str], run_device: torch.device) -> tuple[torch.device, ...]:

@@ -69,6 +69,7 @@ class Report:
     backup: Path | None = None
     text: str = ""
     preset: Preset | None = None  # the card preset applied
+    cards: tuple[float, ...] = ()  # several cards' GiB (``--vram 12,11``): a threaded split
 
     def say(self, line: str) -> None:
         self.lines.append(line)
@@ -103,10 +104,27 @@ def preset_for(vram: str, report: Report, card: Callable[[], float | None] = car
         report.say("vram: auto found no CUDA device; the profile stays as it is (pass --vram "
                    f"{'|'.join(PRESETS)} to size the run for a card)")
         return None
-    fitting = [k for k, p in PRESETS.items() if p.vram_gib <= total + 0.5 and p.full == full]
-    name = max(fitting, key=lambda k: PRESETS[k].vram_gib) if fitting else "6"
+    name = _preset_name(total, full)
     report.say(f"vram: auto read {total:.1f} GiB on cuda:0: preset {name}")
     return PRESETS[name]
+
+
+def _cards(vram: str) -> tuple[float, ...]:
+    """``--vram 12,11``: each card's GiB."""
+    try:
+        cards = tuple(float(v) for v in vram.split(","))
+    except ValueError:
+        cards = ()
+    if len(cards) < 2 or min(cards) <= 0:
+        raise ConfigError(f"--vram {vram!r}: several cards are their sizes in GiB, comma-separated "
+                          f"(e.g. 12,11 for a 12 GB and an 11 GB card)")
+    return cards
+
+
+def _preset_name(gib: float, full: bool) -> str:
+    """The largest preset a card of ``gib`` reaches (the full-finetune one with ``full``)."""
+    fitting = [k for k, p in PRESETS.items() if p.vram_gib <= gib + 0.5 and p.full == full]
+    return max(fitting, key=lambda k: PRESETS[k].vram_gib) if fitting else "6"
 
 
 # -- the document ----------------------------------------------------------------------------
@@ -211,7 +229,18 @@ def configure(params: Path, *, weights: str | None = None, data: str | None = No
         set_key(doc, "adapter.algo", "full")
     transformer = str((doc.get("model") or {}).get("transformer", TINY))
     tiny = transformer == TINY or is_demo(transformer)
-    preset = preset_for(vram, report, card, full) if vram is not None else None
+    cards = _cards(vram) if vram is not None and "," in vram else ()
+    preset = preset_for(_preset_name(min(cards), full) if cards else vram, report, card, full) \
+        if vram is not None else None
+    if cards:  # one process, the joint blocks split over the cards by the estimate
+        report.cards = cards
+        set_key(doc, "parallel.mode", "threaded")
+        set_key(doc, "parallel.devices", [f"cuda:{i}" for i in range(len(cards))])
+        report.say(f"vram: {len(cards)} cards ({', '.join(f'{c:g}' for c in cards)} GiB): "
+                   f"parallel.mode threaded, the joint blocks split over cuda:0-{len(cards) - 1} "
+                   f"(docs/parallel.md#threaded); the {preset.vram_gib} GiB preset's budget, "
+                   f"profile auto")
+        preset = dataclasses.replace(preset, profile="auto")
     if preset is not None:
         # a card read without bf16 (sm70/sm75) trains in fp16, with loss scaling
         dtype = "fp16" if vram == "auto" and card() is not None and not bf16() else "bf16"
@@ -315,11 +344,22 @@ def _estimate(params, report: Report) -> None:
     batch = [(image, TEXT_TOKENS)] * samples
     device = torch.device("cuda" if preset is not None else "cpu")
     free = int(preset.vram_gib * 2**30 * 0.94) if preset is not None else None  # less the CUDA context
-    name, engines, est, why = resolve_profile(params, batch, device, free=free,
-                                              config=transformer_config(params))
-    where = f"a {preset.vram_gib} GiB card" if preset is not None else "this machine"
+    config = transformer_config(params)
+    devices = [torch.device("cuda", i) for i in range(len(report.cards))] or None
+    cards = [int(c * 2**30 * 0.94) for c in report.cards] or None
+    name, engines, est, why = resolve_profile(params, batch, device, free=free, config=config,
+                                              devices=devices, device_free=cards)
+    where = (f"{len(cards)} cards of {', '.join(f'{c:g}' for c in report.cards)} GiB" if cards
+             else f"a {preset.vram_gib} GiB card" if preset is not None else "this machine")
     report.say(f"estimate on {where}: {samples} sample(s) of {image} image tokens per step: {why}")
     report.say(f"  {est.describe()}")
-    if preset is not None and est.peak > free:
+    if cards:
+        from kohakumoss.training.autoprofile import HEADROOM, device_split
+
+        split = device_split(params, batch, engines, devices, [int(c * HEADROOM) for c in cards], config)
+        report.say(f"  split: {split.describe()}")
+        if not split.fits:
+            report.say("  warning: a card's share is more than it has: lower batching.max_tokens")
+    elif preset is not None and est.peak > free:
         report.say(f"  warning: {size(est.peak)} predicted, more than the card has: lower "
                    f"batching.max_tokens or choose a leaner profile")

@@ -88,7 +88,8 @@ def device_split(params: Params, batch: Sequence[tuple[int, int]], engines: Memo
 def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, device: torch.device,
                     free: int | None = None, config: DiTConfig | None = None,
                     host_free: int | None = None,
-                    devices: Sequence[torch.device] | None = None) -> Profile:
+                    devices: Sequence[torch.device] | None = None,
+                    device_free: Sequence[int] | None = None) -> Profile:
     """The one place ``profile`` is resolved: the params' profile as it is (``manual``: the
     ``memory:`` section), or for ``auto`` the fastest engines whose estimate at ``batch`` (a
     micro-batch's ``(image, text)`` token counts) fits ``HEADROOM`` of the free memory
@@ -96,8 +97,8 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, dev
     host's available RAM (``host_free``, default: now); either as ``placed`` on ``device``.
     ``why`` warns when the host memory the engines need is not there. ``batch`` None (no
     plan yet, or an estimate that failed): nothing is estimated and ``auto`` is ``speed``.
-    ``devices``: a threaded run's devices, where ``auto`` asks that the split fits each
-    (``device_split``)."""
+    ``devices``: a threaded run's devices, where ``auto`` asks that the split fits
+    ``HEADROOM`` of each one's free memory (``device_free``, default: now; ``device_split``)."""
     if batch is None:
         name = "speed" if params.profile == "auto" else params.profile
         engines, note = placed(PROFILE_ENGINES["speed"] if name == "speed" and params.profile == "auto"
@@ -113,7 +114,8 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, dev
                        + (f": {note}" if note else "") + _host_note(est, host_free))
     free = free_memory(device) if free is None else free
     budget = int(free * HEADROOM)
-    room = None if not devices else [int(free_memory(d) * HEADROOM) for d in devices]
+    room = None if not devices else [int(f * HEADROOM) for f in (
+        device_free if device_free is not None else [free_memory(d) for d in devices])]
 
     def fits(engines: MemoryEngines, est: Estimate) -> bool:
         if room is None:
@@ -144,9 +146,11 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, dev
         est = estimates[engines] = estimate(params, batch, engines, _model=built)
         if fits(engines, est) and not _host_note(est, host_free):
             engines, est = _fill_resident(params, batch, engines, est, built, budget)
+            fitted = (f"{size(budget)} ({HEADROOM:.0%} of {size(free)} free on {device})" if room is None
+                      else f"split over {', '.join(map(str, devices))} ({HEADROOM:.0%} of "
+                           f"{', '.join(size(r / HEADROOM) for r in room)} free)")
             why = (f"profile auto: {name if name != 'auto' else engines.describe()} is the fastest "
-                   f"whose {size(est.peak)} estimate fits {size(budget)} "
-                   f"({HEADROOM:.0%} of {size(free)} free on {device})"
+                   f"whose {size(est.peak)} estimate fits {fitted}"
                    + (f", with the first {engines.resident_blocks} blocks' weights resident (fewer "
                       f"copies a step)" if engines.resident_blocks and name != "auto" else ""))
             return Profile(name, engines, est, why)
