@@ -28,24 +28,31 @@ def test_the_split_follows_each_cards_free_memory():
     """42 blocks over a 12 GB and an 11 GB card: contiguous stages covering every block, the
     first card (which also holds the rest of the model and the loss) taking fewer, and no
     other contiguous split leaving more room on the fullest card."""
-    costs = StageCosts(per_block=int(0.4 * GiB), first=3 * GiB, other=GiB // 2, depth=42)
+    per = int(0.4 * GiB)
+    costs = StageCosts(per_block=(per,) * 42, first=3 * GiB, other=GiB // 2)
     free = (12 * GiB, 11 * GiB)
     split = plan_split(costs, CARDS, free)
     assert split.fits
     a, b = split.stages
     assert a.start == 0 and a.stop == b.start and b.stop == 42 and len(a) < len(b)
-    assert split.peaks == (3 * GiB + len(a) * costs.per_block, GiB // 2 + len(b) * costs.per_block)
-    best = min(max((3 * GiB + k * costs.per_block) / free[0], (GiB // 2 + (42 - k) * costs.per_block) / free[1])
+    assert split.peaks == (3 * GiB + len(a) * per, GiB // 2 + len(b) * per)
+    best = min(max((3 * GiB + k * per) / free[0], (GiB // 2 + (42 - k) * per) / free[1])
                for k in range(1, 42))
     assert _fill(split) == pytest.approx(best)
     text = split.describe()
     assert "cuda:0: blocks 0-" in text and "cuda:1: blocks" in text and "head" in text
 
-    tight = plan_split(StageCosts(GiB, 3 * GiB, GiB // 2, 42), CARDS, free)  # 45 GiB on 23
+    tight = plan_split(StageCosts((GiB,) * 42, 3 * GiB, GiB // 2), CARDS, free)  # 45 GiB on 23
     assert not tight.fits and sum(len(s) for s in tight.stages) == 42
     three = plan_split(costs, (*CARDS, torch.device("cuda", 2)), (8 * GiB, 8 * GiB, 8 * GiB))
     assert [len(s) for s in three.stages] and all(len(s) >= 1 for s in three.stages)
     assert sum(len(s) for s in three.stages) == 42 and three.fits
+    # partial checkpointing: the first 20 blocks keep only their inputs (a quarter of a
+    # block's share): the first card takes more of them
+    mixed = StageCosts((per // 4,) * 20 + (per,) * 22, 3 * GiB, GiB // 2)
+    m = plan_split(mixed, CARDS, (12 * GiB, 12 * GiB))
+    assert m.fits and len(m.stages[0]) > 21
+    assert m.peaks[0] == 3 * GiB + sum(mixed.per_block[:len(m.stages[0])])
 
 
 def test_the_devices_of_a_threaded_run():

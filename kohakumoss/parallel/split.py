@@ -39,10 +39,14 @@ GiB = 2**30
 class StageCosts:
     """Predicted bytes of one step, by where they live (``training.estimate.stage_costs``)."""
 
-    per_block: int  # one joint block: weights, trained tensors, gradients, states, activations
+    per_block: tuple[int, ...]  # each joint block: weights, trained tensors, gradients,
+    # optimizer states, kept activations (partial checkpointing: its first blocks keep less)
     first: int  # the rest, on the first device: other modules, step tensors, working set
     other: int  # on every other device: the backward's working set
-    depth: int
+
+    @property
+    def depth(self) -> int:
+        return len(self.per_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,27 +73,28 @@ def plan_split(costs: StageCosts, devices: Sequence[torch.device], free: Sequenc
     """The contiguous split of the blocks over ``devices`` (each with ``free`` bytes) that
     keeps the fullest device's predicted peak, relative to its free memory, lowest; every
     device takes at least one block where there are enough of them."""
-    n, depth = len(devices), costs.depth
+    n, depth, per = len(devices), costs.depth, costs.per_block
     base = [costs.first] + [costs.other] * (n - 1)
     least = 1 if depth >= n else 0
 
     def counts(ratio: float) -> list[int] | None:  # blocks each device holds at this fill
-        out, left = [], depth
+        out, at = [], 0
         for i in range(n):
-            room = ratio * free[i] - base[i]
-            can = left if costs.per_block == 0 else max(0, int(room // costs.per_block))
-            take = min(left - least * (n - 1 - i), max(least, can)) if i < n - 1 else left
+            room, take = ratio * free[i] - base[i], 0
+            most = depth - at - least * (n - 1 - i)
+            while i == n - 1 and at + take < depth or take < most and (
+                    take < least or sum(per[at:at + take + 1]) <= room):
+                take += 1
+            if base[i] + sum(per[at:at + take]) > ratio * free[i] + 1:
+                return None
             out.append(take)
-            left -= take
-        ok = all(base[i] + out[i] * costs.per_block <= ratio * free[i] + 1 for i in range(n))
-        return out if ok and left == 0 else None
+            at += take
+        return out if at == depth else None
 
     lo, hi = 0.0, 1.0
-    while counts(hi) is None:  # the fill at which a split exists (above 1: it does not fit)
+    while counts(hi) is None and hi < 2**20:  # the fill at which a split exists (above 1: no fit)
         hi *= 2
-        if hi > 2**20:
-            break
-    for _ in range(60):
+    for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if counts(mid) is not None else (mid, hi)
     taken = counts(hi) or [depth] + [0] * (n - 1)
@@ -97,7 +102,7 @@ def plan_split(costs: StageCosts, devices: Sequence[torch.device], free: Sequenc
     for k in taken:
         stages.append(range(start, start + k))
         start += k
-    peaks = tuple(base[i] + taken[i] * costs.per_block for i in range(n))
+    peaks = tuple(base[i] + sum(per[s.start:s.stop]) for i, s in enumerate(stages))
     return Split(tuple(devices), tuple(stages), peaks, tuple(int(f) for f in free))
 
 

@@ -20,7 +20,7 @@ from kohakumoss.memory.profiles import PROFILES_BY_MEMORY, PROFILE_ENGINES, Memo
 from kohakumoss.model.config import DiTConfig
 from kohakumoss.parallel.split import Split, plan_split
 from kohakumoss.training.estimate import (Estimate, _meta_model, estimate, placed, profile_engines, size,
-                                         stage_costs)
+                                         split_models, stage_costs)
 
 HEADROOM = 0.92  # auto keeps this share of the free memory for the step (allocator slack)
 
@@ -76,13 +76,13 @@ class Profile(NamedTuple):
 
 def device_split(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEngines,
                  devices: Sequence[torch.device], free: Sequence[int] | None = None,
-                 config: DiTConfig | None = None) -> Split:
+                 config: DiTConfig | None = None, models: tuple | None = None) -> Split:
     """The joint blocks' split over ``devices`` for a step on ``batch`` (``parallel.mode:
     threaded``): ``HEADROOM`` of each device's free memory (``free``: now) against the
     estimate's per-device share (``stage_costs``)."""
     if free is None:
         free = [int(free_memory(d) * HEADROOM) for d in devices]
-    return plan_split(stage_costs(params, batch, engines, config), devices, free)
+    return plan_split(stage_costs(params, batch, engines, config, models), devices, free)
 
 
 def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, device: torch.device,
@@ -117,10 +117,15 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, dev
     room = None if not devices else [int(f * HEADROOM) for f in (
         device_free if device_free is not None else [free_memory(d) for d in devices])]
 
+    models = None
+
     def fits(engines: MemoryEngines, est: Estimate) -> bool:
+        nonlocal models
         if room is None:
             return est.peak <= budget
-        return device_split(params, batch, engines, devices, room, config).fits
+        if models is None:  # the speed engines' meta models serve every candidate (as ``built``)
+            models = (built, split_models(params, PROFILE_ENGINES["speed"], config)[1])
+        return device_split(params, batch, engines, devices, room, config, models).fits
     built = _meta_model(params, PROFILE_ENGINES["speed"], config)
     depth = built[0].config.depth
     speed = placed(PROFILE_ENGINES["speed"], params, device)[0]

@@ -416,17 +416,38 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
 
 
 def stage_costs(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEngines,
-                config: DiTConfig | None = None) -> StageCosts:
+                config: DiTConfig | None = None, models: tuple | None = None) -> StageCosts:
     """The step's predicted bytes by where a device split puts them
-    (``kohakumoss.parallel.split``): one joint block's share (the estimate of the model less
-    that of the model one block shorter), the rest on the first device, the backward's
-    working set on the others."""
+    (``kohakumoss.parallel.split``): each joint block's share (the estimate of the model less
+    that of the model one block shorter; under ``partial`` checkpointing its first blocks
+    at ``block``'s share, the rest at ``none``'s), the rest on the first device, the
+    backward's working set on the others. ``models``: the two meta models
+    (``split_models``), built once where many engines are tried."""
     from kohakumoss.checks.params import transformer_config
 
     c = config or transformer_config(params)
-    whole = estimate(params, batch, engines, c)
+    built, short = models if models is not None else (None, None)
+    whole = estimate(params, batch, engines, c, _model=built)
     if c.depth == 1:
-        return StageCosts(whole.peak - whole.transient, whole.transient, whole.transient, 1)
-    shorter = estimate(params, batch, engines, dataclasses.replace(c, depth=c.depth - 1))
-    per = whole.peak - shorter.peak
-    return StageCosts(per, whole.peak - c.depth * per, whole.transient, c.depth)
+        return StageCosts((whole.peak - whole.transient,), whole.transient, whole.transient)
+    less = dataclasses.replace(c, depth=c.depth - 1)
+
+    def share(e: MemoryEngines) -> int:
+        return estimate(params, batch, e, c, _model=built).peak - estimate(params, batch, e, less, _model=short).peak
+
+    if engines.checkpointing == "partial":
+        k = min(engines.checkpoint_blocks, c.depth)
+        per = (share(dataclasses.replace(engines, checkpointing="block")),) * k + \
+            (share(dataclasses.replace(engines, checkpointing="none")),) * (c.depth - k)
+    else:
+        per = (share(engines),) * c.depth
+    return StageCosts(per, whole.peak - sum(per), whole.transient)
+
+
+def split_models(params: Params, engines: MemoryEngines, config: DiTConfig | None = None) -> tuple:
+    """The meta models ``stage_costs`` estimates, the whole and one joint block shorter."""
+    from kohakumoss.checks.params import transformer_config
+
+    c = config or transformer_config(params)
+    return (_meta_model(params, engines, c),
+            _meta_model(params, engines, dataclasses.replace(c, depth=c.depth - 1)) if c.depth > 1 else None)
