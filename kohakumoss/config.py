@@ -44,9 +44,10 @@ class DatasetEntry:
     weight: float = 1.0
     loss_weight: float = 1.0
     caption: Any = None  # a caption TemplateSpec overriding caption.template, or None
+    validation: bool = False  # held out whole: evaluated (validation.every), never trained on
 
 
-DATASET_KEYS = ("weight", "loss_weight", "caption")
+DATASET_KEYS = ("weight", "loss_weight", "caption", "validation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +189,7 @@ class AdapterConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
-    lr: float = knob(1e-4, check=lambda v: v > 0, allowed="a number > 0")
+    lr: float = knob(1e-4, check=lambda v: v >= 0, allowed="a number >= 0 (0: the weights stay as they are, a sanity check)")
     betas: tuple[float, float] = knob((0.9, 0.999), check=lambda v: all(0 <= b < 1 for b in v),
                                       allowed="[beta1, beta2] in [0, 1)")
     eps: float = knob(1e-8, check=lambda v: v > 0, allowed="a number > 0")
@@ -238,6 +239,19 @@ class ExportConfig:
     rotations: Literal["blocks", "diff"] = knob(
         "blocks", help="OFT/BOFT in the comfy file: native blocks (compact; ComfyUI's strength "
                        "slider is exact at 1 only) or a dense diff (exact at every strength)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationConfig:  # docs/training.md#validation
+    every: int = knob(0, check=lambda v: v >= 0, allowed="an integer >= 0 (steps; 0: no validation)")
+    # the held-out share of every dataset's images (by a hash of each image's identity: the
+    # same images stay out as the catalog grows); a dataset entry's ``validation: true``
+    # holds out that whole dataset
+    share: float = knob(0.0, check=lambda v: 0.0 <= v < 1.0, allowed="a number in [0, 1)")
+    max_samples: int = knob(64, check=lambda v: v >= 1, allowed="an integer >= 1 (held-out images evaluated)")
+    # the noise levels each held-out image is evaluated at (one band each, reported apart)
+    sigmas: tuple[float, ...] = knob((0.1, 0.3, 0.5, 0.7, 0.9), check=lambda v: len(v) >= 1 and all(
+        0.0 < s < 1.0 for s in v), allowed="a non-empty list of noise levels in (0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +386,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "objective": ObjectiveConfig,
     "preview": PreviewConfig,
+    "validation": ValidationConfig,
     "export": ExportConfig,
     "train": TrainConfig,
     "kernels": KernelsConfig,
@@ -396,6 +411,7 @@ class Params:
     optim: OptimConfig
     objective: ObjectiveConfig
     preview: PreviewConfig
+    validation: ValidationConfig
     export: ExportConfig
     train: TrainConfig
     kernels: KernelsConfig

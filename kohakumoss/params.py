@@ -38,8 +38,9 @@ def parse_dataset(mapping: Any, where: str) -> DatasetEntry:
     caption = mapping.get("caption")
     if caption is not None:
         caption = parse_template(caption, f"{where}.caption")
+    validation = coerce(bool, mapping.get("validation", False), f"{where}.validation")
     return DatasetEntry(source=name, args=args, weight=weight, loss_weight=loss_weight,
-                        caption=caption)
+                        caption=caption, validation=validation)
 
 
 def parse_params(raw: Any, path: str = "params.yaml") -> Params:

@@ -29,7 +29,7 @@ from kohakumoss.cache.store import TensorStore
 from kohakumoss.cache.weights import Source, claim, require
 from kohakumoss.config import Params
 from kohakumoss.data.catalogset import load_catalogs
-from kohakumoss.data.planfile import read_plan
+from kohakumoss.data.planfile import read_plan, read_validation
 
 # the params each stage reads (dvc.yaml declares them; the manifest does not record them)
 TEXT_PARAMS = ["model.text_encoder", "model.tokenizer", "encoders.device", "encoders.text_dtype",
@@ -106,11 +106,19 @@ def _finish(kind: str, p: Params, out: Path, store: TensorStore, items: dict, st
     return manifest
 
 
+def _with_validation(plan_dir: str | Path):
+    """The plan's rows and its held-out rows: the caches hold what training and validation read."""
+    import pyarrow as pa
+
+    table, _ = read_plan(plan_dir)
+    return pa.concat_tables([table, read_validation(plan_dir)])
+
+
 def build_text_cache(p: Params, plan_dir: str | Path, out: str | Path) -> tuple[Manifest, FillStats]:
     from kohakumoss.encoders.text import TextEncoder
 
     out = Path(out)
-    table, _ = read_plan(plan_dir)
+    table = _with_validation(plan_dir)
     identity = text_identity(p)
     store = TensorStore(out, p.cache.dtype, p.cache.shard_mb << 20, stage="cache_text")
     items = text_items(table, identity, p.cache.dtype)
@@ -132,7 +140,7 @@ def build_latent_cache(p: Params, plan_dir: str | Path, catalog_dir: str | Path,
     from kohakumoss.encoders.vae import VAE
 
     out = Path(out)
-    table, _ = read_plan(plan_dir)
+    table = _with_validation(plan_dir)
     cs = load_catalogs(catalog_dir, p.data.datasets)
     identity = vae_identity(p)
     store = TensorStore(out, p.cache.dtype, p.cache.shard_mb << 20, stage="cache_latents")

@@ -113,8 +113,9 @@ class PlanBatches:
     def __init__(self, plan_dir: str | Path, datasets: tuple[DatasetEntry, ...],
                  resolution: ResolutionConfig, catalog_dir: str | Path, rank: int = 0,
                  world: int = 1, pixels: bool = True, max_pixels: int = MAX_IMAGE_PIXELS,
-                 plan_world: int | None = None):
+                 plan_world: int | None = None, file: str = "plan.parquet"):
         self.plan_dir = Path(plan_dir)
+        self.file = file  # validation.parquet: the held-out batches
         self.catalog_dir = Path(catalog_dir)
         self.datasets = datasets
         self.resolution = resolution
@@ -132,9 +133,10 @@ class PlanBatches:
 
     def _load(self) -> dict[str, np.ndarray]:
         if self._cols is None:
-            table = pq.read_table(self.plan_dir / "plan.parquet")
+            table = pq.read_table(self.plan_dir / self.file)
             cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
-            starts = np.searchsorted(cols["batch"], np.arange(int(cols["batch"][-1]) + 2))
+            last = int(cols["batch"][-1]) if len(cols["batch"]) else -1
+            starts = np.searchsorted(cols["batch"], np.arange(last + 2))
             cols["_starts"] = starts
             self._cols = cols
         return self._cols

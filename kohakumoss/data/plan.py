@@ -31,7 +31,7 @@ from kohakumoss.data.batching import fit_overlong, keep_seed, pack_count, pack_f
 from kohakumoss.data.captions import estimate_text_tokens, render_caption
 from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.resolution import Resolver
-from kohakumoss.seeding import rng_of
+from kohakumoss.seeding import rng_of, seed_of
 from kohakumoss.errors import KohakuError
 from kohakumoss.progress import progress as progress_bar
 
@@ -101,6 +101,12 @@ class Planner:
             est[sl] = self._estimate(chars)
         self.text_estimate = est
         self._captions: dict[tuple[int, int], str] = {}
+        self.held = validation_rows(params, catalogs)  # never trained on
+
+    @property
+    def train_weight(self) -> np.ndarray:
+        """Each row's sampling weight, the held-out rows' zero."""
+        return np.where(self.held, np.float32(0), self.cs.weight).astype(np.float32)
 
     def _estimate(self, chars: Any) -> Any:
         c = self.p.caption
@@ -116,7 +122,7 @@ class Planner:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         rng = rng_of("epoch-order", self.seed, epoch)
-        w = self.cs.weight
+        w = self.train_weight
         whole = np.floor(w).astype(np.int64)
         frac = (w - whole.astype(np.float32)).astype(np.float32)
         extra = rng.random(len(w), dtype=np.float32) < frac
@@ -151,6 +157,35 @@ class Planner:
         order = self.epoch_order(epoch)
         occ = [self.occurrence(epoch, pos, int(r)) for pos, r in enumerate(order)]
         self._text_tokens(occ)
+        kept, dropped, fitted = self._fitted(occ, epoch)
+        batches, unbatched = self._batched(kept)
+        if self.p.resolution.mode == "bucket" or self.p.batching.mode == "tokens_ffd":
+            perm = rng_of("batch-order", self.seed, epoch).permutation(len(batches))
+            batches = [batches[i] for i in perm]
+        return EpochResult(batches, len(occ), dropped, fitted, unbatched)
+
+    def plan_validation(self) -> list[list[Occurrence]]:
+        """The held-out images' batches (``held``): the first ``validation.max_samples`` by
+        identity, each once, centre-cropped, unflipped, its first caption variant, packed
+        as the training batches are (``docs/training.md#validation``)."""
+        rows = np.flatnonzero(self.held)
+        rows = rows[np.argsort(self.cs.uid[rows], kind="stable")][: self.p.validation.max_samples]
+        occ = []
+        for pos, r in enumerate(rows.tolist()):
+            w, h, th, tw = int(self.cs.w[r]), int(self.cs.h[r]), int(self.th[r]), int(self.tw[r])
+            box = self.resolver.crop_box(w, h, th, tw, None)
+            occ.append(Occurrence(0, pos, r, (th, tw), tuple(int(v) for v in box), False, 0))
+        self._text_tokens(occ)
+        kept, _, _ = self._fitted(occ, 0)
+        batches, _ = self._batched(kept)
+        for batch in batches:
+            for o in batch:
+                if o.caption is None:
+                    o.caption = self.caption(o.row, o.variant)
+        return batches
+
+    def _fitted(self, occ: list[Occurrence], epoch: int) -> tuple[list[Occurrence], int, int]:
+        """The occurrences that fit ``batching.max_tokens`` (fitted as ``overlong`` says)."""
         b = self.p.batching
         kept, dropped, fitted = [], 0, 0
         for o in occ:
@@ -168,6 +203,10 @@ class Planner:
                 o.img_keep = fit.img_keep
                 o.keep_seed = keep_seed(self.seed, epoch, o.position, int(self.cs.uid[o.row]))
             kept.append(o)
+        return kept, dropped, fitted
+
+    def _batched(self, kept: list[Occurrence]) -> tuple[list[list[Occurrence]], int]:
+        b = self.p.batching
         if self.p.resolution.mode == "bucket":
             streams: dict[tuple[int, int], list[Occurrence]] = {}
             for o in kept:
@@ -187,14 +226,15 @@ class Planner:
                 groups, left = pack_count(len(stream), b.batch_size, b.drop_last)
                 unbatched += left
             batches += [[stream[i] for i in g] for g in groups]
-        if self.p.resolution.mode == "bucket" or b.mode == "tokens_ffd":
-            perm = rng_of("batch-order", self.seed, epoch).permutation(len(batches))
-            batches = [batches[i] for i in perm]
-        return EpochResult(batches, len(occ), dropped, fitted, unbatched)
+        return batches, unbatched
 
     def plan_batches(self, total: int, progress: bool = True) -> tuple[list[list[Occurrence]], list[EpochResult]]:
         if not self.cs.live.any():
             raise PlanError("the catalogs hold no live image; check the datasets and run `kmoss scan`")
+        if not (self.cs.live & ~self.held).any():
+            raise PlanError("every live image is held out for validation (validation.share, or "
+                            "datasets with validation: true): lower validation.share or train "
+                            "on another dataset entry")
         batches: list[list[Occurrence]] = []
         epochs: list[EpochResult] = []
         with progress_bar(total, "plan", "batch", leave=False, enabled=progress) as bar:
@@ -217,6 +257,19 @@ class Planner:
                 if o.caption is None:
                     o.caption = self.caption(o.row, o.variant)
         return batches, epochs
+
+
+def validation_rows(p: Params, cs: CatalogSet) -> np.ndarray:
+    """Which catalog rows are held out for validation: every live row of a dataset entry
+    with ``validation: true``, and ``validation.share`` of the others, by a hash of each
+    row's identity (the same rows stay out as a catalog grows)."""
+    held = np.array([cs.datasets[int(d)].validation for d in cs.dataset], bool) if len(cs) \
+        else np.zeros(0, bool)
+    share = p.validation.share
+    if share > 0:
+        draws = np.array([seed_of("validation", int(u)) for u in cs.uid], np.float64) / 2.0**64
+        held |= draws < share
+    return held & cs.live
 
 
 def total_batches(p: Params) -> int:

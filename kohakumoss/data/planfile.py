@@ -3,6 +3,7 @@
 Directory layout (a DVC output)::
 
     <out>/plan.parquet    columns below, sorted by (batch, slot)
+    <out>/validation.parquet  the held-out batches, the same columns (validation:)
     <out>/summary.json    statistics a person can read (docs/data.md#plan-summary)
     <out>/manifest.json   kind "plan"; its content_hash names the run's data order
 
@@ -34,9 +35,10 @@ from kohakumoss.data.catalogset import CatalogSet, check_files, load_catalogs
 from kohakumoss.data.plan import EpochResult, Occurrence, Planner, budget_mode, total_batches
 
 KIND = "plan"
-SCHEMA = 1
+SCHEMA = 2  # 2: validation.parquet beside plan.parquet
+VALIDATION = "validation.parquet"  # the held-out batches (docs/training.md#validation)
 PARAMS = ["run.seed", "data.datasets", "resolution", "caption", "batching", "train.steps",
-          "train.grad_accum", "parallel.world_size"]
+          "train.grad_accum", "parallel.world_size", "validation.share", "validation.max_samples"]
 CODE = ("kohakumoss.data.plan", "kohakumoss.data.planfile", "kohakumoss.data.captions",
         "kohakumoss.data.resolution", "kohakumoss.data.batching", "kohakumoss.seeding",
         "kohakumoss.data.catalogset", "kohakumoss.data.tokens")
@@ -53,8 +55,13 @@ PLAN_SCHEMA = pa.schema([
 ])
 
 
-def plan_table(p: Params, cs: CatalogSet, batches: list[list[Occurrence]]) -> pa.Table:
+def plan_table(p: Params, cs: CatalogSet, batches: list[list[Occurrence]],
+               validation: bool = False) -> pa.Table:
+    """The rows of ``batches``; ``validation``: the held-out batches (``validation.parquet``:
+    one process reads them all, step 0, no text dropped)."""
     world, acc, seed, drop = p.parallel.world_size, p.train.grad_accum, p.run.seed, p.caption.text_drop
+    if validation:
+        world, acc, drop = 1, 1 << 62, 0.0
     occ = [o for b in batches for o in b]
     g = np.repeat(np.arange(len(batches), dtype=np.int64), [len(b) for b in batches])
     slot = np.concatenate([np.arange(len(b)) for b in batches]) if batches else np.zeros(0, np.int64)
@@ -135,22 +142,38 @@ def make_plan(params: Params, catalog_dir: str | Path, out: str | Path) -> tuple
         from kohakumoss.data.tokens import TokenCounter, tokenizer_identity
 
         counter = TokenCounter(params.caption.tokenizer, params.caption.max_text_tokens).count_many
-    batches, epochs = Planner(params, cs, counter).plan_batches(total_batches(params))
+    planner = Planner(params, cs, counter)
+    batches, epochs = planner.plan_batches(total_batches(params))
     table = plan_table(params, cs, batches)
     with atomic_path(out / "plan.parquet") as tmp:
         pq.write_table(table, tmp, compression="zstd")
+    held = plan_table(params, cs, planner.plan_validation(), validation=True)
+    with atomic_path(out / VALIDATION) as tmp:
+        pq.write_table(held, tmp, compression="zstd")
     summary = summarize(params, cs, table, epochs)
+    summary["validation"] = {"held_out": int(planner.held.sum()), "samples": held.num_rows,
+                             "batches": len(set(held.column("batch").to_pylist()))}
     atomic_write_json(out / "summary.json", summary)
     extra_params = {}
     if counter is not None:
         extra_params["tokenizer"] = tokenizer_identity(params.caption.tokenizer)
     manifest = make_manifest(
         KIND, SCHEMA, params={**stage_params(params, PARAMS), **extra_params}, inputs=inputs,
-        code=code_version(*CODE), directory=out, files=["plan.parquet", "summary.json"],
+        code=code_version(*CODE), directory=out, files=["plan.parquet", VALIDATION, "summary.json"],
         info={"batches": summary["batches"], "samples": summary["samples"],
               "epochs": summary["epochs_planned"]})
     write_manifest(out, manifest)
     return manifest, summary
+
+
+def read_validation(directory: str | Path) -> pa.Table:
+    """The held-out batches of a plan read by ``read_plan`` (checked with it)."""
+    path = Path(directory) / VALIDATION
+    try:
+        return pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ArtifactError(f"{path} is unreadable ({e}); rebuild it with `kmoss plan` "
+                            f"(or `dvc repro`)") from None
 
 
 def read_plan(directory: str | Path) -> tuple[pa.Table, Manifest]:

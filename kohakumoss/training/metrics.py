@@ -56,8 +56,8 @@ class RunLog:
     def _write(self, row: dict[str, Any]) -> None:
         self.live.step = int(row["step"])
         for name, value in row.items():
-            if name != "step":
-                self.live.log_metric(PREFIX + name, float(value))
+            if name != "step":  # a name with its own prefix (val/) keeps it
+                self.live.log_metric(name if "/" in name else PREFIX + name, float(value))
         self.live.next_step()
 
     def log(self, step: int, **values: float) -> None:

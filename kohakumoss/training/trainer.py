@@ -250,6 +250,17 @@ class Trainer:
                                  self.precision.compute)
             if start == 0:  # the untrained model's images: what the trained ones compare with
                 previews.run(0, self.log)
+        validator = None  # the held-out images' loss (a sharded model: every rank evaluates)
+        if (main or self.stepper.collective) and p.validation.every > 0 and start < steps:
+            from kohakumoss.training.validation import Validator
+
+            validator = Validator(self) or None
+            if validator is None:
+                log.warning("validation.every = %d but the plan holds no held-out image: set "
+                            "validation.share or a dataset entry's validation: true",
+                            p.validation.every)
+            elif start == 0 and main:
+                self.log.log(0, **validator.run(0))
         losses, skipped = [], []
         if start < steps:
             ahead = Ahead(iter(make_loader(self.batches, start=start * acc, end=steps * acc,
@@ -268,11 +279,16 @@ class Trainer:
                             step + 1, grad_norm)
             dt = time.perf_counter() - t0
             t0 = time.perf_counter()
-            if main and ((step + 1) % p.train.log_every == 0 or step + 1 == steps):
+            held = validator.run(step + 1) if validator is not None and (
+                validator.due(step + 1) or step + 1 == steps) else {}
+            if held:  # the next step's samples/s leaves the evaluation out
+                t0 = time.perf_counter()
+            if main and ((step + 1) % p.train.log_every == 0 or step + 1 == steps or held):
                 scale = {"loss_scale": self.stepper.scaler.scale} if self.stepper.scaler.scale else {}
                 self.log.log(step + 1, loss=loss, lr=self.scheduler.get_last_lr()[0],
                              grad_norm=grad_norm, samples_per_s=samples / max(dt, 1e-9),
-                             skipped=int(not finite), memory_gib=_memory_gib(self.device), **scale)
+                             skipped=int(not finite), memory_gib=_memory_gib(self.device),
+                             **scale, **held)
             bar.set_postfix({"loss": f"{loss:.4f}", "lr": f"{self.scheduler.get_last_lr()[0]:.2e}",
                              "samples/s": f"{samples / max(dt, 1e-9):.1f}",
                              "mem": f"{_memory_gib(self.device):.1f}G"})
@@ -294,6 +310,7 @@ class Trainer:
         # a pure function of the checkpoints: the same after a resume, a no-op or a re-run
         atomic_write_json(self.paths.run / "summary.json", {
             "steps": steps, "final_loss": rows[-1].get("loss") if rows else None,
+            "final_val_loss": next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), None),
             "skipped_steps": [r["step"] for r in rows if r.get("skipped")],
             "checkpoint": last.name if last else None, **self.identity})
         return TrainResult(start, steps, losses, skipped, last)
