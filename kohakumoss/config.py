@@ -179,6 +179,11 @@ class AdapterConfig:
     mode: Literal["bypass", "merge"] = "bypass"
     loraplus_ratio: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0 (1 = off)")
     train_norms: bool = False
+    # learning-rate multipliers by where a trained tensor sits (times optim.lr, and LoRA+'s
+    # ratio for the up factors): the joint blocks and the rest, the text refiner, trained norms
+    lr_blocks: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0 (times optim.lr)")
+    lr_text_refiner: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0 (times optim.lr)")
+    lr_norms: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0 (times optim.lr)")
 
     @property
     def full(self) -> bool:

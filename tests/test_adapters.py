@@ -602,3 +602,39 @@ def test_a_loaded_files_factors_are_cast_together_and_come_off_with_it(tmp_path,
         assert handle.cast_hook is None and not base._forward_pre_hooks
         assert not any("kmoss_casts" in m.__dict__ for m in handle.modules.values())
     assert torch.equal(outs[0], outs[1])
+
+
+def _one_step_deltas(**adapter):
+    """Each trained tensor's change over one AdamW step of the tiny model (same seed, same
+    batch), with the adapter settings ``adapter``."""
+    from kohakumoss.config import OptimConfig
+    from kohakumoss.training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = _model(torch.float32)
+    aset = apply_adapters(model, _cfg("lora", preset="attn-mlp+text-refiner", train_norms=True, **adapter), 0)
+    for lyco in aset.modules.values():  # a trained state: every factor gets a gradient
+        torch.nn.init.normal_(lyco.lora_up.weight, std=0.02)
+    before = {n: p.detach().clone() for n, p in aset.named_trainable()}
+    opt = build_optimizer(aset.named_trainable(), OptimConfig(lr=1e-3, weight_decay=0.0), aset.lr_scale())
+    inputs, _ = _batch()
+    model(*inputs).square().mean().backward()
+    opt.step()
+    return {n: p.detach() - before[n] for n, p in aset.named_trainable()}, aset
+
+
+def test_loraplus_and_the_group_rates_change_only_their_tensors_step():
+    """One AdamW step: LoRA+ scales the up (B) factors' change by its ratio and leaves every
+    other tensor's as it was; the text refiner's and the norms' rates scale theirs alone."""
+    plain, aset = _one_step_deltas()
+    plus, _ = _one_step_deltas(loraplus_ratio=4.0)
+    grouped, _ = _one_step_deltas(lr_text_refiner=0.5, lr_norms=2.0)
+    ups = [n for n in plain if n.endswith("lora_up.weight")]
+    assert ups and any(aset.lr_group(n) == "text_refiner" for n in plain)
+    assert any(aset.lr_group(n) == "norms" for n in plain)
+    for n, d in plain.items():
+        assert d.abs().max() > 0, n
+        want = 4.0 * d if n in ups else d
+        torch.testing.assert_close(plus[n], want, rtol=1e-4, atol=2e-7)  # the weights round at ~6e-8
+        factor = {"text_refiner": 0.5, "norms": 2.0, "blocks": 1.0}[aset.lr_group(n)]
+        torch.testing.assert_close(grouped[n], factor * d, rtol=1e-4, atol=2e-7)  # the weights round at ~6e-8

@@ -147,14 +147,29 @@ class AdapterSet:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_trainable()]
 
+    def lr_group(self, name: str) -> str:
+        """Where trained tensor ``name`` sits: ``norms`` (a trained norm), ``text_refiner``
+        or ``blocks`` (the joint blocks and every other target)."""
+        if name.endswith(".w_norm"):
+            return "norms"
+        return "text_refiner" if name.startswith("lora_unet_text_embedder_") else "blocks"
+
     def lr_scale(self) -> dict[str, float]:
-        """LoRA+: ``loraplus_ratio`` for each zero-initialised factor (empty when the ratio is 1)."""
-        ratio = self.cfg.loraplus_ratio
-        if ratio == 1:
-            return {}
-        return {f"{lyco.lora_name}.{n}": ratio for lyco in self.modules.values()
-                for n, p in lyco.named_parameters() if p.requires_grad
-                and any(n == f or n.startswith(f + ".") for f in LORA_PLUS.get(kind_of(lyco), ()))}
+        """Each trained tensor's learning-rate factor other than 1: its group's
+        (``adapter.lr_blocks``, ``lr_text_refiner``, ``lr_norms``) times, for each
+        zero-initialised factor, LoRA+'s ``loraplus_ratio``."""
+        c, ratio = self.cfg, self.cfg.loraplus_ratio
+        groups = {"blocks": c.lr_blocks, "text_refiner": c.lr_text_refiner, "norms": c.lr_norms}
+        plus = set() if ratio == 1 else {
+            f"{lyco.lora_name}.{n}" for lyco in self.modules.values()
+            for n, p in lyco.named_parameters() if p.requires_grad
+            and any(n == f or n.startswith(f + ".") for f in LORA_PLUS.get(kind_of(lyco), ()))}
+        out = {}
+        for name, _ in self.named_trainable():
+            f = groups[self.lr_group(name)] * (ratio if name in plus else 1.0)
+            if f != 1.0:
+                out[name] = f
+        return out
 
     def param_groups(self, lr: float, weight_decay: float = 0.0,
                      decay_rule: str = "moss") -> list[dict]:
