@@ -119,3 +119,29 @@ def test_the_validation_loss_falls_as_it_learns_and_is_flat_at_learning_rate_zer
     flat, learning = curves[0.0], curves[1e-2]
     assert len(flat) == 4 and len(set(flat)) == 1
     assert learning[0] == flat[0] and learning[-1] < learning[0]
+
+
+def test_a_t_lora_run_validates_at_full_rank_between_its_steps(held, monkeypatch):
+    """T-LoRA ranks follow each training batch's timesteps; a validation pass between steps
+    runs at full rank (no training batch's masks installed) and training resumes exactly as
+    without it."""
+    from kohakumoss.training import validation as val_mod
+
+    masked = []
+    real = val_mod.Validator._loss
+
+    def spy(self, *args, **kwargs):
+        masked.append(bool(self.trainer.trainable.adapters.masks))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(val_mod.Validator, "_loss", spy)
+    tmp, ds, val = held
+    base = dict(train={"steps": 3, "checkpoint_every": 3}, adapter={"algo": "tlora", "dim": 4, "alpha": 4})
+    params = _params(tmp, ds, val, **base)
+    paths = _prepare(tmp, params)
+    plain = Trainer(load_params(params), paths).run(progress=False)
+    shown = _params(tmp, ds, val, **base, validation={"every": 1})
+    other = RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp / "runs" / "t")
+    assert Trainer(load_params(shown), other).run(progress=False).losses == plain.losses
+    assert [r["step"] for r in _rows(other.checkpoints / "step-000003") if "val/loss" in r] == [0, 1, 2, 3]
+    assert masked and not any(masked)

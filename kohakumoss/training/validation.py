@@ -68,6 +68,9 @@ class Validator:
         t0 = time.perf_counter()
         was = t.model.training
         t.model.eval()  # dropout off: the weights alone decide the figures
+        adapters = getattr(t.trainable, "adapters", None)  # its draws off, T-LoRA at full rank
+        if adapters is not None:
+            adapters.eval()
         sums = torch.zeros(len(self.sigmas), dtype=torch.float64)
         tokens = 0
         try:
@@ -86,6 +89,8 @@ class Validator:
                                                    tokens, device))
         finally:
             t.model.train(was)
+            if adapters is not None:  # back on from the next step's prepare_step
+                adapters.train(was)
         dt = time.perf_counter() - t0
         if not tokens:
             return {}
