@@ -16,3 +16,12 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
             raise ValueError(f"device {name!r}: CUDA is not available here; use 'cpu' or 'auto'")
         return torch.device(name)
     raise ValueError(f"device {name!r} is not one of auto, cpu, cuda, cuda:N")
+
+
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with the index a tensor's ``.device`` carries (a bare ``cuda`` is the
+    current device), so comparisons, streams and other threads name the same card."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

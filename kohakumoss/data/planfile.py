@@ -61,7 +61,7 @@ def plan_table(p: Params, cs: CatalogSet, batches: list[list[Occurrence]],
     one process reads them all, step 0, no text dropped)."""
     world, acc, seed, drop = p.parallel.world_size, p.train.grad_accum, p.run.seed, p.caption.text_drop
     if validation:
-        world, acc, drop = 1, 1 << 62, 0.0
+        world, drop = 1, 0.0
     occ = [o for b in batches for o in b]
     g = np.repeat(np.arange(len(batches), dtype=np.int64), [len(b) for b in batches])
     slot = np.concatenate([np.arange(len(b)) for b in batches]) if batches else np.zeros(0, np.int64)
@@ -72,7 +72,8 @@ def plan_table(p: Params, cs: CatalogSet, batches: list[list[Occurrence]],
     dataset = cs.dataset[rows]
     loss_weight = np.array([d.loss_weight for d in cs.datasets], np.float32)
     cols = {
-        "batch": g, "index": index, "rank": rank, "step": index // acc, "micro": index % acc,
+        "batch": g, "index": index, "rank": rank,
+        "step": index * 0 if validation else index // acc, "micro": index * 0 if validation else index % acc,
         "slot": slot, "epoch": [o.epoch for o in occ], "position": [o.position for o in occ],
         "dataset": dataset, "row": cs.local[rows], "uid": cs.uid[rows],
         "src_w": cs.w[rows], "src_h": cs.h[rows], "target_h": target[:, 0], "target_w": target[:, 1],

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kohakumoss.memory.placement import indexed
+from kohakumoss.device import indexed
 
 
 class HostUpdate:

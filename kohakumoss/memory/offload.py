@@ -27,7 +27,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from kohakumoss.memory.checkpointing import repeated_blocks
-from kohakumoss.memory.placement import indexed
+from kohakumoss.device import indexed
 from kohakumoss.memory.replay import KeptAttention, unevaluated
 from kohakumoss.model.dit import HALVES, MOSSImageTransformer
 from kohakumoss.model.engines import EngineRegistry, Handle

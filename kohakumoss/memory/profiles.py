@@ -2,7 +2,7 @@
 (``docs/memory.md``). ``manual`` takes them from the ``memory:`` section; ``auto`` is
 resolved by the trainer from the estimator (``kohakumoss.training.estimate``): the fastest
 engines whose predicted peak fits the memory the device has free. Reading the params is
-``kohakumoss.training.estimate.profile_engines``'s.
+``kohakumoss.training.autoprofile.profile_engines``'s.
 
 What each profile runs:
 

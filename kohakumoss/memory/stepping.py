@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from kohakumoss.memory.overlap import _in_parameter_order, snapshot
-from kohakumoss.memory.placement import indexed
+from kohakumoss.device import indexed
 
 
 class FusedStep:

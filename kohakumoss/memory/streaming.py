@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from kohakumoss.memory.checkpointing import repeated_blocks
 from kohakumoss.memory.host_copies import NodeCopies, OwnCopies
-from kohakumoss.memory.placement import indexed
+from kohakumoss.device import indexed
 from kohakumoss.model.dit import MOSSImageTransformer
 from kohakumoss.model.engines import Handle
 

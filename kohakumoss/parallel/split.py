@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kohakumoss.device import resolve_device
+from kohakumoss.device import indexed, resolve_device
 from kohakumoss.model.engines import Handle
 
 GiB = 2**30
@@ -37,7 +37,7 @@ GiB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class StageCosts:
-    """Predicted bytes of one step, by where they live (``training.estimate.stage_costs``)."""
+    """Predicted bytes of one step, by where they live (``training.autoprofile.stage_costs``)."""
 
     per_block: tuple[int, ...]  # each joint block: weights, trained tensors, gradients,
     # optimizer states, kept activations (partial checkpointing: its first blocks keep less)
@@ -113,10 +113,6 @@ def _size(b: float) -> str:
 def split_devices(names: Sequence[str], run_device: torch.device) -> tuple[torch.device, ...]:
     """The devices of ``parallel.devices`` (``names``), the first the run's own
     (``train.device``); none named: every visible CUDA card, or two stages on the CPU."""
-    def indexed(d: torch.device) -> torch.device:
-        d = torch.device(d)
-        return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
-
     run_device = indexed(run_device)
     if not names:
         if run_device.type == "cuda":

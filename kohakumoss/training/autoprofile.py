@@ -18,9 +18,8 @@ from kohakumoss.config import Params
 from kohakumoss.memory.checkpointing import repeated_blocks
 from kohakumoss.memory.profiles import PROFILES_BY_MEMORY, PROFILE_ENGINES, MemoryEngines, slowdown
 from kohakumoss.model.config import DiTConfig
-from kohakumoss.parallel.split import Split, plan_split
-from kohakumoss.training.estimate import (Estimate, _meta_model, estimate, placed, profile_engines, size,
-                                         split_models, stage_costs)
+from kohakumoss.parallel.split import Split, StageCosts, plan_split
+from kohakumoss.training.estimate import Estimate, _meta_model, estimate, placed, size
 
 HEADROOM = 0.92  # auto keeps this share of the free memory for the step (allocator slack)
 
@@ -35,6 +34,19 @@ def free_memory(device: torch.device) -> int:
         return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def profile_engines(params: Params) -> MemoryEngines:
+    """The engines of ``params.profile`` (``manual``: the ``memory:`` section). ``auto`` is
+    resolved against free memory by ``resolve_profile``."""
+    if params.profile == "manual":
+        m = params.memory
+        return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute, m.stream_slots,
+                             m.optimizer, m.offload, m.rebuild, fp8_transposes=m.fp8_transposes)
+    if params.profile == "auto":
+        raise ValueError("profile auto is resolved against the device's free memory "
+                         "(resolve_profile)")
+    return PROFILE_ENGINES[params.profile]
 
 
 def _host_note(est: Estimate, host_free: int) -> str:
@@ -165,3 +177,41 @@ def resolve_profile(params: Params, batch: Sequence[tuple[int, int]] | None, dev
            f"{device}); running {name}, the leanest, at {size(est.peak)} estimated: it may run "
            f"out of memory (lower batching.max_tokens)" + _host_note(est, host_free))
     return Profile(name, engines, est, why)
+
+
+def stage_costs(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEngines,
+                config: DiTConfig | None = None, models: tuple | None = None) -> StageCosts:
+    """The step's predicted bytes by where a device split puts them
+    (``kohakumoss.parallel.split``): each joint block's share (the estimate of the model less
+    that of the model one block shorter; under ``partial`` checkpointing its first blocks
+    at ``block``'s share, the rest at ``none``'s), the rest on the first device, the
+    backward's working set on the others. ``models``: the two meta models
+    (``split_models``), built once where many engines are tried."""
+    from kohakumoss.checks.params import transformer_config
+
+    c = config or transformer_config(params)
+    built, short = models if models is not None else (None, None)
+    whole = estimate(params, batch, engines, c, _model=built)
+    if c.depth == 1:
+        return StageCosts((whole.peak - whole.transient,), whole.transient, whole.transient)
+    less = dataclasses.replace(c, depth=c.depth - 1)
+
+    def share(e: MemoryEngines) -> int:
+        return estimate(params, batch, e, c, _model=built).peak - estimate(params, batch, e, less, _model=short).peak
+
+    if engines.checkpointing == "partial":
+        k = min(engines.checkpoint_blocks, c.depth)
+        per = (share(dataclasses.replace(engines, checkpointing="block")),) * k + \
+            (share(dataclasses.replace(engines, checkpointing="none")),) * (c.depth - k)
+    else:
+        per = (share(engines),) * c.depth
+    return StageCosts(per, whole.peak - sum(per), whole.transient)
+
+
+def split_models(params: Params, engines: MemoryEngines, config: DiTConfig | None = None) -> tuple:
+    """The meta models ``stage_costs`` estimates, the whole and one joint block shorter."""
+    from kohakumoss.checks.params import transformer_config
+
+    c = config or transformer_config(params)
+    return (_meta_model(params, engines, c),
+            _meta_model(params, engines, dataclasses.replace(c, depth=c.depth - 1)) if c.depth > 1 else None)

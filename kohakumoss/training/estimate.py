@@ -35,11 +35,10 @@ import torch
 from kohakumoss.config import Params, parallel_mode
 from kohakumoss.quant import quant_plan
 from kohakumoss.memory import apply_recompute
-from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines
+from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.memory.rebuild import apply_rebuild
 from kohakumoss.memory.stepping import STATE_GROUP_NUMEL
 from kohakumoss.model.config import DiTConfig
-from kohakumoss.parallel.split import StageCosts
 from kohakumoss.model.dit import MOSSImageTransformer, cast_model
 from kohakumoss.precision import precision_policy
 
@@ -94,19 +93,6 @@ def size(b: float) -> str:
         if b >= scale:
             return f"{b / scale:.1f} {unit}"
     return f"{b / 1024:.0f} KiB"
-
-
-def profile_engines(params: Params) -> MemoryEngines:
-    """The engines of ``params.profile`` (``manual``: the ``memory:`` section). ``auto`` is
-    resolved against free memory by ``resolve_profile``."""
-    if params.profile == "manual":
-        m = params.memory
-        return MemoryEngines(m.checkpointing, m.checkpoint_blocks, m.recompute, m.stream_slots,
-                             m.optimizer, m.offload, m.rebuild, fp8_transposes=m.fp8_transposes)
-    if params.profile == "auto":
-        raise ValueError("profile auto is resolved against the device's free memory "
-                         "(resolve_profile)")
-    return PROFILE_ENGINES[params.profile]
 
 
 def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tuple[MemoryEngines, str]:
@@ -413,41 +399,3 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         return Estimate(engines, n_joint, weights, 0, grads, state_bytes, kept, transient, host)
     return Estimate(engines, n_joint, frozen, trained_count * master, grads, state_bytes, kept,
                     transient, host)
-
-
-def stage_costs(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEngines,
-                config: DiTConfig | None = None, models: tuple | None = None) -> StageCosts:
-    """The step's predicted bytes by where a device split puts them
-    (``kohakumoss.parallel.split``): each joint block's share (the estimate of the model less
-    that of the model one block shorter; under ``partial`` checkpointing its first blocks
-    at ``block``'s share, the rest at ``none``'s), the rest on the first device, the
-    backward's working set on the others. ``models``: the two meta models
-    (``split_models``), built once where many engines are tried."""
-    from kohakumoss.checks.params import transformer_config
-
-    c = config or transformer_config(params)
-    built, short = models if models is not None else (None, None)
-    whole = estimate(params, batch, engines, c, _model=built)
-    if c.depth == 1:
-        return StageCosts((whole.peak - whole.transient,), whole.transient, whole.transient)
-    less = dataclasses.replace(c, depth=c.depth - 1)
-
-    def share(e: MemoryEngines) -> int:
-        return estimate(params, batch, e, c, _model=built).peak - estimate(params, batch, e, less, _model=short).peak
-
-    if engines.checkpointing == "partial":
-        k = min(engines.checkpoint_blocks, c.depth)
-        per = (share(dataclasses.replace(engines, checkpointing="block")),) * k + \
-            (share(dataclasses.replace(engines, checkpointing="none")),) * (c.depth - k)
-    else:
-        per = (share(engines),) * c.depth
-    return StageCosts(per, whole.peak - sum(per), whole.transient)
-
-
-def split_models(params: Params, engines: MemoryEngines, config: DiTConfig | None = None) -> tuple:
-    """The meta models ``stage_costs`` estimates, the whole and one joint block shorter."""
-    from kohakumoss.checks.params import transformer_config
-
-    c = config or transformer_config(params)
-    return (_meta_model(params, engines, c),
-            _meta_model(params, engines, dataclasses.replace(c, depth=c.depth - 1)) if c.depth > 1 else None)
