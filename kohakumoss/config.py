@@ -193,7 +193,7 @@ class AdapterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: Literal["adamw", "muon"] = "adamw"
+    name: Literal["adamw", "muon", "adamw8bit", "prodigy", "schedulefree", "adafactor"] = "adamw"
     lr: float = knob(1e-4, check=lambda v: v >= 0, allowed="a number >= 0 (0: the weights stay as they are, a sanity check)")
     betas: tuple[float, float] = knob((0.9, 0.999), check=lambda v: all(0 <= b < 1 for b in v),
                                       allowed="[beta1, beta2] in [0, 1)")
@@ -203,6 +203,7 @@ class OptimConfig:
     muon_lr: float = knob(0.02, check=lambda v: v > 0, allowed="a number > 0")
     muon_momentum: float = knob(0.95, check=lambda v: 0 <= v < 1, allowed="a number in [0, 1)")
     muon_ns_steps: int = knob(5, check=lambda v: v >= 1, allowed="an integer >= 1")
+    prodigy_d_coef: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0")
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = knob(0, check=lambda v: v >= 0, allowed="an integer >= 0")
     min_lr_ratio: float = knob(0.0, check=lambda v: 0 <= v <= 1, allowed="a number in [0, 1]")

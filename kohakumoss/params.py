@@ -21,6 +21,7 @@ from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
 from kohakumoss.data.sources import SOURCES
 from kohakumoss.quant import quant_plan
+from kohakumoss.optimizers import refusal
 
 def parse_dataset(mapping: Any, where: str) -> DatasetEntry:
     if not isinstance(mapping, dict) or "source" not in mapping:
@@ -138,18 +139,33 @@ def refuse_unhonoured(p: Params) -> None:
     """Knobs that parse but that no engine honours yet: accepting them would train something
     other than what params.yaml says, so they are refused until their issue lands
     (``docs/architecture.md#refused-knobs``)."""
-    if parallel_mode(p) == "fsdp" and p.optim.name == "muon":
-        raise ConfigError(
-            f"{p.path}: parallel.world_size = {p.parallel.world_size} with adapter.algo: full and "
-            f"optim.name: muon: Muon's Newton-Schulz step needs whole matrices and the sharded "
-            f"full finetune holds 1/world of each; use optim.name: adamw, or parallel.mode: ddp "
-            f"(every rank the whole model)")
+    check_optimizer(p)
     check_precision(p)
     if p.train.dtype == "fp16" and p.precision.loss_scale == "off":
         raise ConfigError(
             f"{p.path}: train.dtype = 'fp16' with precision.loss_scale: off: fp16 gradients "
             f"underflow silently without loss scaling; set precision.loss_scale: auto, or use bf16 (any GPU from "
             f"Ampere on, and the CPU) or fp32")
+
+
+def check_optimizer(p: Params) -> None:
+    """``optim.name`` against the rest of the run (``training.optimizers.OPTIMIZERS``: what
+    each one refuses, and why)."""
+    name, o = p.optim.name, p.optim
+    uses = {"fsdp": (parallel_mode(p) == "fsdp", "parallel.world_size",
+                     f"{p.parallel.world_size} and adapter.algo: full (FSDP2)",
+                     "optim.name: adamw, or parallel.mode: ddp (every rank the whole model)"),
+            "ema": (o.ema > 0, "optim.ema", o.ema, "optim.ema: 0"),
+            "schedule": (o.schedule != "constant", "optim.schedule", o.schedule, "constant"),
+            "zero_lr": (o.lr == 0, "optim.lr", o.lr, "optim.lr > 0"),
+            p.memory.optimizer: (p.profile == "manual" and p.memory.optimizer != "device",
+                                 "memory.optimizer", p.memory.optimizer,
+                                 "memory.optimizer: device")}
+    for what, (used, knob, value, fix) in uses.items():
+        why = refusal(name, what) if used else None
+        if why:
+            raise ConfigError(f"{p.path}: {knob} = {value} with optim.name: {name}: {why}; use "
+                              f"{fix}, or another optim.name")
 
 
 def check_precision(p: Params) -> None:

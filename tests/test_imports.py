@@ -18,7 +18,8 @@ LAYERS: list[set[str]] = [
     {"kohakumoss", "errors", "faults", "seeding", "device", "progress"},
     {"configlib", "artifacts", "precision", "images"},
     {"config", "tokenizer", "model"},
-    {"diffusion"},  # the objective's ops are a contract the kernel registry serves too
+    {"diffusion", "optimizers"},  # the objective's ops (a contract the kernel registry serves
+    # too); the optimizers' table (what each refuses, its state's size)
     {"kernels", "memory", "parallel"},
     {"quant", "experimental"},  # the quantized base in one room; opt-in backends (never imported)
     {"adapters"},  # LyCORIS on the block linears (an fp8 one's node: quant's slot widths)

@@ -49,6 +49,7 @@ from kohakumoss.training.engines import (AppliedEngines, EnginePlan, apply_engin
                                          plan_token_batches, tuned_kernels)
 from kohakumoss.training.inputs import make_timesteps
 from kohakumoss.training.optim import build_optimizer, build_scheduler
+from kohakumoss.optimizers import optimizer_kind
 from kohakumoss.training.steppers import Stepper, make_stepper
 from kohakumoss.training.trainable import Trainable, make_trainable
 
@@ -219,6 +220,7 @@ def build_training(params: Params, engines: EnginePlan, model: MOSSImageTransfor
     stepper = make_stepper(
         optimizer, named, trainable, p.optim.grad_clip, model=model, ema=ema, dist=dist,
         scaler=loss_scaler(p.precision, engines.precision.compute), host=update, sharded=sharded,
+        averaged=optimizer_kind(p.optim.name).averages,
         fused=FusedStep(named, optimizer) if engines.memory.optimizer == "fused" else None,
         streamed=StreamedStates(named, optimizer, device) if engines.memory.optimizer == "streamed" else None)
     return Training(engines, applied, model, trainable, optimizer, scheduler, ema, stepper)

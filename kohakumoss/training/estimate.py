@@ -39,13 +39,14 @@ from kohakumoss.memory.profiles import MemoryEngines
 from kohakumoss.memory.rebuild import apply_rebuild
 from kohakumoss.memory.stepping import STATE_GROUP_NUMEL
 from kohakumoss.model.config import DiTConfig
-from kohakumoss.model.dit import MOSSImageTransformer, cast_model
+from kohakumoss.model.dit import REPEATED, MOSSImageTransformer, cast_model
 from kohakumoss.precision import precision_policy
+from kohakumoss.optimizers import refusal
+from kohakumoss.optimizers import state_bytes as state_bytes_of
 
 log = logging.getLogger(__name__)
 
 GiB = 2**30
-OPTIMIZER_STATES = {"adamw": 2, "muon": 1}  # fp32 states per trained parameter
 # the backward's working set, in units of one block's widest activation row (the MLP's
 # up-gate output and two model-width rows) per token: gradients of the MLP half's
 # intermediates, cuBLAS workspaces and allocator slack, calibrated on the H200 LoRA steps of
@@ -130,6 +131,11 @@ def placed(engines: MemoryEngines, params: Params, device: torch.device) -> tupl
         engines = dataclasses.replace(engines, offload=False)
         notes.append(f"activation offload is off (on {device.type} the activations are in host "
                      f"memory already)")
+    why = refusal(params.optim.name, engines.optimizer)
+    if why:  # a profile's placement this optimizer cannot take (a manual one is refused)
+        notes.append(f"the {engines.optimizer} optimizer is off: optim.name {params.optim.name} "
+                     f"runs on the device ({why})")
+        engines = dataclasses.replace(engines, optimizer="device")
     return engines, "; ".join(notes)
 
 
@@ -194,7 +200,7 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
                 ) -> tuple[MOSSImageTransformer, int, int, list[torch.Tensor]]:
     """The configured transformer on the meta device (or ``device``: tests) with the run's
     precision, recompute and trainable set: (model, frozen bytes, trained parameter count,
-    the adapter's tensors)."""
+    the trained tensors by name)."""
     from kohakumoss.adapters import apply_adapters
     from kohakumoss.checks.params import transformer_config
 
@@ -218,7 +224,7 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
         quantize_base(model, quant.base, quant.compute, ops=like)
     apply_rebuild(model)  # counted apart (``_BlockBytes.rebuilt``), taken off with ``rebuild``
     if params.adapter.full:
-        return model, 0, sum(p.numel() for p in model.parameters()), []
+        return model, 0, sum(p.numel() for p in model.parameters()), list(model.named_parameters())
     frozen = sum(t.numel() * t.element_size()  # held as computed (a quantized base: its codes)
                  for t in [*model.parameters(), *model.buffers()])
     try:
@@ -227,8 +233,8 @@ def _meta_model(params: Params, engines: MemoryEngines, config=None, device: str
         log.debug("the estimator counts a LoRA of the same rank (%s on meta: %s)", params.adapter.algo, e)
         cfg = dataclasses.replace(params.adapter, algo="lora", dora=False)
         adapters = apply_adapters(model, cfg, seed=params.run.seed)
-    tensors = [p for _, p in adapters.named_trainable()]
-    return model, frozen, sum(p.numel() for p in tensors), tensors
+    tensors = list(adapters.named_trainable())
+    return model, frozen, sum(p.numel() for _, p in tensors), tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +293,8 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
              config: DiTConfig | None = None, _model: tuple | None = None) -> Estimate:
     """The predicted peak of one training step on ``batch`` (each sample's ``(image tokens,
     text tokens)``) under ``engines``, for the params' transformer (or ``config``'s shape)."""
-    model, frozen, trained_count, adapter = _model or _meta_model(params, engines, config)
+    model, frozen, trained_count, trained = _model or _meta_model(params, engines, config)
+    adapter = [] if params.adapter.full else [t for _, t in trained]
     if engines.fp8_transposes and quant_plan(params.precision).keeps_transposes and not params.adapter.full:
         from kohakumoss.quant.linear import node_codes_bytes
         frozen += node_codes_bytes(model)  # memory.fp8_transposes: the codes' transposes kept
@@ -376,22 +383,26 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
                 frozen = slot_bytes
             else:
                 frozen += slot_bytes - sum(p.numel() * p.element_size() for u in units for _, _, p in u)
-    states = OPTIMIZER_STATES.get(params.optim.name, 2) + (1 if params.optim.ema else 0)
     resident = trained_count - streamed if params.adapter.full else trained_count
-    grads, state_bytes = resident * master, resident * master * states
+    # the optimizer's own figure over the trained tensors (and the EMA's fp32 copy); a streamed
+    # full finetune's resident share of it
+    all_states = state_bytes_of(params.optim.name, [(n, tuple(t.shape)) for n, t in trained],
+                                REPEATED) + (trained_count * master if params.optim.ema else 0)
+    states = all_states / max(1, trained_count * master)  # per trained value, in fp32 values
+    grads, state_bytes = resident * master, int(all_states * resident / max(1, trained_count))
     widest = max((t.numel() for t in (model.parameters() if params.adapter.full else adapter)),
                  default=0)
     if engines.optimizer == "host":  # gradients, states and the EMA live on the host
         # masters, their gradients, the states, and the landing buffers (the gradients'
         # dtype: the compute dtype for a streamed full finetune's blocks, else fp32)
-        host += trained_count * master * (2 + states) + (trained_count - streamed) * master \
+        host += trained_count * master * 2 + all_states + (trained_count - streamed) * master \
             + streamed * size
         grads, state_bytes = 0, 0
     elif engines.optimizer == "fused" and params.train.grad_accum == 1:
         grads = widest * master  # each gradient dropped once its tensor is updated
     elif engines.optimizer == "streamed":  # two groups' states at a time (one prefetched)
         host += state_bytes
-        state_bytes = min(state_bytes, 2 * max(widest, STATE_GROUP_NUMEL) * master * states)
+        state_bytes = min(state_bytes, int(2 * max(widest, STATE_GROUP_NUMEL) * master * states))
     if params.adapter.full:
         # fp32 masters, and autocast's copy of each in the compute dtype, kept for backward;
         # streamed: the blocks' slots, the rest resident (its masters on the host)

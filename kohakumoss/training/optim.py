@@ -1,10 +1,13 @@
-"""Optimiser side of training: parameter groups, AdamW / Muon, the LR schedule, clipping.
+"""Optimiser side of training: parameter groups, the optimisers, the LR schedule, clipping.
 
 * ``param_groups`` applies the weight-decay rule (``docs/adapters.md#optimizer-groups``) and
   per-parameter LR multipliers (LoRA+), merged by ``(lr, weight_decay)`` into few groups.
-* ``build_optimizer``: ``adamw`` is one ``torch.optim.AdamW``; ``muon`` is
-  ``torch.optim.Muon`` on the 2-D weights of the repeated blocks plus AdamW on the rest,
-  joined in a ``CombinedOptimizer`` that schedulers and checkpoints treat as one optimiser.
+* ``build_optimizer``: the ``optim.name`` of ``training.optimizers.OPTIMIZERS`` from its
+  library: ``adamw`` is one ``torch.optim.AdamW``; ``muon`` is ``torch.optim.Muon`` on the
+  2-D weights of the repeated blocks plus AdamW on the rest, joined in a
+  ``CombinedOptimizer`` that schedulers and checkpoints treat as one optimiser; torchao's
+  8-bit AdamW (its states saved as plain codes and scales), Prodigy, schedule-free AdamW
+  and torch's Adafactor over the same groups.
 * ``lr_lambda`` / ``build_scheduler``: linear warmup then constant / cosine / linear decay.
 * ``clip_and_check``: the fp32 total gradient norm, clipping, and whether it is finite.
 
@@ -14,6 +17,7 @@ trainer's job; this module only builds and steps the optimiser.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -26,13 +30,12 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from kohakumoss.config import OptimConfig
 from kohakumoss.model.dit import REPEATED
+from kohakumoss.optimizers import NO_DECAY_NAMES, is_block_matrix_shape, optimizer_kind
 
 log = logging.getLogger(__name__)
 
 NamedParams = Sequence[tuple[str, nn.Parameter]]
 
-# the ``moss`` rule: parameters whose name holds one of these never decay (nor do 1-D ones)
-NO_DECAY_NAMES = ("dora_scale", "rescale", "scalar", "lambda_layer", "alpha")
 
 
 def decays(name: str, param: torch.Tensor, rule: str) -> bool:
@@ -88,11 +91,8 @@ def _check_scale_names(lr_scale: Mapping[str, float], names: set[str]) -> None:
 
 
 def is_block_matrix(name: str, param: torch.Tensor, block_prefixes: Sequence[str]) -> bool:
-    """Muon's share: a 2-D weight (both sides > 1) inside a repeated block, not a decay-exempt
-    name (a DoRA ``dora_scale`` is [out, 1]-shaped and must not be orthogonalised)."""
-    in_block = any(name.startswith(prefix + ".") for prefix in block_prefixes)
-    return (in_block and param.ndim == 2 and min(param.shape) > 1
-            and not any(key in name for key in NO_DECAY_NAMES))
+    """Muon's share (``optimizers.is_block_matrix_shape``)."""
+    return is_block_matrix_shape(name, tuple(param.shape), block_prefixes)
 
 
 def _adamw(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -107,22 +107,54 @@ def _adamw(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.AdamW:
                              weight_decay=cfg.weight_decay, fused=True if fused else None)
 
 
+def _adamw8bit(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
+    return eight_bit_adamw()(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
+
+
+def _prodigy(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
+    from prodigyopt import Prodigy
+
+    return Prodigy(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                   weight_decay=cfg.weight_decay, d_coef=cfg.prodigy_d_coef,
+                   safeguard_warmup=cfg.warmup_steps > 0)
+
+
+def _schedulefree(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
+    from schedulefree import AdamWScheduleFree
+
+    opt = AdamWScheduleFree(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps)
+    opt.train()  # the parameters hold the trained sequence; AveragedStepper evaluates the other
+    return opt
+
+
+def _adafactor(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
+    return torch.optim.Adafactor(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+BUILDERS: dict[str, Callable[[list[dict[str, Any]], OptimConfig], Optimizer]] = {
+    "adamw": _adamw, "adamw8bit": _adamw8bit, "prodigy": _prodigy,
+    "schedulefree": _schedulefree, "adafactor": _adafactor}
+"""Each single-part optimiser of ``training.optimizers.OPTIMIZERS`` over ``param_groups``."""
+
+
 def build_optimizer(named_params: NamedParams, cfg: OptimConfig,
                     lr_scale: dict[str, float] | None = None,
                     block_prefixes: Sequence[str] = REPEATED) -> Optimizer:
-    """``adamw``: one AdamW over every trainable parameter. ``muon``: Muon (lr
-    ``cfg.muon_lr``, momentum ``cfg.muon_momentum``, ``cfg.muon_ns_steps`` Newton-Schulz
-    steps, Nesterov, torch's default shape scaling) on the 2-D weights of the repeated
-    blocks (names ``<prefix>.…`` for a prefix in ``block_prefixes``), AdamW on the rest,
-    as one ``CombinedOptimizer``. Both halves follow the decay rule and ``lr_scale``."""
+    """``cfg.name`` over every trainable parameter, following the decay rule and
+    ``lr_scale``. ``muon``: Muon (lr ``cfg.muon_lr``, momentum ``cfg.muon_momentum``,
+    ``cfg.muon_ns_steps`` Newton-Schulz steps, Nesterov, torch's default shape scaling) on
+    the 2-D weights of the repeated blocks (names ``<prefix>.…`` for a prefix in
+    ``block_prefixes``), AdamW on the rest, as one ``CombinedOptimizer``."""
     named = [(n, p) for n, p in named_params if p.requires_grad]
     if not named:
         raise ValueError("no trainable parameters to optimise; check the adapter targets or "
                          "that the model is not fully frozen")
-    if cfg.name == "adamw":
-        return _adamw(param_groups(named, cfg, lr_scale), cfg)
+    if cfg.name in BUILDERS:
+        return BUILDERS[cfg.name](param_groups(named, cfg, lr_scale), cfg)
     if cfg.name != "muon":
-        raise ValueError(f"unknown optimiser {cfg.name!r}; one of adamw, muon")
+        raise ValueError(f"unknown optimiser {cfg.name!r}; one of {', '.join([*BUILDERS, 'muon'])}")
     scale = dict(lr_scale or {})
     _check_scale_names(scale, {n for n, _ in named})  # each half below sees only its own
     matrices = [(n, p) for n, p in named if is_block_matrix(n, p, block_prefixes)]
@@ -140,6 +172,38 @@ def build_optimizer(named_params: NamedParams, cfg: OptimConfig,
         parts.append(_adamw(param_groups(rest, cfg, {n: scale[n] for n, _ in rest
                                                      if n in scale}), cfg))
     return CombinedOptimizer(parts)
+
+
+CODES = ("codes", "scale", "qmap", "signed")  # an 8-bit state as saved: torchao's fields
+
+
+@functools.cache
+def eight_bit_adamw() -> type[Optimizer]:
+    """torchao's ``AdamW8bit`` whose state dict holds each 8-bit moment as plain tensors
+    (``{"codes", "scale", "qmap", "signed"}``: the uint8 codes, one fp32 scale per block,
+    the code map) instead of a tensor subclass, so a checkpoint saves it without pickle and
+    a resume rebuilds the same state bit for bit."""
+    from torchao.optim import AdamW8bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    class PlainStateAdamW8bit(AdamW8bit):
+        def state_dict(self) -> dict[str, Any]:
+            sd = super().state_dict()
+            sd["state"] = {i: {k: ({"codes": v.codes, "scale": v.scale, "qmap": v.qmap,
+                                    "signed": bool(v.signed)} if isinstance(v, OptimState8bit) else v)
+                               for k, v in st.items()} for i, st in sd["state"].items()}
+            return sd
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            def back(v):
+                if isinstance(v, dict) and tuple(v) == CODES:
+                    return OptimState8bit(v["codes"], v["scale"], v["qmap"], v["signed"])
+                return v
+
+            state = {i: {k: back(v) for k, v in st.items()} for i, st in state_dict["state"].items()}
+            super().load_state_dict({**state_dict, "state": state})
+
+    return PlainStateAdamW8bit
 
 
 class _MergedState(Mapping):
@@ -230,6 +294,8 @@ def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     warmup, kind, floor = cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio
+    if optimizer_kind(cfg.name).warms_up_itself:  # the optimizer's own warmup; no schedule
+        warmup, kind = 0, "constant"
     if kind not in ("constant", "cosine", "linear"):
         raise ValueError(f"unknown schedule {kind!r}; one of constant, cosine, linear")
     span = total_steps - warmup

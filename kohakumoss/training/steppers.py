@@ -11,7 +11,9 @@ holds. ``Trainer`` calls the same methods whatever runs underneath:
 - ``FusedStepper``: each tensor is stepped inside the last backward (``fused``);
 - ``HostStepper``: host masters take the gradients and step there, beside the next forward
   when overlapped (``host``);
-- ``ShardedStepper``: a full finetune over ranks (FSDP2), each rank stepping its shard.
+- ``ShardedStepper``: a full finetune over ranks (FSDP2), each rank stepping its shard;
+- ``AveragedStepper``: an optimizer that trains one sequence of weights and evaluates
+  another (schedule-free AdamW): previews, validation and checkpoints see the averaged one.
 
 Loss scaling (fp16) wraps any of them: the loss is scaled before backward, the gradients
 unscaled before the norm, an overflow skips the step (``NoScaling`` where there is none).
@@ -19,7 +21,8 @@ unscaled before the norm, an overflow skips the step (``NoScaling`` where there 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -105,6 +108,11 @@ class Stepper:
     def _averaged(self) -> None:
         if self.ema is not None:
             self.ema.update()
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Around a preview or a validation pass: the weights the run evaluates in place."""
+        yield
 
     # -- checkpoints -----------------------------------------------------------------------
     def wait(self) -> None:
@@ -241,12 +249,60 @@ class ShardedStepper(Stepper):
         fsdp.load_optimizer_state(self.model, self.optimizer, optimizer)
 
 
+class AveragedStepper(Stepper):
+    """Schedule-free AdamW (``schedulefree.AdamWScheduleFree``): the parameters hold the
+    trained sequence ``y``; the weights to evaluate are ``x = y + (1 - 1/beta1) (z - y)``
+    (the library's ``eval()``, computed by the same ``lerp``). Previews and validation run
+    with ``x`` in place and ``y`` restored bit for bit after; a checkpoint's trained tensors
+    are ``x`` (what export and sampling read) and its optimizer state carries ``y``
+    (``train_weights``, in parameter order) for the resume."""
+
+    kind = "averaged"
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        with torch.no_grad():
+            trained = [t.detach().clone() for t in self.tensors]
+            for group in self.optimizer.param_groups:
+                beta1 = group["betas"][0]
+                for t in group["params"]:
+                    z = self.optimizer.state.get(t, {}).get("z")
+                    if z is not None:
+                        t.copy_(torch.lerp(t, z.to(t.device), 1 - 1 / beta1))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, y in zip(self.tensors, trained):
+                    t.copy_(y)
+
+    def trained_state(self):
+        optimizer = self.optimizer.state_dict()
+        optimizer["train_weights"] = [t.detach().clone() for t in self.tensors]
+        with self.evaluating():
+            state = {k: v.detach().clone() for k, v in self.trainable.state_dict().items()}
+        return optimizer, state, None
+
+    def load_trained(self, trained, optimizer) -> None:
+        optimizer = dict(optimizer)
+        weights = optimizer.pop("train_weights", None)
+        if weights is None or len(weights) != len(self.tensors):
+            raise KohakuError("the checkpoint's optimizer state holds no schedule-free "
+                              "train_weights for these trained tensors: resume it with the "
+                              "optim.name it was trained with")
+        super().load_trained(trained, optimizer)
+        with torch.no_grad():
+            for t, y in zip(self.tensors, weights):
+                t.copy_(y)
+
+
 def make_stepper(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], trainable,
                  grad_clip: float, *, model: torch.nn.Module, ema: EMA | None,
                  scaler: LossScaler | None, dist: Dist, host: HostUpdate | None = None,
                  fused: FusedStep | None = None, streamed: StreamedStates | None = None,
-                 sharded: bool = False) -> Stepper:
-    """The one stepper of a run's ``memory.optimizer`` and parallel mode."""
+                 sharded: bool = False, averaged: bool = False) -> Stepper:
+    """The one stepper of a run's ``memory.optimizer``, parallel mode and optimizer
+    (``averaged``: one that evaluates averaged weights; refused with the others)."""
     common: tuple[Any, ...] = (optimizer, named, trainable, grad_clip)
     kw: dict[str, Any] = dict(ema=ema, scaler=scaler, dist=dist)
     build: Callable[[], Stepper] = (
@@ -254,5 +310,6 @@ def make_stepper(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.
         (lambda: HostStepper(host, *common, **kw)) if host is not None else
         (lambda: FusedStepper(fused, *common, **kw)) if fused is not None else
         (lambda: StreamedStepper(streamed, *common, **kw)) if streamed is not None else
+        (lambda: AveragedStepper(*common, **kw)) if averaged else
         (lambda: Stepper(*common, **kw)))
     return build()

@@ -249,7 +249,8 @@ class Trainer:
             previews = Previewer(p, self.model, self.trainable, self.device,
                                  self.precision.compute)
             if start == 0:  # the untrained model's images: what the trained ones compare with
-                previews.run(0, self.log)
+                with self.stepper.evaluating():
+                    previews.run(0, self.log)
         validator = None  # the held-out images' loss (a sharded model: every rank evaluates)
         if (main or self.stepper.collective) and p.validation.every > 0 and start < steps:
             from kohakumoss.training.validation import Validator
@@ -294,7 +295,8 @@ class Trainer:
                              "mem": f"{_memory_gib(self.device):.1f}G"})
             bar.update(1)
             if previews is not None and previews.due(step + 1):
-                previews.run(step + 1, self.log)
+                with self.stepper.evaluating():  # the weights a run evaluates (an average)
+                    previews.run(step + 1, self.log)
             if (main or self.stepper.collective) and ((step + 1) % p.train.checkpoint_every == 0 or step + 1 == steps):
                 self.encoder.flush()
                 self.save(step + 1, self.log.state() if main else None)

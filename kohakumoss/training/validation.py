@@ -60,9 +60,14 @@ class Validator:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    @torch.no_grad()
     def run(self, step: int) -> dict[str, float]:
-        """Each noise level's loss per image token over every held-out image, and their mean."""
+        """Each noise level's loss per image token over every held-out image, and their mean,
+        with the weights the run evaluates (schedule-free's average: ``Stepper.evaluating``)."""
+        with self.trainer.stepper.evaluating():
+            return self._run(step)
+
+    @torch.no_grad()
+    def _run(self, step: int) -> dict[str, float]:
         t = self.trainer
         device = t.device
         t0 = time.perf_counter()
