@@ -45,9 +45,10 @@ class DatasetEntry:
     loss_weight: float = 1.0
     caption: Any = None  # a caption TemplateSpec overriding caption.template, or None
     validation: bool = False  # held out whole: evaluated (validation.every), never trained on
+    mask: str = "off"  # the loss mask: off | auto | alpha | file (kohakumoss.data.masks)
 
 
-DATASET_KEYS = ("weight", "loss_weight", "caption", "validation")
+DATASET_KEYS = ("weight", "loss_weight", "caption", "validation", "mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +225,10 @@ class ObjectiveConfig:
     shift: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0")
     loss: Literal["mse", "huber", "l1"] = "mse"
     huber_delta: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0")
-    weighting: Literal["none", "x0", "eps"] = "none"
+    weighting: Literal["none", "x0", "eps", "logit_normal", "min_snr"] = "none"
+    weighting_mean: float = 0.0  # logit_normal: the density's location and scale
+    weighting_std: float = knob(1.0, check=lambda v: v > 0, allowed="a number > 0")
+    snr_gamma: float = knob(5.0, check=lambda v: v > 0, allowed="a number > 0 (min_snr's cap)")
 
 
 EXPORT_FORMATS = ("comfy", "lycoris", "merged", "diffusers")

@@ -19,6 +19,7 @@ from kohakumoss.checks.params import check_adapter, check_targets, check_weights
 from kohakumoss.config import DATASET_KEYS, SECTIONS, TOP_LEVEL, DatasetEntry, Params, parallel_mode
 from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
+from kohakumoss.data.masks import MASK_MODES
 from kohakumoss.data.sources import SOURCES
 from kohakumoss.quant import quant_plan
 from kohakumoss.optimizers import refusal
@@ -40,8 +41,15 @@ def parse_dataset(mapping: Any, where: str) -> DatasetEntry:
     if caption is not None:
         caption = parse_template(caption, f"{where}.caption")
     validation = coerce(bool, mapping.get("validation", False), f"{where}.validation")
+    mask = mapping.get("mask", "off")
+    if mask is False:  # YAML's off
+        mask = "off"
+    if mask not in MASK_MODES:
+        fail(f"{where}.mask", mask, "one of " + ", ".join(MASK_MODES) + " (file: kohya's "
+             "img.mask.png beside each image; alpha: the image's alpha channel; auto: the file, "
+             "else the alpha channel)")
     return DatasetEntry(source=name, args=args, weight=weight, loss_weight=loss_weight,
-                        caption=caption, validation=validation)
+                        caption=caption, validation=validation, mask=mask)
 
 
 def parse_params(raw: Any, path: str = "params.yaml") -> Params:

@@ -29,11 +29,12 @@ import pyarrow as pa
 import torch
 
 from kohakumoss import faults
-from kohakumoss.cache.keys import background_name, content_identity, latent_key, text_key
+from kohakumoss.cache.keys import background_name, content_identity, latent_key, mask_key, text_key
 from kohakumoss.cache.store import TensorStore
 from kohakumoss.config import Params
 from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.loader import decode_image, to_model_range
+from kohakumoss.data.masks import mask_path, mask_source, mask_tokens
 from kohakumoss.encoders.vae import batch_groups, to_tokens
 from kohakumoss.progress import progress
 
@@ -100,7 +101,21 @@ class LatentItem:
     flip: bool
 
 
-def latent_items(plan: pa.Table, cs: CatalogSet, p: Params, encoder_key_id: str) -> dict[str, LatentItem]:
+@dataclasses.dataclass(frozen=True)
+class MaskItem:
+    """A sample's loss mask at token resolution (``data.masks``), stored beside its latents."""
+
+    dataset: int
+    locator: str
+    box: tuple[int, int, int, int]
+    target: tuple[int, int]
+    flip: bool
+    kind: str  # file | alpha
+    latent: str  # the latent entry's key (a mask that fails marks its sample failed)
+
+
+def latent_items(plan: pa.Table, cs: CatalogSet, p: Params, encoder_key_id: str
+                 ) -> dict[str, LatentItem | MaskItem]:
     res, storage, draw = p.resolution, p.cache.dtype, p.encoders.draw
     bg = background_name(res.background)
     cols = {c: plan.column(c).to_numpy(zero_copy_only=False) for c in
@@ -119,19 +134,54 @@ def latent_items(plan: pa.Table, cs: CatalogSet, p: Params, encoder_key_id: str)
         key = latent_key(content, encoder_key_id, storage, (th, tw), (l, t, r, b), bool(flip), bg,
                          rec.has_alpha, res.resample, draw)
         items[key] = LatentItem(d, rec.locator, (l, t, r, b), (th, tw), bool(flip))
+        source = mask_source(p.data.datasets[d].mask, rec.extra, rec.has_alpha)
+        if source is not None:
+            items[mask_key(key, *source)] = MaskItem(d, rec.locator, (l, t, r, b), (th, tw),
+                                                     bool(flip), source[0], key)
     return items
 
 
 def fill_latents(store: TensorStore, items: dict[str, LatentItem], p: Params,
                  encoder: Callable[[], object], generator: torch.Generator | None = None) -> FillStats:
-    """Decode (threads) and encode the groups of same-size crops that miss an entry."""
+    """Decode (threads) and encode the groups of same-size crops that miss an entry, then
+    make the missing loss masks."""
     with store.writing():
         stats, missing = _start(store, items)
         if not missing:
             return stats
-        _encode_groups(store, items, missing, p, encoder, generator, stats)
+        latents = {k: v for k, v in items.items() if isinstance(v, LatentItem)}
+        if missing.intersection(latents):
+            _encode_groups(store, latents, missing.intersection(latents), p, encoder, generator, stats)
+        _fill_masks(store, items, sorted(k for k in missing if isinstance(items[k], MaskItem)), p, stats)
         store.flush()
     return stats
+
+
+def _fill_masks(store: TensorStore, items: dict, keys: list[str], p: Params, stats: FillStats) -> None:
+    """Each missing mask from its file or the image's alpha channel; a mask that cannot be
+    made (no file, another size than its image) is reported and its sample left out."""
+    if not keys:
+        return
+    with progress(len(keys), "cache_latents masks", "mask") as bar:
+        for key in keys:
+            _fill_mask(store, items, key, p, stats)
+            bar.update(1)
+
+
+def _fill_mask(store: TensorStore, items: dict, key: str, p: Params, stats: FillStats) -> None:
+    it = items[key]
+    source = p.data.datasets[it.dataset].args
+    try:
+        mask = source.open(mask_path(it.locator)) if it.kind == "file" else None
+        tokens = mask_tokens(it.kind, source.open(it.locator), mask, it.box, it.target, it.flip,
+                             p.data.max_image_pixels, f"dataset {it.dataset} {it.locator}")
+    except Exception as err:  # reported and skipped, never fatal
+        stats.failed[key] = stats.failed[it.latent] = (
+            f"dataset {it.dataset} {it.locator}: {type(err).__name__}: {err}")
+        log.warning("cache_latents: skipping %s", stats.failed[key])
+        return
+    store.add(key, tokens)
+    stats.encoded += 1
 
 
 def _encode_groups(store: TensorStore, items: dict[str, LatentItem], missing: set[str], p: Params,

@@ -35,5 +35,11 @@ def latent_key(content: str, encoder_key_id: str, storage: str, target_hw: tuple
                      resample, draw)
 
 
+def mask_key(latent: str, kind: str, identity: str) -> str:
+    """A loss mask's entry (``data.masks``): the latent entry it belongs to (the same crop,
+    size, flip and storage) and the mask's own content (a sidecar file's hash)."""
+    return text_hash("mask", latent, kind, identity)
+
+
 def background_name(bg: str | tuple[int, int, int]) -> str:
     return bg if isinstance(bg, str) else "({}, {}, {})".format(*bg)

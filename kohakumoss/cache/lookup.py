@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
-from kohakumoss.cache.keys import background_name, content_identity, latent_key, text_key
+from kohakumoss.cache.keys import background_name, content_identity, latent_key, mask_key, text_key
 from kohakumoss.cache.store import TensorStore, storage_round_trip
 from kohakumoss.config import Params
 from kohakumoss.data.catalogset import CatalogSet
 from kohakumoss.data.loader import HostBatch
+from kohakumoss.data.masks import mask_path, mask_source, mask_tokens
 from kohakumoss.errors import IntegrityError
 
 
@@ -91,6 +92,38 @@ class BatchCaches:
                                    flip, background_name(res.background), row.has_alpha,
                                    res.resample, self.p.encoders.draw))
         return keys
+
+    def masks(self, batch: HostBatch) -> list[torch.Tensor | None] | None:
+        """Each sample's loss mask ``[h*w]`` (None: unmasked), or None where no sample of the
+        batch has one (``data.masks``). Cached beside the latents, made from the files where
+        the cache does not hold it (``online`` stores it; ``offline`` must hold it)."""
+        keys = self.latent_keys(batch)
+        wanted = []
+        for uid, key in zip(batch.uids.tolist(), keys):
+            pos = self._pos[uid]
+            d, row = int(self.cs.dataset[pos]), self.cs.row(pos)
+            source = mask_source(self.p.data.datasets[d].mask, row.extra, row.has_alpha)
+            wanted.append(None if source is None else (mask_key(key, *source), d, row, source[0]))
+        if not any(wanted):
+            return None
+        out: list[torch.Tensor | None] = []
+        for i, w in enumerate(wanted):
+            if w is None:
+                out.append(None)
+                continue
+            key, d, row, kind = w
+            hit = self.latents.read([key], lambda k: f"the loss mask of image uid "
+                                    f"{batch.uids[i].item()} of batch {batch.index}")
+            if hit is None:
+                h, wd = batch.hw[i].tolist()
+                src = self.p.data.datasets[d].args
+                fresh = mask_tokens(kind, src.open(row.locator),
+                                    src.open(mask_path(row.locator)) if kind == "file" else None,
+                                    batch.crops[i], (h * 16, wd * 16), batch.flips[i],
+                                    self.p.data.max_image_pixels, f"dataset {d} {row.locator}")
+                hit = self.latents.write_back([key], [fresh])
+            out.append(hit[0].float())
+        return out
 
     def read_text(self, batch: HostBatch) -> list[torch.Tensor] | None:
         return self.text.read(self.text_keys(batch), lambda k: "a caption of batch "

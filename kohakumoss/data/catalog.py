@@ -35,7 +35,7 @@ from kohakumoss.data.rows import (STAMP_LEN, Row, ScanLimits, WalkItem, cap_capt
                                   caption_char_counts)
 from kohakumoss.errors import KohakuError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the stamp holds the loss mask sidecar too (an older catalog is rescanned whole)
 CHAR_COLUMNS = ("tags_chars", "nl_chars", "artist_chars", "rating_chars", "json_chars")
 
 CATALOG_SCHEMA = pa.schema([

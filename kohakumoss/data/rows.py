@@ -16,7 +16,7 @@ from typing import Any
 from kohakumoss.config import MAX_CAPTION_CHARS, MAX_IMAGE_PIXELS  # noqa: F401 (re-exported)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".jxl", ".avif")
-STAMP_LEN = 8
+STAMP_LEN = 10  # the image, its .txt, .caption, .json and .mask.png: (size, mtime_ns) each
 MISSING = (-1, -1)
 
 

@@ -9,6 +9,7 @@ micro-batches, all ranks), so the loss is a per-token mean however the step is s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -26,7 +27,17 @@ def noised(x0_NC: torch.Tensor, eps_NC: torch.Tensor, sigma_N: torch.Tensor
 
 
 
-def sigma_weight(sigma_B: torch.Tensor, weighting: str = "none") -> torch.Tensor:
+WEIGHTINGS = ("none", "x0", "eps", "logit_normal", "min_snr")
+
+
+def sigma_weight(sigma_B: torch.Tensor, weighting: str = "none", *, mean: float = 0.0,
+                 std: float = 1.0, gamma: float = 5.0) -> torch.Tensor:
+    """Each sample's loss factor at its noise level ``s`` (``docs/diffusion.md#loss-and-weighting``):
+    ``none`` 1 (uniform: the MOSS recipe); ``x0`` s^2; ``eps`` (1 - s)^2; ``logit_normal``
+    the logit-normal density at ``s`` (location ``mean``, scale ``std``: SD3's weighting,
+    the mid noise levels counted most); ``min_snr`` min((1 - s)^2, gamma s^2), Min-SNR-gamma
+    on x0 (min(SNR, gamma), SNR = ((1 - s) / s)^2) carried to the velocity loss, whose x0
+    error is s times its own: the clean end's weight capped at gamma s^2."""
     s = sigma_B.float()
     if weighting == "none":
         return torch.ones_like(s)
@@ -34,7 +45,13 @@ def sigma_weight(sigma_B: torch.Tensor, weighting: str = "none") -> torch.Tensor
         return s.square()
     if weighting == "eps":
         return (1 - s).square()
-    raise ValueError(f"unknown weighting {weighting!r}; one of none, x0, eps")
+    if weighting == "logit_normal":
+        c = s.clamp(1e-6, 1 - 1e-6)
+        logit = torch.log(c / (1 - c))
+        return torch.exp(-0.5 * ((logit - mean) / std) ** 2) / (std * math.sqrt(2 * math.pi) * c * (1 - c))
+    if weighting == "min_snr":
+        return torch.minimum((1 - s).square(), gamma * s.square())
+    raise ValueError(f"unknown weighting {weighting!r}; one of {', '.join(WEIGHTINGS)}")
 
 
 LOSSES = ("mse", "l1", "huber")

@@ -27,8 +27,14 @@ class StepInputs:
     text: torch.Tensor  # [N_txt, T]
     sigma: torch.Tensor  # [B]
     layout: PackedLayout
-    weight: torch.Tensor  # [B] loss weight x sigma weighting
+    weight: torch.Tensor  # [B] loss weight x sigma weighting; [N_img] per token with a mask
     n_image_tokens: int
+    loss_index: torch.Tensor | None = None  # the flow loss's weight index of each token:
+    # its sample (None: layout.seg_img), or with a loss mask the token itself (weight per token)
+
+    @property
+    def loss_seg(self) -> torch.Tensor:
+        return self.layout.seg_img if self.loss_index is None else self.loss_index
 
 
 def noise_for(batch_index: int, seed: int, n: int, c: int) -> torch.Tensor:
@@ -38,18 +44,22 @@ def noise_for(batch_index: int, seed: int, n: int, c: int) -> torch.Tensor:
 
 def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torch.Tensor],
                  p: Params, timesteps, global_batch: int, step: int,
-                 device: torch.device | str) -> StepInputs:
-    """``latents[i]``: full-grid tokens [h*w, C] of sample i; ``texts[i]``: [L_i, T]."""
-    tokens, keep, text_rows = [], [], []
+                 device: torch.device | str,
+                 masks: list[torch.Tensor | None] | None = None) -> StepInputs:
+    """``latents[i]``: full-grid tokens [h*w, C] of sample i; ``texts[i]``: [L_i, T];
+    ``masks[i]``: its loss mask [h*w] (None: unmasked), following the kept tokens."""
+    tokens, keep, text_rows, kept_masks = [], [], [], []
     for i, (h, w) in enumerate(batch.hw.tolist()):
         x = latents[i]
+        m = masks[i] if masks is not None and masks[i] is not None else torch.ones(h * w)
         if batch.img_keep[i] >= 0:
             idx = kept_token_indices(h * w, batch.img_keep[i], batch.keep_seed[i])
             keep.append(idx)
-            x = x[torch.from_numpy(idx)]
+            x, m = x[torch.from_numpy(idx)], m[torch.from_numpy(idx)]
         else:
             keep.append(None)
         tokens.append(x.float())
+        kept_masks.append(m.float())
         t = texts[i]
         if batch.text_limit[i] >= 0:
             t = t[: batch.text_limit[i]]
@@ -59,10 +69,16 @@ def build_inputs(batch: HostBatch, latents: list[torch.Tensor], texts: list[torc
     sigma = batch_sigmas(timesteps, len(tokens), p.run.seed, global_batch, step)
     eps = noise_for(global_batch, p.run.seed, x0.shape[0], x0.shape[1])
     z, target = noised(x0, eps, sigma[layout.seg_img])
-    weight = batch.loss_weight * sigma_weight(sigma, p.objective.weighting)
+    o = p.objective
+    weight = batch.loss_weight * sigma_weight(sigma, o.weighting, mean=o.weighting_mean,
+                                              std=o.weighting_std, gamma=o.snr_gamma)
+    index = None
+    if masks is not None:  # each token weighted on its own: its sample's weight times its mask
+        weight = weight[layout.seg_img] * torch.cat(kept_masks)
+        index = moved(torch.arange(layout.n_img), device)
     return StepInputs(moved(z, device), moved(target, device),
                       moved(torch.cat(text_rows), device), moved(sigma, device), layout.to(device),
-                      moved(weight, device), layout.n_img)
+                      moved(weight, device), layout.n_img, index)
 
 
 

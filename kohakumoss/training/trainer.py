@@ -185,7 +185,7 @@ class Trainer:
         # these samples, on any number of processes
         return batch, build_inputs(batch, self.encoder.latents(batch), self.encoder.texts(batch),
                                    self.params, self.timesteps, batch.global_index, step,
-                                   self.device)
+                                   self.device, self.caches.masks(batch))
 
     def step(self, step: int, ahead: Ahead) -> tuple[float, float, bool, int]:
         """One optimiser step over the next ``micro_per_step`` micro-batches of ``ahead``:
@@ -217,7 +217,7 @@ class Trainer:
         torch.manual_seed(seed_of("dropout", p.run.seed, step, slot) & (2**63 - 1))
         with self.precision.autocast(self.device):
             pred = self.model(inputs.z, inputs.text, inputs.sigma, inputs.layout)
-        loss = flow_loss(pred, inputs.target, inputs.layout.seg_img, inputs.weight, n_tokens,
+        loss = flow_loss(pred, inputs.target, inputs.loss_seg, inputs.weight, n_tokens,
                          p.objective.loss, p.objective.huber_delta, ops=self.components.applied.objective)
         self.stepper.backward(loss, last)
         return loss.detach()

@@ -41,6 +41,7 @@ from kohakumoss.data.sources.images import probe_image
 from kohakumoss.errors import KohakuError
 
 SIDECAR_EXTS = (".txt", ".caption", ".json")
+MASK_SUFFIX = ".mask.png"  # kohya's loss mask beside an image: img.png -> img.mask.png
 
 
 class SourceError(KohakuError, ValueError):
@@ -79,7 +80,9 @@ def stat_identity(path: Path, st: os.stat_result) -> str:
 
 
 def is_image_name(name: str) -> bool:
-    return name.lower().endswith(IMAGE_EXTENSIONS)
+    """An image file's name (a loss mask ``img.mask.png`` is its image's sidecar, not one)."""
+    lower = name.lower()
+    return lower.endswith(IMAGE_EXTENSIONS) and not lower.endswith(MASK_SUFFIX)
 
 
 def apply_json_meta(row: Row, meta: dict[str, Any]) -> None:
@@ -176,9 +179,10 @@ def stat_or_lstat(path: str | os.PathLike) -> tuple[int, int]:
 
 
 def sidecar_stamp(stem: Path, present: set[str]) -> tuple[int, ...]:
-    """(size, mtime_ns) of the .txt/.caption/.json sidecars, (-1, -1) when absent."""
+    """(size, mtime_ns) of the .txt/.caption/.json sidecars and the loss mask, (-1, -1) when
+    absent."""
     out: list[int] = []
-    for ext in SIDECAR_EXTS:
+    for ext in (*SIDECAR_EXTS, MASK_SUFFIX):
         p = stem.with_name(stem.name + ext)
         out += stat_or_lstat(p) if os.path.normcase(p.name) in present else MISSING
     return tuple(out)
@@ -348,6 +352,9 @@ def probe_file(path: str, locator: str, *, limits: ScanLimits = ScanLimits(), gr
             raise ValueError(f"image {path}: {e}") from None
         if txt_as is not None:
             apply_sidecars(row, image_stem(Path(path)), txt_as, limits.caption_errors)
+            mask = image_stem(Path(path)).with_name(image_stem(Path(path)).name + MASK_SUFFIX)
+            if mask.is_file():  # its content names the cached mask (a new mask, a new entry)
+                row.extra["mask"] = file_content_hash(str(mask))
         if meta:
             apply_json_meta(row, meta)
         cap_captions(row, limits.max_caption_chars)
