@@ -49,6 +49,7 @@ class DatasetEntry:
 
 
 DATASET_KEYS = ("weight", "loss_weight", "caption", "validation", "mask")
+MASK_MODES = ("off", "auto", "alpha", "file")  # a dataset entry's loss mask (data/masks.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,19 +10,19 @@ dataset entries and caption templates are parsed by the data package's own types
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kohakumoss.checks.params import check_adapter, check_targets, check_weights
-from kohakumoss.config import DATASET_KEYS, SECTIONS, TOP_LEVEL, DatasetEntry, Params, parallel_mode
+from kohakumoss.config import DATASET_KEYS, MASK_MODES, SECTIONS, TOP_LEVEL, DatasetEntry, Params, parallel_mode
 from kohakumoss.configlib import ConfigError, build, coerce, fail
 from kohakumoss.data.captions import parse_template
-from kohakumoss.data.masks import MASK_MODES
 from kohakumoss.data.sources import SOURCES
 from kohakumoss.quant import quant_plan
-from kohakumoss.optimizers import refusal
+from kohakumoss.optimizers import optimizer_kind, refusal
 
 def parse_dataset(mapping: Any, where: str) -> DatasetEntry:
     if not isinstance(mapping, dict) or "source" not in mapping:
@@ -169,6 +169,10 @@ def check_optimizer(p: Params) -> None:
             p.memory.optimizer: (p.profile == "manual" and p.memory.optimizer != "device",
                                  "memory.optimizer", p.memory.optimizer,
                                  "memory.optimizer: device")}
+    library = optimizer_kind(name).library
+    if importlib.util.find_spec(library) is None:
+        raise ConfigError(f"{p.path}: optim.name = {name} needs the {library} package, which is "
+                          f"not installed: pip install -e '.[eightbit]' (or pip install {library})")
     for what, (used, knob, value, fix) in uses.items():
         why = refusal(name, what) if used else None
         if why:

@@ -179,7 +179,7 @@ def test_an_existing_file_is_replaced_only_with_force_and_kept(tmp_path):
     with pytest.raises(ConfigError, match="adapter.algo"):
         configure(params, algo="lorra", force=True)
     assert load_params(params).run.name == "second"
-    with pytest.raises(ConfigError, match="--from 'nope': no such recipe file; recipes in .*: full-1mp, lora-1mp"):
+    with pytest.raises(ConfigError, match="--from 'nope': no such recipe file; recipes in .*: full-1mp, full-1mp-8bit, lora-1mp, lora-1mp-prodigy"):
         configure(params, recipe="nope", force=True)
 
 
@@ -261,3 +261,13 @@ def test_vram_of_two_cards_splits_the_model_over_them(tmp_path, models):
     assert "split: cuda:0: blocks 0-" in text and "; cuda:1: blocks " in text
     with pytest.raises(ConfigError, match=r"--vram '12,x': several cards are their sizes in GiB"):
         configure(proj / "p2.yaml", vram="12,x")
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")))
+def test_every_recipe_writes_a_params_file_that_loads(tmp_path, models, recipe):
+    proj = _project(tmp_path)
+    configure(proj / "params.yaml", weights=str(models), data=str(EXAMPLES), name="mine",
+              recipe=recipe)
+    p = load_params(proj / "params.yaml")
+    wanted = yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())["optim"]
+    assert p.optim.name == wanted["name"] and p.optim.lr == wanted["lr"]

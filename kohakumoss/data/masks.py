@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from kohakumoss.config import MASK_MODES  # noqa: F401 (the choices, beside DatasetEntry)
 from kohakumoss.data.sources.images import open_image
 
-MASK_MODES = ("off", "auto", "alpha", "file")
 PATCH = 16  # pixels a side of one latent token
 
 
