@@ -168,12 +168,15 @@ def test_streamed_states_on_cuda_hold_no_state_on_the_device_between_steps():
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), net.parameters()))
 
 
-@pytest.mark.parametrize("placement", ["fused", "streamed"])
-def test_a_run_trains_what_the_device_optimizer_trains_and_resumes(tmp_path, placement):
+@pytest.mark.parametrize("placement, name", [
+    ("fused", "adamw"), ("streamed", "adamw"), ("fused", "adafactor"), ("streamed", "adafactor"),
+    ("fused", "adamw8bit")])  # the placements each optimizer takes (optimizers.OPTIMIZERS)
+def test_a_run_trains_what_the_device_optimizer_trains_and_resumes(tmp_path, placement, name):
     """4 steps (accumulation 2, dropout, EMA, no clipping) with the step in backward or the
     streamed states: the device optimizer's weights, EMA and optimizer state at step 4, bit
     for bit; resumed from the device run's step-2 checkpoint it ends the same (one format);
-    and resumed from its own step-2 checkpoint it writes its own step-4 checkpoint."""
+    and resumed from its own step-2 checkpoint it writes its own step-4 checkpoint. (Rank 64
+    for the 8-bit states: factors of 4,096 values and more are quantized.)"""
     import shutil
 
     from kohakumoss.memory.profiles import MemoryEngines
@@ -190,8 +193,9 @@ def test_a_run_trains_what_the_device_optimizer_trains_and_resumes(tmp_path, pla
                                         memory=MemoryEngines("none", optimizer=optimizer))
     ds = make_kohya(tmp_path / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
     params = _write_params(tmp_path, ds, train={"steps": 4, "checkpoint_every": 2, "grad_accum": 2},
-                           adapter={"algo": "lora", "dim": 4, "alpha": 4, "dropout": 0.1},
-                           optim={"lr": 3e-3, "ema": 0.9, "grad_clip": 0})
+                           adapter={"algo": "lora", "dim": 64 if name == "adamw8bit" else 4,
+                                    "alpha": 4, "dropout": 0.1},
+                           optim={"name": name, "lr": 3e-3, "ema": 0.9, "grad_clip": 0})
     p, paths = load_params(params), _prepare(tmp_path, params)
     run = lambda name, optimizer: (  # noqa: E731
         RunPaths(paths.plan, paths.catalog, paths.text_cache, paths.latent_cache, tmp_path / "runs" / name),
@@ -217,6 +221,9 @@ def test_a_run_trains_what_the_device_optimizer_trains_and_resumes(tmp_path, pla
         assert xa[1] == xb[1] and all(torch.equal(xa[0][k], xb[0][k]) for k in xa[0])
 
     same_training(device[0].checkpoints / "step-000004", mine[0].checkpoints / "step-000004")
+    if name == "adamw8bit":  # its 8-bit states, saved as plain codes
+        saved = flatten_state(ckpt_mod.open_checkpoint(mine[0].checkpoints / "step-000004").extra())[0]
+        assert any(k.endswith("/codes") and saved[k].dtype == torch.uint8 for k in saved)
     for source, name in ((device[0], "from-device"), (mine[0], "from-own")):
         resumed = run(name, placement)[0]
         shutil.copytree(source.checkpoints / "step-000002", resumed.checkpoints / "step-000002")
