@@ -99,6 +99,8 @@ OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (
                  "the step in backward does not have when it updates the first tensor",
         "streamed": "its step size is one estimate over every trained tensor, and the "
                     "streamed states step the tensors in groups, one call each",
+        "host": "its step size is one estimate over every trained tensor, and the host "
+                "update steps them in chunks, one per block, beside the next forward",
         "fsdp": f"{_SHARDED}, and each rank would estimate its own step size",
         "zero_lr": "its learning rate multiplies its own step-size estimate and must be > 0 "
                    "(1.0 is its default)"}),

@@ -106,9 +106,11 @@ def _lean(stream=2, resident=0):
                                            resident_blocks=resident))
 
 
-def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "adamw8bit"])  # those the host update takes
+def test_a_run_resumes_across_placements_bit_for_bit(tmp_path, name):
     """4 steps with the lean engines (streamed base, host update) equal 2 steps with the
-    device optimizer followed by 2 resumed with the lean engines: one checkpoint format."""
+    device optimizer followed by 2 resumed with the lean engines: one checkpoint format
+    (every optimizer the host update takes: ``optimizers.OPTIMIZERS``)."""
     from kohakumoss.memory import repeated_blocks
     from kohakumoss.params import load_params
     from kohakumoss.training.build import RunPaths, build_components
@@ -118,8 +120,9 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path):
 
     ds = make_kohya(tmp_path / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
     params = _write_params(tmp_path, ds, train={"steps": 4, "checkpoint_every": 2, "grad_accum": 2},
-                           adapter={"algo": "lora", "dim": 4, "alpha": 4, "dropout": 0.1},
-                           optim={"lr": 3e-3, "ema": 0.9})
+                           adapter={"algo": "lora", "dim": 64 if name == "adamw8bit" else 4,
+                                    "alpha": 4, "dropout": 0.1},
+                           optim={"name": name, "lr": 3e-3, "ema": 0.9})
     p, paths = load_params(params), _prepare(tmp_path, params)
     lean = Trainer(p, paths, build_components(p, paths, _lean()))
     from kohakumoss.memory.overlap import OverlappedUpdate
