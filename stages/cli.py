@@ -7,8 +7,8 @@ import re
 
 import typer
 
-from stages import (cache_latents, cache_text, check, config, doctor, export, grid, plan, sample, scan,
-                    train, tune_kernels)
+from stages import (cache_latents, cache_text, check, config, doctor, export, grid, plan, profiles,
+                    sample, scan, train, tune_kernels)
 
 app = typer.Typer(
     name="kmoss",
@@ -50,6 +50,7 @@ app.command("sample")(sample.main)
 app.command("grid")(grid.main)
 app.add_typer(check.app, name="check")
 app.command("doctor")(doctor.main)
+app.command("profiles")(profiles.main)
 app.add_typer(export.app, name="export")
 
 

@@ -41,6 +41,30 @@ def memory_line(p, plan: Path) -> str:
     return f"{why}; {est.describe()}, for {source}"
 
 
+def catalog_lines(out, p, plan: Path, shown: int = 5) -> None:
+    """The catalog's fastest rows that fit this machine's first card (or, without one, all
+    of them) and its available RAM: ``kmoss profiles`` for the rest."""
+    import torch
+
+    from kohakumoss.training.autoprofile import free_memory
+    from kohakumoss.training.catalog import catalog, fitting, typical_batch
+    from stages.profiles import catalog_table
+
+    try:
+        batch, what = typical_batch(p, plan)
+        rows = catalog(p, batch)
+    except Exception as e:  # advice only
+        out.print(f"memory catalog: no estimate ({type(e).__name__}: {e})")
+        return
+    vram = torch.cuda.mem_get_info(0)[1] / 2**30 if torch.cuda.is_available() else None
+    ram = free_memory(torch.device("cpu")) / 2**30
+    fit = fitting(rows, vram, ram)
+    where = (f"this card's {vram:.1f} GiB and " if vram else "") + f"{ram:.1f} GiB of free RAM"
+    out.print(catalog_table(fit[:shown], f"the fastest of {len(fit)} of {len(rows)} memory "
+                                         f"combinations that fit {where}, for {what} "
+                                         f"(kmoss profiles lists them all)"))
+
+
 def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
                                      help="The params file whose model paths are checked."),
          plan: Path = typer.Option(Path("artifacts/plan"), help="The plan whose largest "
@@ -108,5 +132,7 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
         if not any(v is not None for v in weight_problems(p).values()):
             t.add_row("memory", escape(memory_line(p, plan)))
     out.print(t)
+    if p is not None and not any(v is not None for v in weight_problems(p).values()):
+        catalog_lines(out, p, plan)
     if problems:
         raise typer.Exit(1)

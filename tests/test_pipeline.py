@@ -196,6 +196,7 @@ def test_doctor_reports_missing_weights(tmp_path):
     assert good.exit_code == 0, good.output
     text = " ".join(good.output.replace("│", " ").split())  # the table's wrapped cells, read on
     assert "memory profile auto: speed is the fastest" in text and "predicted peak" in text
+    assert "memory combinations that fit" in text and "kmoss profiles lists them all" in text
     try:  # the optional kernel packages: the version, or what installing one gives
         fa4 = "flash-attn-4 " + metadata.version("flash-attn-4")
     except metadata.PackageNotFoundError:

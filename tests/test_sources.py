@@ -161,11 +161,11 @@ def test_stamps_follow_image_and_sidecars(tmp_path: Path) -> None:
 
     first, b_stamp = stamps()
     st = img.stat()
-    assert first == (st.st_size, st.st_mtime_ns) + (-1,) * 6 and stamps() == (first, b_stamp)
+    assert first == (st.st_size, st.st_mtime_ns) + (-1,) * 8 and stamps() == (first, b_stamp)
     txt = put(d / "a.txt", "x")
-    assert stamps() == (first[:2] + (1, txt.stat().st_mtime_ns) + (-1,) * 4, b_stamp)
+    assert stamps() == (first[:2] + (1, txt.stat().st_mtime_ns) + (-1,) * 6, b_stamp)
     seen = {first, stamps()[0]}
-    for change in ("touch txt", ".caption", ".json", "image"):
+    for change in ("touch txt", ".caption", ".json", ".mask.png", "image"):
         if change == "touch txt":
             touch_later(txt)
         elif change == "image":
@@ -177,6 +177,7 @@ def test_stamps_follow_image_and_sidecars(tmp_path: Path) -> None:
         assert a_stamp not in seen and b_now == b_stamp, change
         seen.add(a_stamp)
     assert other.stat().st_mtime_ns == b_stamp[1]
+    assert {i.key for i in src.walk()} == {"3_s/a.png", "3_s/b.png"}  # a loss mask is no image
 
 
 def test_hash_content_is_location_independent(tmp_path: Path) -> None:
@@ -223,7 +224,7 @@ def test_jsonl_records_keys_and_stamps(tmp_path: Path) -> None:
     st = (tmp_path / "img" / "a.png").stat()
     digest = hashlib.blake2b(lines[0].encode(), digest_size=8).digest()
     line_hash = int.from_bytes(digest, "big") >> 1
-    assert items[0].stamp == (st.st_size, st.st_mtime_ns, line_hash, 0, -1, -1, -1, -1)
+    assert items[0].stamp == (st.st_size, st.st_mtime_ns, line_hash, 0) + (-1,) * 6
     assert items[2].stamp[:2] == (-1, -1)
     rows = [i.probe()[0] for i in items]
     assert (rows[0].w, rows[0].h, rows[0].weight, rows[0].group, rows[0].tags) == (
@@ -250,7 +251,7 @@ def test_parquet_path_mode(tmp_path: Path) -> None:
         "caption": ["hi", None], "score": [1, 2]}))
     items = ParquetSource(str(table)).walk()
     assert [i.key for i in items] == ["a.png#0", "a.png#1"]
-    assert items[0].stamp[2] != items[1].stamp[2] and items[0].stamp[3:] == (0, -1, -1, -1, -1)
+    assert items[0].stamp[2] != items[1].stamp[2] and items[0].stamp[3:] == (0,) + (-1,) * 6
     rows = [i.probe()[0] for i in items]
     assert (rows[0].weight, rows[0].group, rows[0].caption_nl, rows[0].json) == (
         2.0, "", "hi", {"score": 1})
@@ -266,7 +267,7 @@ def test_parquet_bytes_mode(tmp_path: Path) -> None:
         "jpg": images, "image": ["ignored"] * 5, "tags": ["a, b"] * 5}, row_group_size=2))
     src = ParquetSource(str(table), bytes_col="jpg")
     (item,) = src.walk()
-    assert item.key == f"file:{table.absolute()}" and item.stamp[2:] == (-1,) * 6
+    assert item.key == f"file:{table.absolute()}" and item.stamp[2:] == (-1,) * 8
     rows = item.probe()
     assert [r.locator for r in rows] == [f"row:{i}" for i in range(5)]
     assert rows[3].error and rows[0].json is None and rows[0].tags == ["a", "b"]
@@ -296,7 +297,7 @@ def test_webdataset_grouping(tmp_path: Path) -> None:
     src = WebdatasetSource(str(tmp_path / "s-*.tar"))
     items = src.walk()
     assert [i.key for i in items] == [f"tar:{tmp_path / n}" for n in ("s-0.tar", "s-1.tar")]
-    assert items[1].stamp[0] == 1 and items[1].stamp[3:] == (-1,) * 5
+    assert items[1].stamp[0] == 1 and items[1].stamp[3:] == (-1,) * 7
     rows = {r.extra["key"]: r for r in items[0].probe()}
     assert sorted(rows) == ["a", "b", "dir/d"]
     a = rows["a"]

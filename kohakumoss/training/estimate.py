@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -289,6 +290,9 @@ def _sizes(batch: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
     return img + txt, txt, max(1, len(batch))
 
 
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> sizes -> blocks' bytes
+
+
 def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEngines,
              config: DiTConfig | None = None, _model: tuple | None = None) -> Estimate:
     """The predicted peak of one training step on ``batch`` (each sample's ``(image tokens,
@@ -323,9 +327,14 @@ def estimate(params: Params, batch: Sequence[tuple[int, int]], engines: MemoryEn
         return _block_bytes(block, (x, rope, [n], model.ops), c.ffn_dim, (*rope, *adapter),
                             model.engines.state("rebuild"))
 
-    with torch.autocast("cpu", enabled=False):
-        joint = run(model.layers[0], n_joint, True)
-        text = run(model.text_embedder.blocks[0], n_txt, False) if c.text_blocks and n_txt else None
+    memo = _BLOCKS.setdefault(model, {})  # the same model and sizes: the same blocks' bytes
+    key = (n_joint, n_txt, B, params.adapter.full, cd)
+    if key not in memo:
+        with torch.autocast("cpu", enabled=False):
+            joint = run(model.layers[0], n_joint, True)
+            text = run(model.text_embedder.blocks[0], n_txt, False) if c.text_blocks and n_txt else None
+        memo[key] = joint, text, shared_bytes
+    joint, text, shared_bytes = memo[key]
     lists = [(joint, c.depth)] + ([(text, c.text_blocks)] if text else [])
     mode, k = engines.checkpointing, engines.checkpoint_blocks
     kept = shared_bytes  # once for every block
