@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import platform
+import shutil
 from pathlib import Path
 
 import typer
@@ -13,10 +14,12 @@ from rich.table import Table
 PACKAGES = ("torch", "transformers", "diffusers", "lycoris-lora", "safetensors", "pyarrow",
             "pillow", "dvc", "dvclive", "typer")
 KERNEL_PACKAGES = {  # optional: each adds kernel backends the tuner then times
-    "triton": "the fused kernels of sm80+ cards",
-    "tilelang": "the fused kernels of sm70/sm75 cards",
+    "triton": "the fused kernels of sm80+ cards: pip install triton",
+    "tilelang": "the fused kernels of sm70/sm75 cards: pip install tilelang",
     "flash-attn-4": "FlashAttention-4's attention on sm90-sm110: pip install 'kohakumoss[fa4]'",
+    "torchao": "optim.name: adamw8bit: pip install -e '.[eightbit]'",
 }
+INSTALL = "python scripts/install.py"  # torch for this machine's driver, then the project
 
 
 def memory_line(p, plan: Path) -> str:
@@ -84,13 +87,18 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
             t.add_row(name, md.version(name))
         except md.PackageNotFoundError:
             t.add_row(name, escape(f"not installed (optional: {KERNEL_PACKAGES[name]})")
-                      if name in KERNEL_PACKAGES else "[red]not installed[/]")
+                      if name in KERNEL_PACKAGES else
+                      f"[red]not installed[/]: fix: {escape(INSTALL)} (or pip install -e .)")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
             t.add_row(f"cuda:{i}", f"{torch.cuda.get_device_name(i)}, bf16 "
                       f"{'yes' if torch.cuda.is_bf16_supported() else 'no'}, "
                       f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    elif shutil.which("nvidia-smi"):  # a card and its driver, but torch is a CPU build
+        t.add_row("cuda", f"[red]an NVIDIA driver is here but torch {escape(torch.__version__)} sees "
+                          f"no CUDA device[/]: fix: {escape(INSTALL)} (the torch build of this "
+                          f"driver)")
     else:
         t.add_row("cuda", "no CUDA device (CPU only: the tiny default runs, real weights need a GPU)")
 
@@ -112,13 +120,15 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
             section, _, name = key.partition(".")
             value = getattr(getattr(p, section), name)
             problems += problem is not None
-            shown = (value or "(none)") if problem is None else f"[red]{escape(problem)}[/]"
+            shown = (value or "(none)") if problem is None else \
+                f"[red]{escape(problem)}[/]: fix: kmoss config --weights FOLDER --force"
             t.add_row(key, shown)
         for i, d in enumerate(p.data.datasets):
             where = str(getattr(d.args, "path", ""))
             ok = "*" in where or Path(where).exists()
             problems += not ok
-            t.add_row(f"dataset {i} ({d.source})", where if ok else f"[red]{where}: not found[/]")
+            t.add_row(f"dataset {i} ({d.source})", where if ok else
+                      f"[red]{escape(where)}: not found[/]: fix: kmoss config --data FOLDER --force")
         if p.parallel.world_size > 1:
             from kohakumoss.device import resolve_device
             from kohakumoss.parallel import device_problem

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -191,6 +192,7 @@ def test_doctor_reports_missing_weights(tmp_path):
     out = " ".join(res.output.split())
     assert res.exit_code == 1 and "torch" in out, out
     assert "model.transformer" in out and "does not exist" in out, out
+    assert "fix: kmoss config --weights FOLDER --force" in out, out  # the one command that fixes it
     good = runner.invoke(app, ["doctor", "--params", str(ROOT / "params.yaml"), "--plan",
                                str(tmp_path / "no-plan")])
     assert good.exit_code == 0, good.output
@@ -219,3 +221,17 @@ def test_doctor_reports_missing_weights(tmp_path):
     out = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 0 and "2 ranks on 1 node(s), cpu" in out, out
     assert "for a full 1024-token micro-batch" in text
+
+
+def test_doctor_names_the_installer_when_a_driver_is_here_but_torch_is_a_cpu_build(tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA device")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'CUDA Version: 12.8'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    res = runner.invoke(app, ["doctor", "--params", str(ROOT / "params.yaml"), "--plan", str(tmp_path)])
+    text = " ".join(res.output.replace("│", " ").split())
+    assert "sees no CUDA device" in text and "fix: python scripts/install.py" in text, text
