@@ -13,14 +13,6 @@ from stages.common import stage, wide_console
 out = wide_console()
 
 
-def _ask(what: str, current: str | None) -> str | None:
-    """In a terminal, ask for a value the command line left out (Enter keeps the file's)."""
-    if current is not None or not sys.stdin.isatty():
-        return current
-    answer = typer.prompt(f"{what} (Enter: keep params.yaml's)", default="", show_default=False)
-    return answer or None
-
-
 @stage
 def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
                                      help="The params file to write or update."),
@@ -46,20 +38,36 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
          tokenizer: str = typer.Option(None, "--tokenizer",
                                        help="The tokenizer folder of a single-file text encoder."),
          force: bool = typer.Option(False, "--force",
-                                    help="Replace an existing params file (kept as <name>.bak).")):
+                                    help="Replace an existing params file (kept as <name>.bak)."),
+         wizard: bool = typer.Option(False, "--wizard",
+                                     help="Ask for each choice (weights, data, name, algorithm, "
+                                          "card), then offer the memory catalog's fastest "
+                                          "settings for the card. Plain `kmoss config` in a "
+                                          "terminal asks for what the command line leaves out.")):
     """Write or update PARAMS for your card, weights and data, and say what was chosen and why.
 
     Every value is checked as the stages check it, and the memory estimator predicts the
     step's peak, before anything is written.
     """
+    from kohakumoss.configlib import ConfigError
     from kohakumoss.setup.configure import configure
 
-    weights = _ask("Weights: tiny, a pipeline folder or a ComfyUI models/ folder", weights)
-    data = _ask("Dataset path", data)
-    report = configure(params, weights=weights, data=data, name=name, algo=algo, vram=vram,
-                       recipe=recipe, tokenizer=tokenizer, force=force)
-    for line in report.lines:
-        out.print(escape(line), highlight=False, soft_wrap=True)
+    terminal = sys.stdin.isatty()
+    if wizard and not terminal:
+        raise ConfigError("kmoss config --wizard asks in a terminal and stdin is not one: pass "
+                          "--weights, --data, --name, --algo and --vram instead")
+    if terminal and (wizard or (weights is None and data is None and recipe is None)):
+        from kohakumoss.setup.wizard import run_wizard
+
+        report = run_wizard(params, lambda q, d: typer.prompt(q, default=d, show_default=bool(d)),
+                            lambda line: out.print(escape(line), highlight=False, soft_wrap=True),
+                            given=dict(weights=weights, data=data, name=name, algo=algo, vram=vram),
+                            force=force)
+    else:
+        report = configure(params, weights=weights, data=data, name=name, algo=algo, vram=vram,
+                           recipe=recipe, tokenizer=tokenizer, force=force)
+        for line in report.lines:
+            out.print(escape(line), highlight=False, soft_wrap=True)
     if report.written:
         out.print(f"next: dvc repro (or dvc exp run) reads {escape(str(report.written))}",
                   highlight=False, soft_wrap=True)
