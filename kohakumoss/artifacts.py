@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import kohakumoss
+from kohakumoss import portable
 from kohakumoss.errors import KohakuError
 
 MANIFEST = "manifest.json"
@@ -284,39 +285,95 @@ def dir_lock(directory: str | os.PathLike, what: str, wait: bool = True,
              poll: float = 0.5) -> Iterator[Path]:
     """Hold ``directory``/.kmoss.lock while writing ``directory`` (a cache, a run).
 
-    An advisory OS lock (``flock``: the kernel drops it when the holder dies, so a kill -9
-    leaves no stale lock); the file names the holder. ``wait``: block until the other
+    Where the OS has advisory locks (``flock``: Linux, macOS) the kernel drops the lock when
+    the holder dies, so a kill -9 leaves no stale lock; elsewhere (Windows) the lock is the
+    file itself, made exclusively, and a holder found dead on this machine is taken over
+    (``portable``). Either way the file names the holder. ``wait``: block until the other
     writer finishes (saying once who holds it), else raise ``LockBusy``. Stale temp files
     are swept once the lock is held. ``what`` names the writer in messages.
     """
-    import fcntl
     import logging
 
     directory = make_dirs(directory)
     path = directory / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    lock = _FlockLock(path) if portable.os_locks() is not None else _FileLock(path)
+    told = False
+    while not lock.acquire():
+        holder = _lock_holder(path)
+        if not wait:
+            raise LockBusy(f"{directory} is being written by another {what} ({holder}); wait "
+                           f"for it to finish, or stop it, then run this again")
+        if not told:
+            logging.getLogger(__name__).warning("%s is being written by another %s (%s); "
+                                                "waiting for it to finish", directory, what, holder)
+            told = True
+        time.sleep(poll)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lock_holder(path)
-            if not wait:
-                raise LockBusy(f"{directory} is being written by another {what} ({holder}); wait "
-                               f"for it to finish, or stop it, then run this again") from None
-            logging.getLogger(__name__).warning("%s is being written by another %s (%s); waiting "
-                                                "for it to finish", directory, what, holder)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    time.sleep(poll)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {os.uname().nodename} {what}\n".encode(), 0)
+        lock.write(f"{os.getpid()} {portable.node_name()} {what}\n".encode())
         sweep_temps(directory)
         yield path
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        lock.release()
+
+
+class _FlockLock:
+    """``flock`` on the lock file: the kernel releases it with the descriptor or the process."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+
+    def acquire(self) -> bool:
+        fcntl = portable.os_locks()
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def write(self, data: bytes) -> None:
+        os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        os.write(self.fd, data)
+
+    def release(self) -> None:
+        os.close(self.fd)  # closing the descriptor releases the lock
+
+
+class _FileLock:
+    """The lock file made exclusively (``O_EXCL``) and removed on release; one whose holder
+    (its pid on this machine) no longer runs is stale and taken over."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, None
+
+    def acquire(self) -> bool:
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            if self._stale():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+            return False
+        return True
+
+    def _stale(self) -> bool:
+        try:
+            pid, host = self.path.read_text().split()[:2]
+        except (OSError, ValueError):  # being written this instant, or broken: its age decides
+            try:
+                return time.time() - self.path.stat().st_mtime > 10
+            except OSError:
+                return False
+        return host == portable.node_name() and not portable.pid_alive(int(pid))
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        os.close(self.fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
 
 def _lock_holder(path: Path) -> str:

@@ -27,4 +27,4 @@ def point(name: str) -> None:
         return
     _seen[name] = _seen.get(name, 0) + 1
     if _seen[name] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))  # (no SIGKILL on Windows)

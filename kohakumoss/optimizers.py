@@ -92,6 +92,9 @@ OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (
     OptimizerKind("adamw8bit", "torchao", _adamw8bit_state, refuses={
         "streamed": "its 8-bit states are torchao tensor subclasses, which the streamed "
                     "states' page-locked host buffers do not hold",
+        "host": "what it saves is device memory, and the host update keeps the states in host "
+                "memory already; there torchao compiles its step into C++ per tensor shape "
+                "(use optim.name: adamw, whose fused CPU step the host update runs)",
         "fsdp": f"{_SHARDED}, and the 8-bit blocks of a shard's states are not saved or "
                 f"resumed as a whole tensor's"}),
     OptimizerKind("prodigy", "prodigyopt", _prodigy_state, refuses={

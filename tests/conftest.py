@@ -113,3 +113,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# -- a machine without Linux's facilities ----------------------------------------------------
+# The suite runs as on a machine without fcntl, /dev/shm, pidfds and the forkserver
+# (kohakumoss/portable.py), every process it starts too; a test of a Linux path is marked
+# ``native``. KMOSS_TEST_NATIVE=1 runs everything with this machine's own facilities.
+if os.environ.get("KMOSS_TEST_NATIVE") != "1":
+    os.environ["KMOSS_PORTABLE"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _native_when_marked(request, monkeypatch):
+    if "native" in request.keywords:
+        monkeypatch.delenv("KMOSS_PORTABLE", raising=False)
+    yield

@@ -146,7 +146,8 @@ ALLOWED = {  # package -> the kohakumoss modules it may import (besides its own)
     "model": ("kohakumoss.errors",),
     "kernels": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.diffusion.objective",
                 "kohakumoss.artifacts", "kohakumoss.precision", "kohakumoss.device"),
-    "memory": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.precision", "kohakumoss.device"),
+    "memory": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.precision", "kohakumoss.device",
+               "kohakumoss.portable"),
     "quant": ("kohakumoss.errors", "kohakumoss.model", "kohakumoss.kernels", "kohakumoss.precision"),
     "precision": ("kohakumoss.device",),
 }

@@ -106,7 +106,7 @@ def _lean(stream=2, resident=0):
                                            resident_blocks=resident))
 
 
-@pytest.mark.parametrize("name", ["adamw", "adafactor", "adamw8bit"])  # those the host update takes
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])  # those the host update takes
 def test_a_run_resumes_across_placements_bit_for_bit(tmp_path, name):
     """4 steps with the lean engines (streamed base, host update) equal 2 steps with the
     device optimizer followed by 2 resumed with the lean engines: one checkpoint format
@@ -120,8 +120,7 @@ def test_a_run_resumes_across_placements_bit_for_bit(tmp_path, name):
 
     ds = make_kohya(tmp_path / "ds", {"2_a": [(48, 32), (32, 48), (40, 40)], "1_b": [(64, 32)]})
     params = _write_params(tmp_path, ds, train={"steps": 4, "checkpoint_every": 2, "grad_accum": 2},
-                           adapter={"algo": "lora", "dim": 64 if name == "adamw8bit" else 4,
-                                    "alpha": 4, "dropout": 0.1},
+                           adapter={"algo": "lora", "dim": 4, "alpha": 4, "dropout": 0.1},
                            optim={"name": name, "lr": 3e-3, "ema": 0.9})
     p, paths = load_params(params), _prepare(tmp_path, params)
     lean = Trainer(p, paths, build_components(p, paths, _lean()))

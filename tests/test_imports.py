@@ -15,7 +15,7 @@ PACKAGE = ROOT / "kohakumoss"
 
 # low -> high; a unit may import units of strictly lower layers only (docs/architecture.md)
 LAYERS: list[set[str]] = [
-    {"kohakumoss", "errors", "faults", "seeding", "device", "progress"},
+    {"kohakumoss", "errors", "faults", "seeding", "device", "progress", "portable"},
     {"configlib", "artifacts", "precision", "images"},
     {"config", "tokenizer", "model"},
     {"diffusion", "optimizers"},  # the objective's ops (a contract the kernel registry serves

@@ -288,3 +288,25 @@ def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all", 
     if offload in ("block", "sub-block"):
         assert len(m.engines.state("activation offload").kept) == (c.depth + c.text_blocks) * (2 if offload == "sub-block" else 1)
     return outs
+
+
+def test_the_node_copies_without_dev_shm_are_one_shared_memory_block():
+    """Where there is no /dev/shm (KMOSS_PORTABLE, as on Windows) the node's copies are a
+    named shared-memory block: the leader's writes are what the other ranks read."""
+    from kohakumoss import portable
+    from kohakumoss.memory.host_copies import NodeCopies
+
+    assert portable.shm_root() is None  # the suite runs without Linux's facilities
+    name = f"test-{os.getpid()}"
+    leader = NodeCopies(name, True, lambda: None, pin=False)
+    flats, writes = leader.make([5, 300], torch.float32)
+    assert writes and leader.path is None
+    follower = NodeCopies(name, False, lambda: None, pin=False)
+    theirs, writes_too = follower.make([5, 300], torch.float32)
+    assert not writes_too
+    flats[0].copy_(torch.arange(5.0))
+    flats[1].fill_(2.5)
+    assert torch.equal(theirs[0], torch.arange(5.0)) and torch.equal(theirs[1], torch.full((300,), 2.5))
+    follower.done()
+    leader.done()
+    assert leader.host_bytes() >= (5 + 300) * 4

@@ -22,7 +22,6 @@ import logging
 import multiprocessing
 import os
 import select
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image, ImageOps
 
+from kohakumoss import portable
 from kohakumoss.config import DatasetEntry, ResolutionConfig
 from kohakumoss.data.rows import MAX_IMAGE_PIXELS
 from kohakumoss.data.sources.images import ALPHA_MODES, open_image
@@ -232,8 +232,7 @@ def make_loader(batches: PlanBatches, start: int = 0, end: int | None = None,
     """A DataLoader yielding ``HostBatch``es in plan order from local index ``start``."""
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
-        method = "spawn" if sys.platform == "win32" else "forkserver"
-        kwargs = {"multiprocessing_context": multiprocessing.get_context(method),
+        kwargs = {"multiprocessing_context": multiprocessing.get_context(portable.worker_start()),
                   "prefetch_factor": prefetch}
     # an own generator: creating the iterator must not draw from torch's global RNG, whose
     # state a resumed run restores (dropout draws depend on it)
@@ -250,24 +249,20 @@ def _die_with_trainer(trainer: int, worker_id: int) -> None:
     Workers are forked by the forkserver, not by the trainer, and hold the forkserver open:
     neither torch's watchdog (which watches the worker's parent) nor ``PR_SET_PDEATHSIG``
     sees the trainer go, so a killed run would leave both behind for good. A daemon
-    thread waits on the trainer's pidfd (Linux 5.3+; a one-second poll elsewhere).
+    thread waits on the trainer's pidfd (Linux 5.3+; a one-second poll elsewhere, and for
+    spawned workers, ``portable.worker_start``).
     """
     import threading
 
     def watch() -> None:
         try:
-            fd = os.pidfd_open(trainer)
+            fd = portable.pidfd_open(trainer)
         except ProcessLookupError:
             os._exit(1)
-        except (AttributeError, OSError):  # no pidfd: poll
-            while True:
-                try:
-                    os.kill(trainer, 0)
-                except ProcessLookupError:
-                    os._exit(1)
-                except PermissionError:
-                    pass
+        if fd is None:  # no pidfd: poll
+            while portable.pid_alive(trainer):
                 time.sleep(1.0)
+            os._exit(1)
         select.select([fd], [], [])  # readable once the trainer has exited
         os._exit(1)
 

@@ -10,6 +10,7 @@ builds the rest with this and replaces that one field.
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import json
 import logging
 import os
@@ -142,7 +143,7 @@ def node_copies(dist: Dist, device: torch.device, params: Params) -> NodeCopies 
     if not dist.group or device.type != "cuda":
         return None
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "")
-    return NodeCopies(f"{params.run.name}-{os.getuid()}-{run}", dist.local_rank == 0,
+    return NodeCopies(f"{params.run.name}-{getpass.getuser()}-{run}", dist.local_rank == 0,
                       lambda: barrier(dist), pin=True)
 
 

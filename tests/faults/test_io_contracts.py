@@ -111,7 +111,11 @@ with dir_lock(sys.argv[1], "holder"):
 """
 
 
-def test_dir_lock_names_the_holder_and_frees_on_exit_or_kill(tmp_path):
+MODES = [pytest.param("native", marks=pytest.mark.native), "portable"]  # flock / a lock file (kohakumoss/portable.py)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dir_lock_names_the_holder_and_frees_on_exit_or_kill(tmp_path, mode):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path), "30"],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -126,7 +130,8 @@ def test_dir_lock_names_the_holder_and_frees_on_exit_or_kill(tmp_path):
     assert time.monotonic() - t0 < 5
 
 
-def test_a_waiting_writer_gets_the_lock_when_the_first_ends(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_waiting_writer_gets_the_lock_when_the_first_ends(tmp_path, mode):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path), "1.5"],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -208,7 +213,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process semantics")
-def test_a_killed_trainer_leaves_no_loader_worker_behind(tmp_path):
+@pytest.mark.parametrize("mode", MODES)  # forkserver workers watching a pidfd / spawned ones
+def test_a_killed_trainer_leaves_no_loader_worker_behind(tmp_path, mode):
     script = tmp_path / "trainer.py"
     script.write_text(LOADER)
     trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
