@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kohakumoss import portable
+import kohakumoss.portable as portable
 
 ALIGN = 256  # bytes: every copy starts on a boundary a device copy is fast from
 
