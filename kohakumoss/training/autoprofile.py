@@ -8,12 +8,12 @@ activation offload, ``minimal`` and ``low``; ``block``), and why (``docs/memory.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+import kohakumoss.portable as portable
 from kohakumoss.config import Params
 from kohakumoss.memory.checkpointing import repeated_blocks
 from kohakumoss.memory.profiles import PROFILES_BY_MEMORY, PROFILE_ENGINES, MemoryEngines, slowdown
@@ -28,12 +28,7 @@ def free_memory(device: torch.device) -> int:
     """Bytes the device has free now: CUDA's free memory, or the host's available RAM."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return portable.available_ram()
 
 
 def profile_engines(params: Params) -> MemoryEngines:

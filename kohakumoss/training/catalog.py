@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kohakumoss.config import MemoryConfig, Params, PrecisionConfig
+from kohakumoss.config import MemoryConfig, Params
 from kohakumoss.configlib import ConfigError
 from kohakumoss.memory.profiles import PROFILE_ENGINES, MemoryEngines, slowdown
 from kohakumoss.quant import quant_plan
