@@ -44,6 +44,26 @@ def memory_line(p, plan: Path) -> str:
     return f"{why}; {est.describe()}, for {source}"
 
 
+def split_line(p, plan: Path) -> str:
+    """``parallel.mode: threaded``: which joint blocks go to which device, and each one's
+    predicted peak against its free memory (the train stage logs the same)."""
+    from kohakumoss.device import resolve_device
+    from kohakumoss.parallel.split import split_devices
+    from kohakumoss.training.autoprofile import device_split, resolve_profile
+    from kohakumoss.training.catalog import typical_batch
+
+    try:
+        batch, what = typical_batch(p, plan)
+        run = resolve_device(p.train.device)
+        devices = split_devices(p.parallel.devices, run)
+        engines = resolve_profile(p, batch, run, devices=devices).engines
+        split = device_split(p, batch, engines, devices)
+    except Exception as e:  # advice only
+        return f"no split ({type(e).__name__}: {e})"
+    return f"{split.describe()}, for {what}" + ("" if split.fits else
+                                                 ": a device's share is more than it has")
+
+
 def catalog_lines(out, p, plan: Path, shown: int = 5) -> None:
     """The catalog's fastest rows that fit this machine's first card (or, without one, all
     of them) and its available RAM: ``kmoss profiles`` for the rest."""
@@ -141,6 +161,8 @@ def main(params: Path = typer.Option(Path("params.yaml"), "--params", "-p",
                       f"launched by kmoss train through torchrun")
         if not any(v is not None for v in weight_problems(p).values()):
             t.add_row("memory", escape(memory_line(p, plan)))
+            if p.parallel.mode == "threaded":
+                t.add_row("split", escape(split_line(p, plan)))
     out.print(t)
     if p is not None and not any(v is not None for v in weight_problems(p).values()):
         catalog_lines(out, p, plan)

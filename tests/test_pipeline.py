@@ -235,3 +235,16 @@ def test_doctor_names_the_installer_when_a_driver_is_here_but_torch_is_a_cpu_bui
     res = runner.invoke(app, ["doctor", "--params", str(ROOT / "params.yaml"), "--plan", str(tmp_path)])
     text = " ".join(res.output.replace("│", " ").split())
     assert "sees no CUDA device" in text and "fix: python scripts/install.py" in text, text
+
+
+def test_doctor_prints_a_threaded_runs_split(tmp_path):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["parallel"] = {**raw.get("parallel", {}), "mode": "threaded"}
+    raw["data"]["datasets"][0]["path"] = str(ROOT / "examples" / "dataset")
+    params = tmp_path / "p.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    res = runner.invoke(app, ["doctor", "--params", str(params), "--plan", str(tmp_path)])
+    text = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 0, text
+    assert "split cpu: blocks 0-" in text and "+ embedders, text refiner, head, loss" in text, text
+    assert "predicted of" in text
