@@ -347,14 +347,21 @@ class _FileLock:
         self.path, self.fd = path, None
 
     def acquire(self) -> bool:
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            if self._stale():
+        for _ in range(2):  # a stale lock removed: one more try at once
+            try:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+                return True
+            except FileExistsError:
+                try:
+                    seen = os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    continue
+                if not self._stale():
+                    return False
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
-            return False
-        return True
+                    if os.stat(self.path).st_ino == seen:  # not another taker's new lock
+                        os.unlink(self.path)
+        return False
 
     def _stale(self) -> bool:
         try:

@@ -135,6 +135,9 @@ def _dtype_knob(default: str, allowed: tuple[str, ...]):
 class EncodersConfig:
     device: str = _dtype_knob("auto", ("auto", "cpu", "cuda"))
     text_dtype: str = _dtype_knob("auto", ("auto", "bf16", "fp16", "fp32"))
+    text_precision: Literal["keep", "int8", "fp8", "fp8-compute"] = knob(
+        "keep", help="the text encoder's layer linears: keep (encoders.text_dtype) | int8 | fp8 "
+                     "(weight-only codes) | fp8-compute (fp8 GEMMs, sm89+)")
     text_stream: Literal["auto", "on", "off"] = knob(
         "auto", help="stream the text encoder's layers through device slots from host memory: "
                      "auto when its weights do not fit the free device memory (docs/memory.md)")

@@ -91,7 +91,8 @@ class Generator:
         self.use(adapters)
         self.text = TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
                                      dtype=p.encoders.text_dtype, device=str(device),
-                                     stream=p.encoders.text_stream)
+                                     stream=p.encoders.text_stream,
+                                     precision=p.encoders.text_precision)
         self.vae = VAE.load(p.model.vae, dtype=p.encoders.vae_dtype, device=str(device))
 
     def _base(self) -> MOSSImageTransformer:

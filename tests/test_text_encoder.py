@@ -263,3 +263,77 @@ def test_text_stream_choice(monkeypatch):
     assert not T._streams("on", cpu, 100 * gib)
     with pytest.raises(ValueError, match="one of auto, on, off"):
         T._streams("yes", cuda, gib)
+
+
+# -- int8 / fp8 text encoders (encoders.text_precision) ----------------------------------------
+QUANT_CAPTIONS = ["a red circle on white", "kohaku, amber, a fox in the snow at dusk", ""]
+
+
+def _dequantized_twin(q):
+    """The same tiny encoder in fp32 whose layer linears hold ``q``'s dequantized weights."""
+    from kohakumoss.encoders.text import TextEncoder
+
+    twin = TextEncoder.load("tiny", dtype="fp32")
+    quantized = dict(q.model.named_modules())
+    for name, m in twin.model.named_modules():
+        if hasattr(quantized.get(name), "codes"):
+            m.weight.data.copy_(quantized[name].weight)
+    return twin
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_weight_only_text_encoder_is_its_dequantized_model(precision):
+    from kohakumoss.encoders.text import TextEncoder
+    from kohakumoss.quant.linear import QuantizedLinear
+
+    q = TextEncoder.load("tiny", dtype="fp32", precision=precision)
+    linears = [m for m in q.model.layers.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and not any(type(m) is torch.nn.Linear for m in q.model.layers.modules())
+    assert {m.codes.dtype for m in linears} == {torch.int8 if precision == "int8" else torch.float8_e4m3fn}
+    twin = _dequantized_twin(q)
+    for a, b in zip(q.encode(QUANT_CAPTIONS), twin.encode(QUANT_CAPTIONS)):
+        assert torch.equal(a, b)
+    # and the weights are within the format's round trip of the fp32 ones
+    plain = dict(TextEncoder.load("tiny", dtype="fp32").model.named_modules())
+    step = {"int8": 1 / 127, "fp8": 2.0 ** -4}[precision]  # half a code step of the row's amax
+    for name, m in q.model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            w = plain[name].weight
+            amax = w.abs().amax(dim=1, keepdim=True)
+            assert ((m.weight - w).abs() <= step * amax + 1e-7).all(), name
+
+
+def test_fp8_compute_is_the_fp8_product_of_the_rounded_activations():
+    from kohakumoss.encoders.text import TextEncoder
+    from kohakumoss.quant.linear import QuantizedLinear
+    from kohakumoss.quant.ops import dequantize_rows, fp8_rows
+
+    q = TextEncoder.load("tiny", dtype="fp32", precision="fp8-compute")
+    lin = next(m for m in q.model.layers.modules() if isinstance(m, QuantizedLinear))
+    assert lin.fp8_compute
+    x = torch.randn(7, lin.in_features, generator=torch.Generator().manual_seed(0))
+    xq, xs = fp8_rows(x)
+    want = torch.nn.functional.linear(xq.float() * xs[:, None], dequantize_rows(lin.codes, lin.scale, torch.float32))
+    assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-6)
+    assert len(q.encode(QUANT_CAPTIONS)) == 3
+
+
+def test_each_text_precision_keys_its_own_cache_entries():
+    from kohakumoss.cache.keys import text_key
+    from kohakumoss.encoders.text import TextEncoder
+
+    ids = {pr: TextEncoder.identity("tiny", "fp32", "cpu", pr) for pr in ("keep", "int8", "fp8", "fp8-compute")}
+    assert len(set(ids.values())) == 4 and ids["keep"].endswith("/compute")  # keep: the keys as before
+    assert all(TextEncoder.load("tiny", dtype="fp32", precision=pr).key_id == ids[pr] for pr in ids)
+    keys = {text_key(i, "fp32", "a red circle") for i in ids.values()}
+    assert len(keys) == 4
+
+
+def test_the_params_text_precision_reaches_the_cache_identity():
+    from kohakumoss.cache.build import text_identity
+    from conftest import make_params
+
+    ds = [{"source": "kohya", "path": "my_set"}]
+    keep = make_params(ds, encoders={"text_dtype": "fp32", "device": "cpu"})
+    fp8 = make_params(ds, encoders={"text_dtype": "fp32", "device": "cpu", "text_precision": "fp8"})
+    assert text_identity(keep).endswith("/compute") and text_identity(fp8).endswith("/fp8")

@@ -33,6 +33,7 @@ from kohakumoss.data.planfile import read_plan, read_validation
 
 # the params each stage reads (dvc.yaml declares them; the manifest does not record them)
 TEXT_PARAMS = ["model.text_encoder", "model.tokenizer", "encoders.device", "encoders.text_dtype",
+               "encoders.text_precision",
                "encoders.text_batch", "encoders.text_batch_tokens", "cache.dtype", "cache.shard_mb"]
 LATENT_PARAMS = ["data.datasets", "data.max_image_pixels", "resolution.background", "resolution.resample", "model.vae",
                  "encoders.device", "encoders.vae_dtype", "encoders.draw", "encoders.vae_batch",
@@ -44,7 +45,8 @@ SCHEMA = 2  # content_hash over the wanted entries' digests (1: over index.json 
 def text_identity(p: Params) -> str:
     from kohakumoss.encoders.text import TextEncoder
 
-    return TextEncoder.identity(p.model.text_encoder, p.encoders.text_dtype, p.encoders.device)
+    return TextEncoder.identity(p.model.text_encoder, p.encoders.text_dtype, p.encoders.device,
+                                p.encoders.text_precision)
 
 
 def vae_identity(p: Params) -> str:
@@ -126,7 +128,8 @@ def build_text_cache(p: Params, plan_dir: str | Path, out: str | Path) -> tuple[
     def encoder():
         return _checked(TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
                                          dtype=p.encoders.text_dtype, device=p.encoders.device,
-                                         stream=p.encoders.text_stream), identity)
+                                         stream=p.encoders.text_stream,
+                                         precision=p.encoders.text_precision), identity)
 
     with store.writing():
         claim(store, text_source(p))

@@ -107,6 +107,43 @@ def build_model(config: Qwen3_5TextConfig, names: list[str], get: Callable[[str]
     return model.eval().requires_grad_(False)
 
 
+PRECISION_IDS = {"keep": "compute", "int8": "int8", "fp8": "fp8", "fp8-compute": "fp8-compute"}
+"""``encoders.text_precision`` -> its part of the encoder's key (``keep``: the keys as before)."""
+
+
+def check_text_precision(precision: str, device: torch.device) -> None:
+    if precision not in PRECISION_IDS:
+        raise TextEncoderError(f"encoders.text_precision {precision!r}: one of {', '.join(PRECISION_IDS)}")
+    if precision == "fp8-compute" and device.type == "cuda" and \
+            torch.cuda.get_device_capability(device) < (8, 9):
+        raise TextEncoderError(f"encoders.text_precision: fp8-compute runs fp8 GEMMs, which "
+                               f"{torch.cuda.get_device_name(device)} (sm"
+                               f"{''.join(map(str, torch.cuda.get_device_capability(device)))}) "
+                               f"has not (sm89+); use int8 or fp8 (weight-only)")
+
+
+@torch.no_grad()
+def quantize_layers(model: torch.nn.Module, precision: str) -> str:
+    """Every ``nn.Linear`` of the decoder layers as a ``QuantizedLinear`` (per-row codes
+    and float32 scales, ``quant.linear``); the embeddings and the final norm stay. Returns a
+    one-line account."""
+    from kohakumoss.quant.linear import QuantizedLinear, quantize_rows
+
+    base = "fp8" if precision == "fp8-compute" else precision
+    layers = [(f"layers.{i}.{name}", m) for i, layer in enumerate(model.layers)
+              for name, m in layer.named_modules() if type(m) is torch.nn.Linear]
+    before = after = 0
+    for path, lin in layers:
+        codes, scale = quantize_rows(lin.weight.detach(), base)
+        q = QuantizedLinear(codes, scale, lin.bias, lin.weight.dtype, fp8_compute=precision == "fp8-compute")
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, q)
+        before += lin.weight.numel() * lin.weight.element_size()
+        after += codes.numel() * codes.element_size() + scale.numel() * 4
+    how = "fp8 GEMMs" if precision == "fp8-compute" else f"{base} weight-only"
+    return f"{how}: {len(layers)} layer linears in {after / 2**30:.2f} GiB (was {before / 2**30:.2f} GiB)"
+
+
 def torch_reference(fn: Callable) -> Callable:
     """The pure-PyTorch function under transformers' hub-kernel wrappers: ``functools.wraps``
     chains (``__wrapped__``), and from transformers 5.25 (with the ``kernels`` package) an
@@ -172,23 +209,30 @@ class TextEncoder:
 
     max_length = MAX_TEXT_TOKENS
 
-    def __init__(self, model: torch.nn.Module, tokenizer, encoder_id: str, ring=None):
+    def __init__(self, model: torch.nn.Module, tokenizer, encoder_id: str, ring=None,
+                 precision: str = "keep"):
         self.model, self.tokenizer, self.encoder_id = model, tokenizer, encoder_id
         self.ring = ring  # the layers' weight ring when they stream (``memory/streaming.py``)
-        self.precision = "compute"  # int8/fp8 weight-only compute is later work
+        self.precision = PRECISION_IDS[precision]  # part of the cache keys: another precision,
+        # other entries
         if len(tokenizer) > model.config.vocab_size:
             raise TextEncoderError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's "
                                    f"vocab_size {model.config.vocab_size}; they do not belong together")
 
     @classmethod
     def load(cls, path: str, tokenizer: str = "", dtype: str = "auto", device: str = "cpu",
-             stream: str = "off") -> TextEncoder:
+             stream: str = "off", precision: str = "keep") -> TextEncoder:
         """``stream``: ``on`` streams the layers' weights from host memory through
         ``STREAM_SLOTS`` device slots (``kohakumoss.memory.streaming``; the same outputs),
         ``auto`` when the weights do not fit ``STREAM_SHARE`` of the device's free memory,
-        ``off`` never; only on a CUDA device (elsewhere the weights are in host memory)."""
+        ``off`` never; only on a CUDA device (elsewhere the weights are in host memory).
+        ``precision`` (``encoders.text_precision``): ``keep`` the weights in ``dtype``;
+        ``int8`` / ``fp8`` the layers' linears held as per-row codes and scales, dequantized
+        in each product (weight-only); ``fp8-compute`` fp8 codes multiplied as fp8 GEMMs
+        with the activations quantized per row (sm89+ cards)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev, DTYPE_NAMES)
+        check_text_precision(precision, dev)
         if path == "tiny":
             if tokenizer not in ("", "tiny"):
                 raise TextEncoderError(f"the tiny text encoder uses the tiny tokenizer, not {tokenizer!r}")
@@ -202,6 +246,10 @@ class TextEncoder:
             config = config or infer_config(weights.shapes)
             names, get, eid, shapes = weights.names, weights.tensor, ENCODER_ID, weights.shapes
         size = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dt).element_size()
+        if precision != "keep":  # half or a quarter of the weights: held on the device
+            model = build_model(config, names, get, dt, dev, path)
+            log.info("text encoder %s: %s", path, quantize_layers(model, precision))
+            return cls(model, tok, eid, precision=precision)
         if not _streams(stream, dev, size):
             return cls(build_model(config, names, get, dt, dev, path), tok, eid)
         from kohakumoss.memory.streaming import stream_weights
@@ -214,11 +262,13 @@ class TextEncoder:
         return cls(model, tok, eid, ring)
 
     @classmethod
-    def identity(cls, path: str, dtype: str = "auto", device: str = "cpu") -> str:
-        """The ``key_id`` that ``load(path, dtype=dtype, device=device)`` will report, without
-        loading anything (cache keys are computed before the encoder is needed)."""
+    def identity(cls, path: str, dtype: str = "auto", device: str = "cpu",
+                 precision: str = "keep") -> str:
+        """The ``key_id`` that ``load(path, dtype=dtype, device=device, precision=precision)``
+        will report, without loading anything (cache keys are computed before the encoder is
+        needed)."""
         dt = resolve_dtype(dtype, resolve_device(device), DTYPE_NAMES)
-        return f"{TINY_ID if path == 'tiny' else ENCODER_ID}/{dtype_name(dt)}/compute"
+        return f"{TINY_ID if path == 'tiny' else ENCODER_ID}/{dtype_name(dt)}/{PRECISION_IDS[precision]}"
 
     @staticmethod
     def weight_files(path: str, tokenizer: str = "") -> list[Path]:

@@ -33,7 +33,7 @@ class BatchEncoder:
             e = self.p.encoders
             self._text = TextEncoder.load(self.p.model.text_encoder, tokenizer=self.p.model.tokenizer,
                                           dtype=e.text_dtype, device=str(self.device),
-                                          stream=e.text_stream)
+                                          stream=e.text_stream, precision=e.text_precision)
         return self._text
 
     def latents(self, batch: HostBatch) -> list[torch.Tensor]:

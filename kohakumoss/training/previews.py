@@ -33,7 +33,8 @@ class Previewer:
         c = p.preview
         enc = TextEncoder.load(p.model.text_encoder, tokenizer=p.model.tokenizer,
                                dtype=p.encoders.text_dtype, device=str(device),
-                               stream=p.encoders.text_stream)
+                               stream=p.encoders.text_stream,
+                               precision=p.encoders.text_precision)
         embs = [e.cpu() for e in enc.encode(list(c.prompts) + [""])]
         del enc
         _release(device)
