@@ -337,3 +337,37 @@ def test_the_params_text_precision_reaches_the_cache_identity():
     keep = make_params(ds, encoders={"text_dtype": "fp32", "device": "cpu"})
     fp8 = make_params(ds, encoders={"text_dtype": "fp32", "device": "cpu", "text_precision": "fp8"})
     assert text_identity(keep).endswith("/compute") and text_identity(fp8).endswith("/fp8")
+
+
+
+@pytest.mark.parametrize("kind", ["int8", "int8_convrot", "fp8"])
+def test_a_comfy_quantized_file_is_used_as_stored(tmp_path, kind):
+    """A ComfyUI int8 / fp8 text-encoder file under the matching text_precision: its codes,
+    scales and rotation held as the file has them, the outputs those of the file dequantized."""
+    from kohakumoss.quant.linear import QuantizedLinear
+
+    ref, sd, codes = tiny_state_dict(tiny_config()), {}, {}
+    for k, v in ref.items():
+        if v.ndim == 2 and k.startswith("layers."):
+            q, s, fmt = quantize_fp8(v) if kind == "fp8" else quantize_int8(v, 16 if "convrot" in kind else 0)
+            stem = "model." + k.removesuffix(".weight")
+            sd |= {f"{stem}.weight": q, f"{stem}.weight_scale": s, f"{stem}.comfy_quant": encode_format(fmt)}
+            codes[k.removesuffix(".weight")] = q
+        else:
+            sd["model." + k] = v
+    file = tmp_path / "q.safetensors"
+    save_file(sd, str(file))
+    (tmp_path / "tokenizer").mkdir()
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    precision = "fp8" if kind == "fp8" else "int8"
+    held = TextEncoder.load(str(file), dtype="fp32", precision=precision)
+    dense = TextEncoder.load(str(file), dtype="fp32")  # the file dequantized
+    linears = {n: m for n, m in held.model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert linears.keys() == codes.keys()
+    assert all(torch.equal(m.codes, codes[n]) for n, m in linears.items())
+    assert all(m.group == (16 if "convrot" in kind else 0) for m in linears.values())
+    for a, b in zip(held.encode(QUANT_CAPTIONS), dense.encode(QUANT_CAPTIONS)):
+        if "convrot" in kind:  # x H then the codes, against (codes H) x: fp32 rounding apart,
+            assert ((a - b).norm() / b.norm()).item() < 1e-3  # which the random model amplifies
+        else:
+            assert torch.equal(a, b)

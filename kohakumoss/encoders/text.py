@@ -123,25 +123,36 @@ def check_text_precision(precision: str, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def quantize_layers(model: torch.nn.Module, precision: str) -> str:
+def quantize_layers(model: torch.nn.Module, precision: str,
+                    stored: Callable[[str], object] | None = None) -> str:
     """Every ``nn.Linear`` of the decoder layers as a ``QuantizedLinear`` (per-row codes
-    and float32 scales, ``quant.linear``); the embeddings and the final norm stay. Returns a
-    one-line account."""
-    from kohakumoss.quant.linear import QuantizedLinear, quantize_rows
+    and float32 scales, ``quant.linear``); the embeddings and the final norm stay.
+    ``stored``: a ComfyUI file's quantized form of a weight by name, whose codes and scales
+    (and ConvRot rotation) are used as stored where their format is the precision's. Returns
+    a one-line account."""
+    from kohakumoss.quant.linear import QuantizedLinear, quantize_rows, stored_rows
 
     base = "fp8" if precision == "fp8-compute" else precision
     layers = [(f"layers.{i}.{name}", m) for i, layer in enumerate(model.layers)
               for name, m in layer.named_modules() if type(m) is torch.nn.Linear]
-    before = after = 0
+    before = after = kept = 0
     for path, lin in layers:
-        codes, scale = quantize_rows(lin.weight.detach(), base)
-        q = QuantizedLinear(codes, scale, lin.bias, lin.weight.dtype, fp8_compute=precision == "fp8-compute")
+        got = stored_rows(stored(f"{path}.weight"), base) if stored is not None else None
+        if got is not None and not (precision == "fp8-compute" and got[2]):
+            codes, scale, group = got
+            codes, scale, kept = codes.to(lin.weight.device), scale.to(lin.weight.device), kept + 1
+        else:  # quantized per row from the loaded weight
+            (codes, scale), group = quantize_rows(lin.weight.detach(), base), 0
+        q = QuantizedLinear(codes, scale, lin.bias, lin.weight.dtype, group=group,
+                            fp8_compute=precision == "fp8-compute")
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, q)
         before += lin.weight.numel() * lin.weight.element_size()
         after += codes.numel() * codes.element_size() + scale.numel() * 4
     how = "fp8 GEMMs" if precision == "fp8-compute" else f"{base} weight-only"
-    return f"{how}: {len(layers)} layer linears in {after / 2**30:.2f} GiB (was {before / 2**30:.2f} GiB)"
+    src = f", {kept} taken from the file as stored" if kept else ""
+    return (f"{how}: {len(layers)} layer linears in {after / 2**30:.2f} GiB (was "
+            f"{before / 2**30:.2f} GiB){src}")
 
 
 def torch_reference(fn: Callable) -> Callable:
@@ -238,18 +249,19 @@ class TextEncoder:
                 raise TextEncoderError(f"the tiny text encoder uses the tiny tokenizer, not {tokenizer!r}")
             sd = tiny_state_dict(config := tiny_config())
             names, get, tok, eid = list(sd), sd.__getitem__, tiny_tokenizer(), TINY_ID
-            shapes = {k: tuple(v.shape) for k, v in sd.items()}
+            shapes, stored = {k: tuple(v.shape) for k, v in sd.items()}, None
         else:
             files, model_dir, config = locate(Path(path), tokenizer)
             tok = load_tokenizer(model_dir, tokenizer)
             weights = Weights(files)
             config = config or infer_config(weights.shapes)
             names, get, eid, shapes = weights.names, weights.tensor, ENCODER_ID, weights.shapes
+            stored = weights.stored if weights.quantized else None
         size = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dt).element_size()
-        if precision != "keep":  # half or a quarter of the weights: held on the device
-            model = build_model(config, names, get, dt, dev, path)
-            log.info("text encoder %s: %s", path, quantize_layers(model, precision))
-            return cls(model, tok, eid, precision=precision)
+        if precision != "keep":  # built on the host, quantized, then the codes on the device
+            model = build_model(config, names, get, dt, torch.device("cpu"), path)
+            log.info("text encoder %s: %s", path, quantize_layers(model, precision, stored))
+            return cls(model.to(dev), tok, eid, precision=precision)
         if not _streams(stream, dev, size):
             return cls(build_model(config, names, get, dt, dev, path), tok, eid)
         from kohakumoss.memory.streaming import stream_weights

@@ -141,10 +141,16 @@ class Weights:
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.quantized:
             return self._get(name)
+        return self.stored(name).dequantize(torch.float32)
+
+    def stored(self, name: str):
+        """A ComfyUI-quantized weight as the file holds it (``QuantizedWeight``: codes,
+        scale, format), or None for a weight it holds unquantized."""
+        if name not in self.quantized:
+            return None
         fmt = name.removesuffix("weight") + "comfy_quant"
         fmt = parse_format(self._get(fmt) if self.prefix + fmt in self.where else None)
-        q = quantized_weight(self._get(name), self._get(self._scale(name)), fmt, f"{self.file}: {name}")
-        return q.dequantize(torch.float32)
+        return quantized_weight(self._get(name), self._get(self._scale(name)), fmt, f"{self.file}: {name}")
 
 
 def tokenizer_folder(model_dir: Path, explicit: str) -> Path:
