@@ -290,13 +290,14 @@ def _cuda_run(c, stream: int, offload: str | bool = False, preset: str = "all", 
     return outs
 
 
-def test_the_node_copies_without_dev_shm_are_one_shared_memory_block():
+def test_the_node_copies_without_dev_shm_are_one_shared_memory_block(monkeypatch):
     """Where there is no /dev/shm (KMOSS_PORTABLE, as on Windows) the node's copies are a
     named shared-memory block: the leader's writes are what the other ranks read."""
     from kohakumoss import portable
     from kohakumoss.memory.host_copies import NodeCopies
 
-    assert portable.shm_root() is None  # the suite runs without Linux's facilities
+    monkeypatch.setenv("KMOSS_PORTABLE", "1")  # (also under KMOSS_TEST_NATIVE=1)
+    assert portable.shm_root() is None
     name = f"test-{os.getpid()}"
     leader = NodeCopies(name, True, lambda: None, pin=False)
     flats, writes = leader.make([5, 300], torch.float32)
