@@ -176,16 +176,25 @@ def test_comfy_single_file(tmp_path, batched, pipeline, prefix, config):
     assert_same(loaded.encode(CAPTIONS), batched)
 
 
-@pytest.mark.parametrize("kind,tol", [("int8", 0.01), ("int8_convrot", 0.01), ("fp8", 0.05)])
-def test_quantized_comfy_file_dequantizes_on_load(tmp_path, batched, kind, tol):
-    ref, sd = tiny_state_dict(tiny_config()), {}
+def _comfy_quantized(ref: dict, kind: str) -> tuple[dict, dict]:
+    """The tiny encoder's state as a ComfyUI int8 / int8 ConvRot / fp8 file holds it (every
+    layer linear's codes, ``weight_scale`` and ``comfy_quant``), and each linear's codes."""
+    sd, codes = {}, {}
     for k, v in ref.items():
         if v.ndim == 2 and k.startswith("layers."):  # every linear weight, like ComfyUI's files
             q, s, fmt = quantize_fp8(v) if kind == "fp8" else quantize_int8(v, 16 if "convrot" in kind else 0)
             stem = "model." + k.removesuffix(".weight")
             sd |= {f"{stem}.weight": q, f"{stem}.weight_scale": s, f"{stem}.comfy_quant": encode_format(fmt)}
+            codes[k.removesuffix(".weight")] = q
         else:
             sd["model." + k] = v
+    return sd, codes
+
+
+@pytest.mark.parametrize("kind,tol", [("int8", 0.01), ("int8_convrot", 0.01), ("fp8", 0.05)])
+def test_quantized_comfy_file_dequantizes_on_load(tmp_path, batched, kind, tol):
+    ref = tiny_state_dict(tiny_config())
+    sd, _ = _comfy_quantized(ref, kind)
     file = tmp_path / "q.safetensors"
     save_file(sd, str(file))
     (tmp_path / "tokenizer").mkdir()
@@ -346,15 +355,7 @@ def test_a_comfy_quantized_file_is_used_as_stored(tmp_path, kind):
     scales and rotation held as the file has them, the outputs those of the file dequantized."""
     from kohakumoss.quant.linear import QuantizedLinear
 
-    ref, sd, codes = tiny_state_dict(tiny_config()), {}, {}
-    for k, v in ref.items():
-        if v.ndim == 2 and k.startswith("layers."):
-            q, s, fmt = quantize_fp8(v) if kind == "fp8" else quantize_int8(v, 16 if "convrot" in kind else 0)
-            stem = "model." + k.removesuffix(".weight")
-            sd |= {f"{stem}.weight": q, f"{stem}.weight_scale": s, f"{stem}.comfy_quant": encode_format(fmt)}
-            codes[k.removesuffix(".weight")] = q
-        else:
-            sd["model." + k] = v
+    sd, codes = _comfy_quantized(tiny_state_dict(tiny_config()), kind)
     file = tmp_path / "q.safetensors"
     save_file(sd, str(file))
     (tmp_path / "tokenizer").mkdir()

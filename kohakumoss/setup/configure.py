@@ -29,7 +29,6 @@ from kohakumoss.setup.detect import TINY, Found, find_data, find_weights, is_dem
 
 TEMPLATE = Path(__file__).with_name("params.yaml")  # the repository's params.yaml (a test keeps them equal)
 MP_TOKENS = 4096  # image tokens of a 1 MP sample (16x16 pixels per token)
-TEXT_TOKENS = 104  # a typical caption's text tokens, for the estimate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,12 +335,12 @@ def _estimate(params, report: Report) -> None:
 
     from kohakumoss.checks.params import transformer_config
     from kohakumoss.training.autoprofile import resolve_profile
+    from kohakumoss.training.catalog import typical_batch
     from kohakumoss.training.estimate import size
 
     preset = report.preset
-    image = max(16, int(params.resolution.target_area) // 256)
-    samples = max(1, int(params.batching.max_tokens) // (image + TEXT_TOKENS))
-    batch = [(image, TEXT_TOKENS)] * samples
+    batch, _ = typical_batch(params)  # batching.max_tokens of typical 1-caption samples
+    samples, image = len(batch), batch[0][0]
     device = torch.device("cuda" if preset is not None else "cpu")
     free = int(preset.vram_gib * 2**30 * 0.94) if preset is not None else None  # less the CUDA context
     config = transformer_config(params)

@@ -133,9 +133,10 @@ def typical_batch(p: Params, plan: Path | None = None) -> tuple[list[tuple[int, 
         from kohakumoss.data.planfile import read_plan
         from kohakumoss.training.engines import plan_token_batches
 
-        batches = plan_token_batches(read_plan(plan)[0])
-        if batches:
-            batch = max(batches, key=lambda b: sum(i + t for i, t in b))
+        from kohakumoss.training.build import largest_batch
+
+        batch = largest_batch(plan_token_batches(read_plan(plan)[0]))
+        if batch:
             return list(batch), f"the plan's largest micro-batch ({sum(i + t for i, t in batch)} tokens)"
     image = max(16, int(p.resolution.target_area) // 256)
     samples = max(1, int(p.batching.max_tokens) // (image + TYPICAL_TEXT))
